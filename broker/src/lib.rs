@@ -1,0 +1,200 @@
+//! The AMQP side of amqp_outbox's worker. This crate does not depend on `pgrx`: it runs
+//! on its own thread (tokio + lapin), and PostgreSQL's C API is single-threaded.
+//!
+//! The worker's main thread talks to it through [`BrokerHandle`]: it sends [`Command`]s and
+//! receives [`Event`]s. Each batch of events is announced by a byte on a socket that the main
+//! thread waits on (`WaitLatchOrSocket`), so a confirm wakes it at once without polling.
+
+mod amqp_values;
+mod publisher;
+mod supervisor;
+mod thread;
+mod wake;
+
+pub use thread::spawn;
+
+use std::fmt;
+use std::time::Duration;
+
+/// One host of a broker. Several hosts of one `broker_id` are alternatives (failover).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+    pub vhost: String,
+    pub username: String,
+    pub password: String,
+}
+
+/// Never prints the password.
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.display_name())
+    }
+}
+
+impl Endpoint {
+    /// `user@host:port/vhost`, safe to log.
+    pub fn display_name(&self) -> String {
+        format!(
+            "{}@{}:{}{}{}",
+            self.username,
+            self.host,
+            self.port,
+            if self.vhost.starts_with('/') { "" } else { "/" },
+            self.vhost
+        )
+    }
+}
+
+/// An exchange the worker declares on every (re)connection, before publishing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExchangeDecl {
+    pub name: String,
+    pub kind: String,
+    pub passive: bool,
+    pub durable: bool,
+    pub auto_delete: bool,
+}
+
+/// Everything one broker connection needs. Sent again whenever anything changes; the
+/// supervisor reconnects only when `hosts` changed (or on [`Command::Reconnect`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BrokerConfig {
+    pub broker_id: i32,
+    pub hosts: Vec<Endpoint>,
+    pub exchanges: Vec<ExchangeDecl>,
+    pub connect_timeout: Duration,
+    /// AMQP heartbeat in seconds (0 disables it).
+    pub heartbeat_secs: u16,
+    /// A message not confirmed within this time means the connection is hung: it is closed.
+    pub confirm_timeout: Duration,
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+}
+
+/// One row of `amqp.message`, as the worker publishes it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutboundMessage {
+    pub id: i64,
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    /// 1 = transient, 2 = persistent.
+    pub delivery_mode: u8,
+    pub content_type: Option<String>,
+    pub reply_to: Option<String>,
+    pub correlation_id: Option<String>,
+    /// Stable across every resend of this row.
+    pub message_id: String,
+    /// Seconds since the Unix epoch (AMQP `timestamp` property).
+    pub timestamp: u64,
+    /// Headers to send: the caller's (a JSON object) merged with the producer headers.
+    pub headers: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug)]
+pub enum Command {
+    /// The full set of brokers. Brokers no longer listed are disconnected.
+    Configure(Vec<BrokerConfig>),
+    /// Publish these, in this order, on the broker's current channel. With `solo`, each message
+    /// is published only after the previous one is settled, so an error is attributable to it.
+    Publish {
+        broker_id: i32,
+        messages: Vec<OutboundMessage>,
+        solo: bool,
+    },
+    /// Close and reopen this broker's connection (for `amqp.disconnect()`).
+    Reconnect { broker_id: i32 },
+    Shutdown,
+}
+
+/// How a publish failed, which decides what the worker does with the row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// Not the message's fault (connection lost, not connected, timeout): publish it again,
+    /// without counting an attempt.
+    Transient,
+    /// The channel was closed by an error while this message was unconfirmed; the culprit may be
+    /// another message. Publish it again alone (`solo`) to find out.
+    Ambiguous,
+    /// This message was refused (nack, returned as unroutable, channel error while it was the
+    /// only one in flight): count an attempt, back off, park after the limit.
+    Rejected,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// A connection and a confirm-mode channel are up. `epoch` grows with every new channel.
+    Connected {
+        broker_id: i32,
+        host: String,
+        epoch: u64,
+    },
+    /// The connection is down (or never came up); `error` never contains a password.
+    Disconnected { broker_id: i32, error: String },
+    /// Positively confirmed with no return: these rows are on the broker.
+    Confirmed {
+        broker_id: i32,
+        epoch: u64,
+        ids: Vec<i64>,
+    },
+    /// Not delivered.
+    Failed {
+        broker_id: i32,
+        id: i64,
+        failure: Failure,
+        error: String,
+    },
+    /// Something worth a log line that is not a state change of a connection.
+    Log { level: LogLevel, message: String },
+    /// The AMQP thread cannot go on (its runtime failed); the worker should exit and restart.
+    Fatal(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warning,
+}
+
+/// The worker's end of the bridge.
+pub struct BrokerHandle {
+    commands: tokio::sync::mpsc::UnboundedSender<Command>,
+    events: std::sync::mpsc::Receiver<Event>,
+    wake: wake::WakeReceiver,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BrokerHandle {
+    /// Returns false when the AMQP thread is gone.
+    pub fn send(&self, command: Command) -> bool {
+        self.commands.send(command).is_ok()
+    }
+
+    /// The file descriptor to wait on for readability; it becomes readable when events arrive.
+    pub fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake.fd()
+    }
+
+    /// Takes every pending event (and consumes the wake-ups that announced them).
+    pub fn drain_events(&self) -> Vec<Event> {
+        self.wake.clear();
+        self.events.try_iter().collect()
+    }
+
+    /// Asks the AMQP thread to stop and waits for it, at most `timeout`.
+    pub fn shutdown(mut self, timeout: Duration) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let deadline = std::time::Instant::now() + timeout;
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,2 @@
+use pgrx::prelude::*;
+pgrx::pg_module_magic!();
