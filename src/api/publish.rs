@@ -1,0 +1,295 @@
+//! `amqp.publish()` and friends: validate, INSERT one row into `amqp.message` in the caller's
+//! transaction, and arrange for the worker to be woken when that transaction commits.
+//! Runs in user backends: no threads, no network.
+
+use crate::error::{OrRaise, OutboxError};
+use crate::{commit_wake, shmem};
+use pgrx::datum::DatumWithOid;
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::prelude::*;
+use pgrx::spi::OwnedPreparedStatement;
+use pgrx::JsonB;
+use std::cell::{Cell, RefCell};
+
+/// AMQP short strings (exchange, routing key, properties) are at most 255 bytes.
+const SHORTSTR_MAX: usize = 255;
+
+thread_local! {
+    /// The INSERT, planned once per session and kept across transactions.
+    static INSERT_PLAN: RefCell<Option<OwnedPreparedStatement>> = const { RefCell::new(None) };
+    static LAST_ID: Cell<Option<i64>> = const { Cell::new(None) };
+}
+
+const INSERT_SQL: &str = "\
+INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
+                          body, delivery_mode, content_type, reply_to, correlation_id, headers) \
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 \
+ WHERE EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id OPERATOR(pg_catalog.=) $3) \
+RETURNING id";
+
+/// A message to insert, already checked.
+pub struct NewMessage<'a> {
+    pub broker_id: i32,
+    pub exchange: &'a str,
+    pub routing_key: &'a str,
+    pub body: &'a [u8],
+    pub delivery_mode: i16,
+    pub content_type: Option<&'a str>,
+    pub reply_to: Option<&'a str>,
+    pub correlation_id: Option<&'a str>,
+    pub headers: Option<JsonB>,
+}
+
+fn required<T>(value: Option<T>, name: &'static str) -> Result<T, OutboxError> {
+    value.ok_or(OutboxError::NullArgument(name))
+}
+
+fn short_string(value: &str, what: &'static str) -> Result<(), OutboxError> {
+    if value.len() > SHORTSTR_MAX {
+        return Err(OutboxError::TooLong {
+            what,
+            bytes: value.len(),
+        });
+    }
+    Ok(())
+}
+
+fn delivery_mode(mode: Option<i32>) -> Result<i16, OutboxError> {
+    match mode {
+        None | Some(2) => Ok(2),
+        Some(1) => Ok(1),
+        Some(other) => Err(OutboxError::InvalidDeliveryMode(other)),
+    }
+}
+
+fn check_headers(headers: &Option<JsonB>) -> Result<(), OutboxError> {
+    match headers {
+        None => Ok(()),
+        Some(JsonB(serde_json::Value::Object(_))) => Ok(()),
+        Some(JsonB(other)) => Err(OutboxError::InvalidHeaders(format!(
+            "expected a JSON object of header names to values, got {}",
+            json_kind(other)
+        ))),
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+impl<'a> NewMessage<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn check(
+        broker_id: Option<i32>,
+        exchange: Option<&'a str>,
+        routing_key: Option<&'a str>,
+        body: Option<&'a [u8]>,
+        headers: Option<JsonB>,
+        mode: Option<i32>,
+        content_type: Option<&'a str>,
+        reply_to: Option<&'a str>,
+        correlation_id: Option<&'a str>,
+    ) -> Result<Self, OutboxError> {
+        let broker_id = required(broker_id, "broker_id")?;
+        let exchange = required(exchange, "exchange")?;
+        let routing_key = required(routing_key, "routing_key")?;
+        let body = required(body, "message")?;
+        short_string(exchange, "exchange")?;
+        short_string(routing_key, "routing_key")?;
+        for (value, what) in [
+            (content_type, "content_type"),
+            (reply_to, "reply_to"),
+            (correlation_id, "correlation_id"),
+        ] {
+            if let Some(v) = value {
+                short_string(v, what)?;
+            }
+        }
+        let delivery_mode = delivery_mode(mode)?;
+        let max = crate::gucs::MAX_MESSAGE_SIZE.get().max(0) as usize;
+        if body.len() > max {
+            return Err(OutboxError::BodyTooLarge {
+                bytes: body.len(),
+                max,
+            });
+        }
+        check_headers(&headers)?;
+        Ok(NewMessage {
+            broker_id,
+            exchange,
+            routing_key,
+            body,
+            delivery_mode,
+            content_type,
+            reply_to,
+            correlation_id,
+            headers,
+        })
+    }
+
+    /// Inserts the row and returns its id.
+    pub fn insert(self) -> i64 {
+        if !shmem::ready() {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                "amqp_outbox: the library is not loaded at server start, so no worker would publish this message",
+                "amqp_outbox",
+            )
+            .set_hint("Add amqp_outbox to shared_preload_libraries in postgresql.conf and restart the server.")
+            .report(PgLogLevel::ERROR);
+        }
+        let started_at = producer_started_at();
+        let pid = unsafe { pg_sys::MyProcPid };
+        let args: [DatumWithOid; 11] = [
+            pid.into(),
+            started_at.into(),
+            self.broker_id.into(),
+            self.exchange.into(),
+            self.routing_key.into(),
+            self.body.into(),
+            self.delivery_mode.into(),
+            self.content_type.into(),
+            self.reply_to.into(),
+            self.correlation_id.into(),
+            self.headers.into(),
+        ];
+        let id = Spi::connect_mut(|client| {
+            INSERT_PLAN.with_borrow_mut(|plan| {
+                let plan = match plan {
+                    Some(plan) => plan,
+                    None => {
+                        let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
+                        plan.insert(client.prepare_mut(INSERT_SQL, &oids)?.keep())
+                    }
+                };
+                client.update(&*plan, None, &args)?.first().get_one::<i64>()
+            })
+        });
+        let id = match id {
+            Ok(Some(id)) => id,
+            Ok(None) => OutboxError::UnknownBroker(self.broker_id).raise(),
+            Err(e) => {
+                // A stale plan (extension dropped and re-created) must not stay cached.
+                INSERT_PLAN.with_borrow_mut(|p| *p = None);
+                ErrorReport::new(
+                    PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                    format!("amqp_outbox: could not insert into amqp.message: {e}"),
+                    "amqp_outbox",
+                )
+                .report(PgLogLevel::ERROR);
+                unreachable!()
+            }
+        };
+        LAST_ID.set(Some(id));
+        commit_wake::wake_worker_at_commit();
+        id
+    }
+}
+
+/// pg_amqp's signature: existing callers work unchanged.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn publish(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    message: Option<&str>,
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+) -> bool {
+    NewMessage::check(
+        broker_id,
+        exchange,
+        routing_key,
+        message.map(str::as_bytes),
+        None,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+    )
+    .or_raise()
+    .insert();
+    true
+}
+
+/// Like `publish`, with AMQP headers; returns the message id.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn publish_message(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    body: Option<&str>,
+    headers: default!(Option<JsonB>, "NULL"),
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+) -> i64 {
+    NewMessage::check(
+        broker_id,
+        exchange,
+        routing_key,
+        body.map(str::as_bytes),
+        headers,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+    )
+    .or_raise()
+    .insert()
+}
+
+/// A binary body; returns the message id.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn publish_bytes(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    body: Option<&[u8]>,
+    headers: default!(Option<JsonB>, "NULL"),
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+) -> i64 {
+    NewMessage::check(
+        broker_id,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+    )
+    .or_raise()
+    .insert()
+}
+
+/// The id of the last message this session published (like `lastval()`).
+#[pg_extern(volatile, parallel_restricted)]
+fn last_message_id() -> i64 {
+    LAST_ID.get().ok_or(OutboxError::NoMessageYet).or_raise()
+}
+
+/// This session's start time: with `pg_backend_pid()`, the producer key. The default of
+/// `amqp.message.producer_started_at`, so direct INSERTs get it too.
+#[pg_extern(stable, parallel_safe, name = "_producer_started_at")]
+fn producer_started_at() -> TimestampWithTimeZone {
+    TimestampWithTimeZone::try_from(unsafe { pg_sys::MyStartTimestamp })
+        .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity())
+}

@@ -1,0 +1,54 @@
+//! Wakes the worker when a transaction that published commits, instead of letting it poll.
+//!
+//! One raw transaction callback per backend, registered on its first publish; a flag says whether
+//! the current transaction published. The callback runs after commit, where an error or a panic
+//! would take the whole cluster down, so it only reads a flag and sets a latch.
+
+use crate::shmem;
+use pgrx::pg_sys;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static REGISTERED: AtomicBool = AtomicBool::new(false);
+static WAKE_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+static RELOAD_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+
+fn register() {
+    if !REGISTERED.swap(true, Ordering::Relaxed) {
+        unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+    }
+}
+
+/// Called by every publish; cheap after the first call of the transaction.
+pub fn wake_worker_at_commit() {
+    register();
+    WAKE_AT_COMMIT.store(true, Ordering::Relaxed);
+}
+
+/// The transaction changed the worker's configuration (brokers, declarations).
+pub fn reload_worker_at_commit() {
+    register();
+    RELOAD_AT_COMMIT.store(true, Ordering::Relaxed);
+}
+
+unsafe extern "C-unwind" fn on_xact_event(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
+    match event {
+        pg_sys::XactEvent::XACT_EVENT_COMMIT => {
+            if RELOAD_AT_COMMIT.swap(false, Ordering::Relaxed) {
+                shmem::request_reload();
+            }
+            if WAKE_AT_COMMIT.swap(false, Ordering::Relaxed) {
+                shmem::wake_worker();
+            }
+        }
+        // A prepared transaction commits later in another session (COMMIT PREPARED), which
+        // wakes nobody: the worker's naptime finds those rows.
+        pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
+            WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
+            RELOAD_AT_COMMIT.store(false, Ordering::Relaxed);
+        }
+        _ => {}
+    }
+}

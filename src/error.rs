@@ -1,0 +1,91 @@
+//! Errors raised to SQL callers, each with its own SQLSTATE so applications can tell them apart.
+
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::{PgLogLevel, PgSqlErrorCode};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutboxError {
+    /// An argument that must not be NULL was NULL.
+    NullArgument(&'static str),
+    /// No row of amqp.broker has this broker_id.
+    UnknownBroker(i32),
+    /// An AMQP short string longer than 255 bytes.
+    TooLong {
+        what: &'static str,
+        bytes: usize,
+    },
+    InvalidDeliveryMode(i32),
+    BodyTooLarge {
+        bytes: usize,
+        max: usize,
+    },
+    InvalidHeaders(String),
+    InvalidExchangeType(String),
+    EmptyExchangeName,
+    /// amqp.last_message_id() before any publish in this session.
+    NoMessageYet,
+}
+
+impl OutboxError {
+    pub fn sqlstate(&self) -> PgSqlErrorCode {
+        use OutboxError::*;
+        use PgSqlErrorCode::*;
+        match self {
+            NullArgument(_) => ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            UnknownBroker(_) => ERRCODE_UNDEFINED_OBJECT,
+            TooLong { .. } => ERRCODE_STRING_DATA_RIGHT_TRUNCATION,
+            InvalidDeliveryMode(_)
+            | InvalidHeaders(_)
+            | InvalidExchangeType(_)
+            | EmptyExchangeName => ERRCODE_INVALID_PARAMETER_VALUE,
+            BodyTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            NoMessageYet => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        }
+    }
+
+    pub fn message(&self) -> String {
+        use OutboxError::*;
+        match self {
+            NullArgument(arg) => format!("amqp_outbox: {arg} must not be NULL"),
+            UnknownBroker(id) => format!("amqp_outbox: broker {id} does not exist in amqp.broker"),
+            TooLong { what, bytes } => {
+                format!("amqp_outbox: {what} is {bytes} bytes long; AMQP allows at most 255")
+            }
+            InvalidDeliveryMode(mode) => {
+                format!("amqp_outbox: invalid delivery_mode {mode}; use 1 (transient) or 2 (persistent)")
+            }
+            BodyTooLarge { bytes, max } => format!(
+                "amqp_outbox: message body is {bytes} bytes, over amqp_outbox.max_message_size ({max} bytes)"
+            ),
+            InvalidHeaders(why) => format!("amqp_outbox: invalid headers: {why}"),
+            InvalidExchangeType(t) => format!(
+                "amqp_outbox: invalid exchange type \"{t}\"; use direct, fanout, topic or headers"
+            ),
+            EmptyExchangeName => {
+                "amqp_outbox: the default exchange (\"\") cannot be declared".to_string()
+            }
+            NoMessageYet => {
+                "amqp_outbox: no message has been published in this session yet".to_string()
+            }
+        }
+    }
+
+    /// Raises the error (ERROR level); the caller's transaction is aborted.
+    pub fn raise(self) -> ! {
+        ErrorReport::new(self.sqlstate(), self.message(), "amqp_outbox").report(PgLogLevel::ERROR);
+        unreachable!("ERROR does not return")
+    }
+}
+
+pub trait OrRaise<T> {
+    fn or_raise(self) -> T;
+}
+
+impl<T> OrRaise<T> for Result<T, OutboxError> {
+    fn or_raise(self) -> T {
+        match self {
+            Ok(v) => v,
+            Err(e) => e.raise(),
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! The `amqp_outbox.*` settings. Read them only on a PostgreSQL thread; the worker copies what
+//! the AMQP thread needs into plain values ([`WorkerSettings`]).
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
+use std::time::Duration;
+
+pub static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+pub static MAX_MESSAGE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024 * 1024);
+pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
+pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(1000);
+pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(500);
+pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(2000);
+pub static CONNECT_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(5000);
+pub static HEARTBEAT: GucSetting<i32> = GucSetting::<i32>::new(10);
+pub static CONFIRM_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(15000);
+pub static RETRY_BACKOFF_MIN: GucSetting<i32> = GucSetting::<i32>::new(200);
+pub static RETRY_BACKOFF_MAX: GucSetting<i32> = GucSetting::<i32>::new(60000);
+
+pub fn init() {
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.database",
+        c"Database whose amqp.message table the background worker publishes.",
+        c"The worker connects to this database and idles until the extension exists there.",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"amqp_outbox.enabled",
+        c"Whether the background worker publishes messages.",
+        c"When off, committed messages wait in amqp.message until it is turned on again.",
+        &ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.max_message_size",
+        c"Largest message body amqp.publish() accepts.",
+        c"Bigger bodies are rejected with SQLSTATE 54000; the worker parks bigger rows inserted directly.",
+        &MAX_MESSAGE_SIZE,
+        0,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.max_attempts",
+        c"Failed publish attempts after which a message is parked.",
+        c"A parked message stays in amqp.message with its last error and is not retried automatically.",
+        &MAX_ATTEMPTS,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.naptime",
+        c"Longest time the worker sleeps without being woken.",
+        c"Commits wake the worker at once; this fallback finds rows no commit announced (COMMIT PREPARED, crash recovery) and retries that are due.",
+        &NAPTIME,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.batch_size",
+        c"Rows the worker claims from amqp.message per statement.",
+        c"",
+        &BATCH_SIZE,
+        1,
+        100_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.max_in_flight",
+        c"Messages published but not yet confirmed, per broker.",
+        c"Bounds the worker's memory and the duplicates a fault can cause.",
+        &MAX_IN_FLIGHT,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.connect_timeout",
+        c"Time allowed to open a connection to a broker.",
+        c"",
+        &CONNECT_TIMEOUT,
+        100,
+        600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.heartbeat",
+        c"AMQP heartbeat interval; 0 disables heartbeats.",
+        c"",
+        &HEARTBEAT,
+        0,
+        600,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.confirm_timeout",
+        c"A publish not confirmed within this time means the connection is hung.",
+        c"The connection is closed and reopened, and unconfirmed messages are published again.",
+        &CONFIRM_TIMEOUT,
+        100,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.retry_backoff_min",
+        c"First delay before reconnecting to a broker or retrying a refused message.",
+        c"",
+        &RETRY_BACKOFF_MIN,
+        1,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.retry_backoff_max",
+        c"Longest delay between reconnects or retries (exponential backoff with jitter).",
+        c"",
+        &RETRY_BACKOFF_MAX,
+        1,
+        86_400_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"amqp_outbox".as_ptr()) };
+}
+
+fn ms(setting: &GucSetting<i32>) -> Duration {
+    Duration::from_millis(setting.get().max(0) as u64)
+}
+
+/// The settings the worker uses, copied once per reload so the loop never reads a GUC mid-way.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerSettings {
+    pub enabled: bool,
+    pub max_message_size: usize,
+    pub max_attempts: i32,
+    pub naptime: Duration,
+    pub batch_size: usize,
+    pub max_in_flight: usize,
+    pub connect_timeout: Duration,
+    pub heartbeat_secs: u16,
+    pub confirm_timeout: Duration,
+    pub retry_backoff_min: Duration,
+    pub retry_backoff_max: Duration,
+}
+
+impl WorkerSettings {
+    pub fn snapshot() -> Self {
+        WorkerSettings {
+            enabled: ENABLED.get(),
+            max_message_size: MAX_MESSAGE_SIZE.get().max(0) as usize,
+            max_attempts: MAX_ATTEMPTS.get(),
+            naptime: ms(&NAPTIME),
+            batch_size: BATCH_SIZE.get().max(1) as usize,
+            max_in_flight: MAX_IN_FLIGHT.get().max(1) as usize,
+            connect_timeout: ms(&CONNECT_TIMEOUT),
+            heartbeat_secs: HEARTBEAT.get().clamp(0, u16::MAX as i32) as u16,
+            confirm_timeout: ms(&CONFIRM_TIMEOUT),
+            retry_backoff_min: ms(&RETRY_BACKOFF_MIN),
+            retry_backoff_max: ms(&RETRY_BACKOFF_MAX).max(ms(&RETRY_BACKOFF_MIN)),
+        }
+    }
+}
+
+pub fn database_name() -> String {
+    DATABASE
+        .get()
+        .and_then(|c| c.into_string().ok())
+        .unwrap_or_else(|| "postgres".to_string())
+}

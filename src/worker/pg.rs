@@ -1,0 +1,93 @@
+//! Thin wrappers over the PostgreSQL calls of the worker's main thread: short transactions,
+//! the wait on latch + socket, signals, and reporting activity to pg_stat_activity.
+
+use pgrx::prelude::*;
+use std::ffi::CString;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+/// Runs `body` in its own transaction with a snapshot, and reports it in pg_stat_activity.
+/// An ERROR inside aborts the transaction and ends the worker (exit 1, restarted by the
+/// postmaster): the worker never sits idle in transaction.
+pub fn transaction<R>(what: &str, body: impl FnOnce() -> R) -> R {
+    report_activity(Some(what));
+    let result = unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+        let r = body();
+        pg_sys::PopActiveSnapshot();
+        pg_sys::CommitTransactionCommand();
+        r
+    };
+    report_activity(None);
+    result
+}
+
+fn report_activity(what: Option<&str>) {
+    let state = if what.is_some() {
+        pg_sys::BackendState::STATE_RUNNING
+    } else {
+        pg_sys::BackendState::STATE_IDLE
+    };
+    let text = what.and_then(|w| CString::new(w).ok());
+    unsafe {
+        pg_sys::pgstat_report_activity(
+            state,
+            text.as_ref().map_or(std::ptr::null(), |t| t.as_ptr()),
+        )
+    };
+}
+
+pub enum Woken {
+    /// Latch set (a commit, a signal, a request from SQL) or timeout.
+    Latch,
+    /// The AMQP thread has events.
+    Events,
+}
+
+/// Sleeps until the latch is set, `fd` is readable, or `timeout` passes. Exits (code 1) if the
+/// postmaster died.
+pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
+    let mut events = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
+    if fd.is_some() {
+        events |= pg_sys::WL_SOCKET_READABLE;
+    }
+    let timeout_ms = timeout.as_millis().min(i64::MAX as u128) as std::ffi::c_long;
+    let rc = unsafe {
+        pg_sys::WaitLatchOrSocket(
+            pg_sys::MyLatch,
+            events as i32,
+            fd.unwrap_or(-1),
+            timeout_ms,
+            pg_sys::PG_WAIT_EXTENSION,
+        )
+    };
+    unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
+    pg_sys::check_for_interrupts!();
+    if rc & pg_sys::WL_SOCKET_READABLE as i32 != 0 {
+        Woken::Events
+    } else {
+        Woken::Latch
+    }
+}
+
+pub fn shutdown_requested() -> bool {
+    unsafe { std::ptr::read_volatile(&raw const pg_sys::ShutdownRequestPending) != 0 }
+}
+
+/// Re-reads postgresql.conf after SIGHUP. Returns true when it did.
+pub fn reload_config_if_requested() -> bool {
+    unsafe {
+        if std::ptr::read_volatile(&raw const pg_sys::ConfigReloadPending) != 0 {
+            std::ptr::write_volatile(&raw mut pg_sys::ConfigReloadPending, 0);
+            pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
+            return true;
+        }
+    }
+    false
+}
+
+pub fn in_recovery() -> bool {
+    unsafe { pg_sys::RecoveryInProgress() }
+}

@@ -1,0 +1,239 @@
+//! Every SQL statement the worker runs. Each runs inside a short transaction opened by the
+//! caller ([`super::pg::transaction`]); none waits on the broker.
+
+use amqp_outbox_broker::{BrokerConfig, Endpoint, ExchangeDecl};
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use pgrx::spi::{SpiClient, SpiResult};
+use pgrx::JsonB;
+use std::collections::BTreeMap;
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+/// One claimed row of `amqp.message`.
+pub struct Row {
+    pub id: i64,
+    pub broker_id: i32,
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub delivery_mode: i16,
+    pub content_type: Option<String>,
+    pub reply_to: Option<String>,
+    pub correlation_id: Option<String>,
+    pub headers: Option<serde_json::Value>,
+    pub producer_pid: i32,
+    /// Unix microseconds.
+    pub producer_started_at: i64,
+    /// Unix microseconds.
+    pub created_at: i64,
+    pub attempts: i32,
+}
+
+pub fn extension_exists() -> bool {
+    unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) != pg_sys::InvalidOid }
+}
+
+/// The parts of every message_id that make it unique beyond this table: the cluster's system
+/// identifier, the database and the table (new after a restore or a re-created extension).
+pub fn message_id_prefix() -> SpiResult<String> {
+    let sysid = unsafe { pg_sys::GetSystemIdentifier() };
+    let dboid = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let reloid =
+        Spi::get_one::<pg_sys::Oid>("SELECT 'amqp.message'::pg_catalog.regclass::pg_catalog.oid")?
+            .map(|o| o.to_u32())
+            .unwrap_or(0);
+    Ok(format!("{sysid:x}-{dboid:x}-{reloid:x}"))
+}
+
+fn unix_micros(ts: Option<TimestampWithTimeZone>) -> i64 {
+    ts.map(|t| pg_sys::TimestampTz::from(t) + PG_EPOCH_OFFSET_MICROS)
+        .unwrap_or(0)
+}
+
+const CLAIM_SQL: &str = "\
+SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
+       correlation_id, headers, producer_pid, producer_started_at, created_at, attempts \
+  FROM amqp.message \
+ WHERE id OPERATOR(pg_catalog.>) $1 \
+   AND broker_id OPERATOR(pg_catalog.=) ANY ($2) \
+   AND parked_at IS NULL \
+   AND (next_attempt_at IS NULL OR next_attempt_at OPERATOR(pg_catalog.<=) pg_catalog.now()) \
+ ORDER BY id \
+ LIMIT $3";
+
+const CLAIM_BY_ID_SQL: &str = "\
+SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
+       correlation_id, headers, producer_pid, producer_started_at, created_at, attempts \
+  FROM amqp.message \
+ WHERE id OPERATOR(pg_catalog.=) ANY ($1) AND parked_at IS NULL \
+ ORDER BY id";
+
+fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
+    let mut rows = Vec::with_capacity(table.len());
+    for r in table {
+        rows.push(Row {
+            id: r.get::<i64>(1)?.unwrap_or_default(),
+            broker_id: r.get::<i32>(2)?.unwrap_or_default(),
+            exchange: r.get::<String>(3)?.unwrap_or_default(),
+            routing_key: r.get::<String>(4)?.unwrap_or_default(),
+            body: r.get::<Vec<u8>>(5)?.unwrap_or_default(),
+            delivery_mode: r.get::<i16>(6)?.unwrap_or(2),
+            content_type: r.get::<String>(7)?,
+            reply_to: r.get::<String>(8)?,
+            correlation_id: r.get::<String>(9)?,
+            headers: r.get::<JsonB>(10)?.map(|j| j.0),
+            producer_pid: r.get::<i32>(11)?.unwrap_or_default(),
+            producer_started_at: unix_micros(r.get::<TimestampWithTimeZone>(12)?),
+            created_at: unix_micros(r.get::<TimestampWithTimeZone>(13)?),
+            attempts: r.get::<i32>(14)?.unwrap_or_default(),
+        });
+    }
+    Ok(rows)
+}
+
+/// Rows not parked and due, of these brokers, with an id above `after`, in id order. Selected by
+/// state, never by a high-water mark alone: the caller restarts from 0 whenever it reaches the
+/// end, so a row that committed late with a smaller id is found on the next pass.
+pub fn claim(
+    client: &SpiClient<'_>,
+    after: i64,
+    brokers: &[i32],
+    limit: usize,
+) -> SpiResult<Vec<Row>> {
+    let args: [DatumWithOid; 3] = [after.into(), brokers.to_vec().into(), (limit as i64).into()];
+    rows_from(client.select(CLAIM_SQL, None, &args)?)
+}
+
+pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {
+    let args: [DatumWithOid; 1] = [ids.to_vec().into()];
+    rows_from(client.select(CLAIM_BY_ID_SQL, None, &args)?)
+}
+
+/// Deletes rows whose delivery is proven. Returns how many existed.
+pub fn delete_delivered(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<usize> {
+    let args: [DatumWithOid; 1] = [ids.to_vec().into()];
+    Ok(client
+        .update(
+            "DELETE FROM amqp.message WHERE id OPERATOR(pg_catalog.=) ANY ($1)",
+            None,
+            &args,
+        )?
+        .len())
+}
+
+pub struct Recorded {
+    pub attempts: i32,
+    pub parked: bool,
+}
+
+/// A refused publish: count the attempt, keep the error, schedule the retry with exponential
+/// backoff and jitter, or park the row once `max_attempts` is reached. `None` when the row is gone.
+pub fn record_failure(
+    client: &mut SpiClient<'_>,
+    id: i64,
+    error: &str,
+    max_attempts: i32,
+    backoff_min_ms: i64,
+    backoff_max_ms: i64,
+) -> SpiResult<Option<Recorded>> {
+    let args: [DatumWithOid; 5] = [
+        id.into(),
+        error.into(),
+        max_attempts.into(),
+        backoff_min_ms.into(),
+        backoff_max_ms.into(),
+    ];
+    let table = client.update(
+        "UPDATE amqp.message \
+            SET attempts = attempts OPERATOR(pg_catalog.+) 1, \
+                last_error = $2, \
+                next_attempt_at = pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) \
+                    pg_catalog.make_interval(secs => \
+                        LEAST($5::pg_catalog.float8, \
+                            $4::pg_catalog.float8 OPERATOR(pg_catalog.*) \
+                            pg_catalog.power(2::pg_catalog.float8, LEAST(attempts, 30))) \
+                        OPERATOR(pg_catalog./) 1000 \
+                        OPERATOR(pg_catalog.*) (0.75 OPERATOR(pg_catalog.+) pg_catalog.random() OPERATOR(pg_catalog./) 2)), \
+                parked_at = CASE WHEN attempts OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.>=) $3 \
+                                 THEN pg_catalog.clock_timestamp() END \
+          WHERE id OPERATOR(pg_catalog.=) $1 \
+      RETURNING attempts, parked_at IS NOT NULL",
+        None,
+        &args,
+    )?;
+    let mut out = None;
+    for r in table {
+        out = Some(Recorded {
+            attempts: r.get::<i32>(1)?.unwrap_or_default(),
+            parked: r.get::<bool>(2)?.unwrap_or(false),
+        });
+    }
+    Ok(out)
+}
+
+/// Parks a row at once (a row that can never be published as it is).
+pub fn park(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<()> {
+    let args: [DatumWithOid; 2] = [id.into(), error.into()];
+    client.update(
+        "UPDATE amqp.message SET attempts = attempts OPERATOR(pg_catalog.+) 1, last_error = $2, \
+                parked_at = pg_catalog.clock_timestamp() \
+          WHERE id OPERATOR(pg_catalog.=) $1",
+        None,
+        &args,
+    )?;
+    Ok(())
+}
+
+/// The brokers (hosts grouped by broker_id, in a stable order) and their declarations.
+pub fn load_brokers(
+    client: &SpiClient<'_>,
+    template: &BrokerConfig,
+) -> SpiResult<Vec<BrokerConfig>> {
+    let mut brokers: BTreeMap<i32, BrokerConfig> = BTreeMap::new();
+    let hosts = client.select(
+        "SELECT broker_id, host, port, vhost, username, password FROM amqp.broker \
+          ORDER BY broker_id, host, port",
+        None,
+        &[],
+    )?;
+    for r in hosts {
+        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
+        let port = r.get::<i32>(3)?.unwrap_or(5672);
+        let endpoint = Endpoint {
+            host: r.get::<String>(2)?.unwrap_or_default(),
+            port: u16::try_from(port).unwrap_or(5672),
+            vhost: r.get::<String>(4)?.unwrap_or_else(|| "/".into()),
+            username: r.get::<String>(5)?.unwrap_or_else(|| "guest".into()),
+            password: r.get::<String>(6)?.unwrap_or_else(|| "guest".into()),
+        };
+        brokers
+            .entry(broker_id)
+            .or_insert_with(|| BrokerConfig {
+                broker_id,
+                ..template.clone()
+            })
+            .hosts
+            .push(endpoint);
+    }
+    let exchanges = client.select(
+        "SELECT broker_id, exchange, exchange_type, passive, durable, auto_delete \
+           FROM amqp.exchange ORDER BY broker_id, exchange",
+        None,
+        &[],
+    )?;
+    for r in exchanges {
+        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
+        if let Some(b) = brokers.get_mut(&broker_id) {
+            b.exchanges.push(ExchangeDecl {
+                name: r.get::<String>(2)?.unwrap_or_default(),
+                kind: r.get::<String>(3)?.unwrap_or_else(|| "direct".into()),
+                passive: r.get::<bool>(4)?.unwrap_or(false),
+                durable: r.get::<bool>(5)?.unwrap_or(true),
+                auto_delete: r.get::<bool>(6)?.unwrap_or(false),
+            });
+        }
+    }
+    Ok(brokers.into_values().collect())
+}
