@@ -1,0 +1,430 @@
+//! The ledger and the checker of the fault suite.
+//!
+//! Producers record every message they tried to publish, outside the database under test:
+//! committed (COMMIT returned success), aborted (ROLLBACK, an error, a rolled-back savepoint),
+//! or unknown (the connection broke during COMMIT; resolved later with `pg_xact_status`). The
+//! consumer records every delivery. The checker compares the two:
+//!
+//! - lost: committed but never delivered (must be 0),
+//! - phantom: aborted but delivered (must be 0),
+//! - duplicates: delivered more than once (bounded; all copies must share one `message_id`),
+//! - order violations: a producer's messages whose first arrivals are not in the order the
+//!   producer committed them,
+//! - unexpected: delivered but never recorded (a test bug or a corrupted body).
+//!
+//! Messages are identified by a [`MessageKey`] carried in the body: `producer:seq` (anything
+//! after a second `:` is ignored), e.g. `p3:17` or `p3:17:padding`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Mutex;
+
+use crate::rabbit::Received;
+
+/// Identifies one message of the test: the producer and its sequence number (the order in which
+/// that producer published).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MessageKey {
+    pub producer: String,
+    pub seq: u64,
+}
+
+impl MessageKey {
+    pub fn new(producer: &str, seq: u64) -> MessageKey {
+        MessageKey {
+            producer: producer.to_string(),
+            seq,
+        }
+    }
+
+    /// The body to publish for this key.
+    pub fn body(&self) -> String {
+        format!("{}:{}", self.producer, self.seq)
+    }
+
+    /// Parses `producer:seq[:rest]`.
+    pub fn parse(body: &str) -> Option<MessageKey> {
+        let mut parts = body.splitn(3, ':');
+        let producer = parts.next()?;
+        let seq = parts.next()?.parse().ok()?;
+        if producer.is_empty() {
+            return None;
+        }
+        Some(MessageKey::new(producer, seq))
+    }
+
+    /// The key a delivery carries: the `e2e-key` header if present, else the body.
+    pub fn of(delivery: &Received) -> Option<MessageKey> {
+        if let Some(serde_json::Value::String(s)) = delivery.headers.get("e2e-key") {
+            if let Some(k) = MessageKey::parse(s) {
+                return Some(k);
+            }
+        }
+        MessageKey::parse(&delivery.text())
+    }
+}
+
+impl fmt::Display for MessageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.producer, self.seq)
+    }
+}
+
+/// What a producer knows about one message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Committed,
+    Aborted,
+    /// COMMIT's result never came back; `xid` (from `pg_current_xact_id()`) lets the checker's
+    /// caller resolve it with `pg_xact_status` once the fault has healed.
+    Unknown {
+        xid: Option<String>,
+    },
+}
+
+/// Where producers write what they committed. Shared between threads (`&Ledger` is enough).
+#[derive(Default)]
+pub struct Ledger {
+    entries: Mutex<BTreeMap<MessageKey, Outcome>>,
+}
+
+impl Ledger {
+    pub fn new() -> Ledger {
+        Ledger::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<MessageKey, Outcome>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records (or overwrites) the outcome of each key.
+    pub fn record<'a>(&self, keys: impl IntoIterator<Item = &'a MessageKey>, outcome: Outcome) {
+        let mut m = self.lock();
+        for k in keys {
+            m.insert(k.clone(), outcome.clone());
+        }
+    }
+
+    pub fn committed<'a>(&self, keys: impl IntoIterator<Item = &'a MessageKey>) {
+        self.record(keys, Outcome::Committed);
+    }
+
+    pub fn aborted<'a>(&self, keys: impl IntoIterator<Item = &'a MessageKey>) {
+        self.record(keys, Outcome::Aborted);
+    }
+
+    pub fn unknown<'a>(&self, keys: impl IntoIterator<Item = &'a MessageKey>, xid: Option<String>) {
+        self.record(keys, Outcome::Unknown { xid });
+    }
+
+    pub fn outcome(&self, key: &MessageKey) -> Option<Outcome> {
+        self.lock().get(key).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn count(&self, pred: impl Fn(&Outcome) -> bool) -> usize {
+        self.lock().values().filter(|o| pred(o)).count()
+    }
+
+    pub fn committed_count(&self) -> usize {
+        self.count(|o| *o == Outcome::Committed)
+    }
+
+    pub fn committed_keys(&self) -> BTreeSet<MessageKey> {
+        self.lock()
+            .iter()
+            .filter(|(_, o)| **o == Outcome::Committed)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Resolves every unknown outcome with `pg_xact_status(xid)` ('committed' / 'aborted';
+    /// 'in progress' or NULL stays unknown). Call after the fault has healed.
+    pub fn resolve_unknown(&self, client: &mut postgres::Client) -> Result<(), String> {
+        let unknown: Vec<(MessageKey, Option<String>)> = self
+            .lock()
+            .iter()
+            .filter_map(|(k, o)| match o {
+                Outcome::Unknown { xid } => Some((k.clone(), xid.clone())),
+                _ => None,
+            })
+            .collect();
+        let mut by_xid: BTreeMap<String, Option<String>> = BTreeMap::new();
+        for (_, xid) in &unknown {
+            if let Some(x) = xid {
+                if !by_xid.contains_key(x) {
+                    let row = client
+                        .query_one("SELECT pg_catalog.pg_xact_status($1::text::xid8)", &[x])
+                        .map_err(|e| format!("pg_xact_status({x}): {e}"))?;
+                    by_xid.insert(x.clone(), row.get(0));
+                }
+            }
+        }
+        let mut m = self.lock();
+        for (k, xid) in unknown {
+            let status = xid.as_ref().and_then(|x| by_xid.get(x).cloned().flatten());
+            match status.as_deref() {
+                Some("committed") => {
+                    m.insert(k, Outcome::Committed);
+                }
+                Some("aborted") => {
+                    m.insert(k, Outcome::Aborted);
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Compares the ledger with what arrived (in arrival order).
+    pub fn check(&self, deliveries: &[Received]) -> Report {
+        let entries = self.lock().clone();
+        let mut arrivals: BTreeMap<MessageKey, Vec<usize>> = BTreeMap::new();
+        let mut unexpected = Vec::new();
+        for (i, d) in deliveries.iter().enumerate() {
+            match MessageKey::of(d) {
+                Some(k) if entries.contains_key(&k) => arrivals.entry(k).or_default().push(i),
+                _ => unexpected.push(d.text()),
+            }
+        }
+        let mut report = Report {
+            committed: 0,
+            aborted: 0,
+            unknown: 0,
+            delivered: deliveries.len(),
+            lost: Vec::new(),
+            phantom: Vec::new(),
+            unknown_delivered: Vec::new(),
+            duplicates: Vec::new(),
+            order_violations: Vec::new(),
+            unexpected,
+        };
+        for (k, outcome) in &entries {
+            let got = arrivals.get(k);
+            match outcome {
+                Outcome::Committed => {
+                    report.committed += 1;
+                    if got.is_none() {
+                        report.lost.push(k.clone());
+                    }
+                }
+                Outcome::Aborted => {
+                    report.aborted += 1;
+                    if got.is_some() {
+                        report.phantom.push(k.clone());
+                    }
+                }
+                Outcome::Unknown { .. } => {
+                    report.unknown += 1;
+                    if got.is_some() {
+                        report.unknown_delivered.push(k.clone());
+                    }
+                }
+            }
+            if let Some(idx) = got {
+                if idx.len() > 1 {
+                    let message_ids: BTreeSet<Option<String>> = idx
+                        .iter()
+                        .map(|&i| deliveries[i].message_id.clone())
+                        .collect();
+                    report.duplicates.push(Duplicate {
+                        key: k.clone(),
+                        copies: idx.len(),
+                        message_ids,
+                    });
+                }
+            }
+        }
+        // Per producer: the first arrivals must come in sequence order.
+        let mut first: BTreeMap<&str, Vec<(usize, u64)>> = BTreeMap::new();
+        for (k, idx) in &arrivals {
+            first
+                .entry(k.producer.as_str())
+                .or_default()
+                .push((idx[0], k.seq));
+        }
+        for (producer, mut seen) in first {
+            seen.sort();
+            let mut highest: Option<u64> = None;
+            for (pos, seq) in seen {
+                if let Some(h) = highest {
+                    if seq < h {
+                        report.order_violations.push(OrderViolation {
+                            producer: producer.to_string(),
+                            seq,
+                            after: h,
+                            position: pos,
+                        });
+                        continue;
+                    }
+                }
+                highest = Some(seq);
+            }
+        }
+        report
+    }
+}
+
+/// A message that arrived more than once.
+#[derive(Clone, Debug)]
+pub struct Duplicate {
+    pub key: MessageKey,
+    pub copies: usize,
+    /// The distinct `message_id`s of its copies (must be exactly one, not `None`).
+    pub message_ids: BTreeSet<Option<String>>,
+}
+
+impl Duplicate {
+    pub fn shares_one_message_id(&self) -> bool {
+        self.message_ids.len() == 1 && !self.message_ids.contains(&None)
+    }
+}
+
+/// A message whose first arrival came after a later message of the same producer.
+#[derive(Clone, Debug)]
+pub struct OrderViolation {
+    pub producer: String,
+    pub seq: u64,
+    /// The highest sequence number of that producer that had arrived before it.
+    pub after: u64,
+    /// Its index in the arrival order.
+    pub position: usize,
+}
+
+/// What [`Ledger::check`] found.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub committed: usize,
+    pub aborted: usize,
+    pub unknown: usize,
+    pub delivered: usize,
+    pub lost: Vec<MessageKey>,
+    pub phantom: Vec<MessageKey>,
+    /// Unknown outcome (not resolved) but delivered: committed after all.
+    pub unknown_delivered: Vec<MessageKey>,
+    pub duplicates: Vec<Duplicate>,
+    pub order_violations: Vec<OrderViolation>,
+    /// Bodies that arrived but name no message of the ledger.
+    pub unexpected: Vec<String>,
+}
+
+impl Report {
+    /// Extra copies beyond the first, over all messages.
+    pub fn extra_copies(&self) -> usize {
+        self.duplicates.iter().map(|d| d.copies - 1).sum()
+    }
+
+    /// Duplicates whose copies carry different (or missing) `message_id`s.
+    pub fn duplicates_with_differing_ids(&self) -> Vec<&Duplicate> {
+        self.duplicates
+            .iter()
+            .filter(|d| !d.shares_one_message_id())
+            .collect()
+    }
+
+    /// Panics (with this report) unless nothing was lost, nothing phantom, nothing unexpected,
+    /// and every duplicate shares one message_id. Duplicates themselves are allowed (at least
+    /// once) up to `max_extra_copies`.
+    pub fn assert_at_least_once(&self, max_extra_copies: usize) {
+        let ok = self.lost.is_empty()
+            && self.phantom.is_empty()
+            && self.unexpected.is_empty()
+            && self.duplicates_with_differing_ids().is_empty()
+            && self.extra_copies() <= max_extra_copies;
+        assert!(
+            ok,
+            "delivery check failed (at most {max_extra_copies} extra copies allowed):\n{self}"
+        );
+    }
+
+    /// [`assert_at_least_once`](Self::assert_at_least_once) with no duplicates allowed and no
+    /// order violations: what a fault-free run must give.
+    pub fn assert_exactly_once_in_order(&self) {
+        let ok = self.lost.is_empty()
+            && self.phantom.is_empty()
+            && self.unexpected.is_empty()
+            && self.duplicates.is_empty()
+            && self.order_violations.is_empty();
+        assert!(ok, "delivery check failed (fault-free run):\n{self}");
+    }
+}
+
+fn list<T: fmt::Display>(items: &[T], max: usize) -> String {
+    let mut s: Vec<String> = items.iter().take(max).map(|i| i.to_string()).collect();
+    if items.len() > max {
+        s.push(format!("… and {} more", items.len() - max));
+    }
+    s.join(", ")
+}
+
+impl fmt::Display for Duplicate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ×{} (message_id ", self.key, self.copies)?;
+        let ids: Vec<String> = self
+            .message_ids
+            .iter()
+            .map(|m| m.clone().unwrap_or_else(|| "<none>".into()))
+            .collect();
+        write!(f, "{})", ids.join(" / "))
+    }
+}
+
+impl fmt::Display for OrderViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{} arrived (#{}) after {}:{}",
+            self.producer, self.seq, self.position, self.producer, self.after
+        )
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "ledger: {} committed, {} aborted, {} unknown; {} deliveries",
+            self.committed, self.aborted, self.unknown, self.delivered
+        )?;
+        writeln!(f, "lost ({}): {}", self.lost.len(), list(&self.lost, 30))?;
+        writeln!(
+            f,
+            "phantom ({}): {}",
+            self.phantom.len(),
+            list(&self.phantom, 30)
+        )?;
+        writeln!(
+            f,
+            "duplicates ({} messages, {} extra copies; {} with differing message_id): {}",
+            self.duplicates.len(),
+            self.extra_copies(),
+            self.duplicates_with_differing_ids().len(),
+            list(&self.duplicates, 30)
+        )?;
+        writeln!(
+            f,
+            "order violations ({}): {}",
+            self.order_violations.len(),
+            list(&self.order_violations, 30)
+        )?;
+        writeln!(
+            f,
+            "unknown outcome but delivered ({}): {}",
+            self.unknown_delivered.len(),
+            list(&self.unknown_delivered, 30)
+        )?;
+        write!(
+            f,
+            "unexpected bodies ({}): {}",
+            self.unexpected.len(),
+            list(&self.unexpected, 10)
+        )
+    }
+}

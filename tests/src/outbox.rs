@@ -1,0 +1,315 @@
+//! Helpers around the extension's SQL API: installing it, pointing it at a broker, watching
+//! the outbox table, and producer threads that publish while recording into a [`Ledger`].
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use postgres::Client;
+use rand::Rng;
+
+use crate::ledger::{Ledger, MessageKey};
+use crate::rabbit::AmqpEndpoint;
+use crate::{eventually, PgCluster};
+
+/// The extension installed in a test database, and one broker row.
+pub struct Outbox {
+    pub broker_id: i32,
+}
+
+impl Outbox {
+    /// `CREATE EXTENSION amqp_outbox` and one `amqp.broker` row for `endpoint`.
+    pub fn install(client: &mut Client, endpoint: &AmqpEndpoint) -> Outbox {
+        create_extension(client);
+        Outbox {
+            broker_id: add_broker(client, endpoint),
+        }
+    }
+
+    /// Rows in `amqp.message` that are not parked (still to be delivered).
+    pub fn pending(client: &mut Client) -> Result<i64, String> {
+        client
+            .query_one(
+                "SELECT count(*) FROM amqp.message WHERE parked_at IS NULL",
+                &[],
+            )
+            .map(|r| r.get(0))
+            .map_err(|e| format!("counting amqp.message: {e}"))
+    }
+
+    /// All rows in `amqp.message`.
+    pub fn rows(client: &mut Client) -> Result<i64, String> {
+        client
+            .query_one("SELECT count(*) FROM amqp.message", &[])
+            .map(|r| r.get(0))
+            .map_err(|e| format!("counting amqp.message: {e}"))
+    }
+
+    /// Waits until no unparked row is left (everything delivered and deleted).
+    pub fn wait_drained(client: &mut Client, timeout: Duration) {
+        eventually(
+            timeout,
+            "amqp.message to drain (no unparked rows)",
+            || match Outbox::pending(client)? {
+                0 => Ok(()),
+                n => Err(format!("{n} rows pending")),
+            },
+        );
+    }
+
+    /// `amqp.publish(broker_id, exchange, routing_key, body)`, committed on its own.
+    pub fn publish(&self, client: &mut Client, exchange: &str, routing_key: &str, body: &str) {
+        client
+            .execute(
+                "SELECT amqp.publish($1, $2, $3, $4)",
+                &[&self.broker_id, &exchange, &routing_key, &body],
+            )
+            .unwrap_or_else(|e| panic!("amqp.publish({exchange}, {routing_key}, {body}): {e}"));
+    }
+}
+
+pub fn create_extension(client: &mut Client) {
+    client
+        .batch_execute("CREATE EXTENSION amqp_outbox")
+        .unwrap_or_else(|e| panic!("CREATE EXTENSION amqp_outbox: {e}"));
+}
+
+/// Inserts an `amqp.broker` row; returns its broker_id.
+pub fn add_broker(client: &mut Client, endpoint: &AmqpEndpoint) -> i32 {
+    let port = i32::from(endpoint.port);
+    client
+        .query_one(
+            "INSERT INTO amqp.broker (host, port, vhost, username, password) \
+             VALUES ($1, $2, $3, $4, $5) RETURNING broker_id",
+            &[
+                &endpoint.host,
+                &port,
+                &endpoint.vhost,
+                &endpoint.username,
+                &endpoint.password,
+            ],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("INSERT INTO amqp.broker: {e}"))
+}
+
+/// How a [`Producer`] publishes.
+#[derive(Clone, Debug)]
+pub struct ProducerConfig {
+    /// The producer part of every [`MessageKey`] (unique per producer).
+    pub name: String,
+    pub broker_id: i32,
+    pub exchange: String,
+    pub routing_key: String,
+    /// Stop after this many messages (committed or not).
+    pub max_messages: u64,
+    /// Each transaction publishes 1..=max_batch messages.
+    pub max_batch: usize,
+    /// Probability that a transaction ends in ROLLBACK instead of COMMIT.
+    pub rollback_ratio: f64,
+    /// Pause between transactions (to spread a stream over time; not a synchronisation).
+    pub pause: Duration,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProducerStats {
+    pub committed: u64,
+    pub aborted: u64,
+    pub unknown: u64,
+    pub transactions: u64,
+    pub reconnects: u64,
+}
+
+/// A thread that publishes `producer:seq` bodies in transactions and records every outcome in
+/// the ledger. Ends after `max_messages`, or when stopped.
+pub struct Producer {
+    handle: Option<JoinHandle<Result<ProducerStats, String>>>,
+    stop: Arc<AtomicBool>,
+    published: Arc<AtomicU64>,
+    pub name: String,
+}
+
+impl Producer {
+    pub fn spawn(cluster: &PgCluster, config: ProducerConfig, ledger: Arc<Ledger>) -> Producer {
+        let conninfo = cluster.connection_string(&cluster.config().database);
+        let stop = Arc::new(AtomicBool::new(false));
+        let published = Arc::new(AtomicU64::new(0));
+        let name = config.name.clone();
+        let handle = {
+            let stop = stop.clone();
+            let published = published.clone();
+            std::thread::Builder::new()
+                .name(format!("producer-{}", config.name))
+                .spawn(move || produce(&conninfo, &config, &ledger, &stop, &published))
+                .expect("spawn producer thread")
+        };
+        Producer {
+            handle: Some(handle),
+            stop,
+            published,
+            name,
+        }
+    }
+
+    /// Messages whose transaction has ended (any outcome) so far.
+    pub fn published(&self) -> u64 {
+        self.published.load(Ordering::Relaxed)
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.handle.as_ref().is_none_or(|h| h.is_finished())
+    }
+
+    /// Stops (if still running) and waits; panics if the producer failed.
+    pub fn join(mut self) -> ProducerStats {
+        self.finish()
+    }
+
+    /// Waits for the producer to end by itself (after `max_messages`).
+    pub fn wait(mut self) -> ProducerStats {
+        match self.handle.take().map(|h| h.join()) {
+            Some(Ok(Ok(stats))) => stats,
+            Some(Ok(Err(e))) => panic!("producer {} failed: {e}", self.name),
+            Some(Err(_)) => panic!("producer {} panicked", self.name),
+            None => ProducerStats::default(),
+        }
+    }
+
+    fn finish(&mut self) -> ProducerStats {
+        self.stop();
+        match self.handle.take().map(|h| h.join()) {
+            Some(Ok(Ok(stats))) => stats,
+            Some(Ok(Err(e))) => panic!("producer {} failed: {e}", self.name),
+            Some(Err(_)) => panic!("producer {} panicked", self.name),
+            None => ProducerStats::default(),
+        }
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn connect_retrying(conninfo: &str, stop: &AtomicBool) -> Result<Client, String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match Client::connect(conninfo, postgres::NoTls) {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                if std::time::Instant::now() > deadline || stop.load(Ordering::Relaxed) {
+                    return Err(format!("cannot (re)connect: {e}"));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn produce(
+    conninfo: &str,
+    cfg: &ProducerConfig,
+    ledger: &Ledger,
+    stop: &AtomicBool,
+    published: &AtomicU64,
+) -> Result<ProducerStats, String> {
+    let mut stats = ProducerStats::default();
+    let mut rng = rand::thread_rng();
+    let mut client = connect_retrying(conninfo, stop)?;
+    let mut seq: u64 = 0;
+    // Prepared once per connection (forgotten on reconnect).
+    let mut stmt: Option<postgres::Statement> = None;
+    while seq < cfg.max_messages && !stop.load(Ordering::Relaxed) {
+        let n = rng
+            .gen_range(1..=cfg.max_batch.max(1))
+            .min((cfg.max_messages - seq) as usize);
+        let keys: Vec<MessageKey> = (0..n as u64)
+            .map(|i| MessageKey::new(&cfg.name, seq + i))
+            .collect();
+        seq += n as u64;
+        let rollback = rng.gen_bool(cfg.rollback_ratio.clamp(0.0, 1.0));
+        // Everything up to COMMIT: an error here means the transaction did not commit.
+        let body = (|| -> Result<Option<String>, postgres::Error> {
+            client.batch_execute("BEGIN")?;
+            let xid: String = client
+                .query_one("SELECT pg_catalog.pg_current_xact_id()::text", &[])?
+                .get(0);
+            if stmt.is_none() {
+                stmt = Some(client.prepare("SELECT amqp.publish($1, $2, $3, $4)")?);
+            }
+            let st = stmt.as_ref().expect("prepared above");
+            for k in &keys {
+                client.execute(
+                    st,
+                    &[&cfg.broker_id, &cfg.exchange, &cfg.routing_key, &k.body()],
+                )?;
+            }
+            Ok(Some(xid))
+        })();
+        stats.transactions += 1;
+        match body {
+            Err(e) => {
+                ledger.aborted(&keys);
+                stats.aborted += n as u64;
+                if client.is_closed() {
+                    client = connect_retrying(conninfo, stop)?;
+                    stmt = None;
+                    stats.reconnects += 1;
+                } else {
+                    let _ = client.batch_execute("ROLLBACK");
+                    if e.as_db_error().is_none() {
+                        return Err(format!("publishing {}: {e}", keys[0]));
+                    }
+                }
+            }
+            Ok(xid) => {
+                if rollback {
+                    match client.batch_execute("ROLLBACK") {
+                        Ok(()) => {}
+                        Err(_) if client.is_closed() => {
+                            client = connect_retrying(conninfo, stop)?;
+                            stmt = None;
+                            stats.reconnects += 1;
+                        }
+                        Err(e) => return Err(format!("ROLLBACK: {e}")),
+                    }
+                    ledger.aborted(&keys);
+                    stats.aborted += n as u64;
+                } else {
+                    match client.batch_execute("COMMIT") {
+                        Ok(()) => {
+                            ledger.committed(&keys);
+                            stats.committed += n as u64;
+                        }
+                        Err(e) if e.as_db_error().is_some() && !client.is_closed() => {
+                            // The server answered COMMIT with an error: rolled back.
+                            ledger.aborted(&keys);
+                            stats.aborted += n as u64;
+                        }
+                        Err(_) => {
+                            ledger.unknown(&keys, xid);
+                            stats.unknown += n as u64;
+                            client = connect_retrying(conninfo, stop)?;
+                            stmt = None;
+                            stats.reconnects += 1;
+                        }
+                    }
+                }
+            }
+        }
+        published.fetch_add(n as u64, Ordering::Relaxed);
+        if !cfg.pause.is_zero() {
+            std::thread::sleep(cfg.pause);
+        }
+    }
+    Ok(stats)
+}

@@ -1,0 +1,540 @@
+//! A private PostgreSQL cluster per test: own port, own data directory, own log.
+//!
+//! Binaries come from `pg_config --bindir` (the `PG_CONFIG` environment variable names another
+//! `pg_config`). As root, `initdb` and `pg_ctl` refuse to run, so they run as the `postgres` user
+//! (`runuser -u postgres --`) in a temporary directory that user owns.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use postgres::{Client, NoTls};
+
+use crate::{eventually, pick_ports, running_as_root, tail};
+
+/// The database the worker serves in every test cluster (`amqp_outbox.database`).
+pub const DEFAULT_DATABASE: &str = "e2e";
+
+/// How a cluster is configured before it starts.
+#[derive(Clone, Debug)]
+pub struct PgConfig {
+    /// `shared_preload_libraries = 'amqp_outbox'` (and the extension's settings). Off only to
+    /// test the harness itself without the extension installed.
+    pub preload: bool,
+    /// The database created after the first start, and `amqp_outbox.database`.
+    pub database: String,
+    /// `amqp_outbox.naptime` in milliseconds.
+    pub naptime_ms: u64,
+    /// Further `postgresql.conf` lines, `name = value` (the value as written in the file).
+    pub settings: Vec<(String, String)>,
+}
+
+impl Default for PgConfig {
+    fn default() -> Self {
+        PgConfig {
+            preload: true,
+            database: DEFAULT_DATABASE.to_string(),
+            naptime_ms: 200,
+            settings: Vec::new(),
+        }
+    }
+}
+
+impl PgConfig {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// No `shared_preload_libraries`, no `amqp_outbox.*` settings.
+    pub fn without_preload(mut self) -> Self {
+        self.preload = false;
+        self
+    }
+
+    /// Adds `name = value` to `postgresql.conf`; `value` is written as given, so quote strings:
+    /// `.setting("amqp_outbox.max_attempts", "3")`, `.setting("work_mem", "'8MB'")`.
+    pub fn setting(mut self, name: &str, value: impl ToString) -> Self {
+        self.settings.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    pub fn naptime_ms(mut self, ms: u64) -> Self {
+        self.naptime_ms = ms;
+        self
+    }
+}
+
+/// `pg_ctl stop -m …`
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopMode {
+    Smart,
+    Fast,
+    Immediate,
+}
+
+impl StopMode {
+    fn as_arg(self) -> &'static str {
+        match self {
+            StopMode::Smart => "smart",
+            StopMode::Fast => "fast",
+            StopMode::Immediate => "immediate",
+        }
+    }
+}
+
+/// Where PostgreSQL is installed, from `pg_config`.
+#[derive(Clone, Debug)]
+pub struct PgInstall {
+    pub bindir: PathBuf,
+    pub pkglibdir: PathBuf,
+}
+
+impl PgInstall {
+    /// Runs `$PG_CONFIG` (default `pg_config`) for `--bindir` and `--pkglibdir`.
+    pub fn find() -> Result<PgInstall, String> {
+        let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "pg_config".to_string());
+        let ask = |flag: &str| -> Result<PathBuf, String> {
+            let out = Command::new(&pg_config)
+                .arg(flag)
+                .output()
+                .map_err(|e| format!("cannot run `{pg_config} {flag}`: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "`{pg_config} {flag}` failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+            Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        };
+        Ok(PgInstall {
+            bindir: ask("--bindir")?,
+            pkglibdir: ask("--pkglibdir")?,
+        })
+    }
+
+    /// Fails with a clear message when `amqp_outbox.so` is not installed.
+    pub fn check_extension_installed(&self) -> Result<(), String> {
+        let so = self.pkglibdir.join("amqp_outbox.so");
+        if so.exists() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} is missing: install the extension into this PostgreSQL before the end-to-end \
+                 tests (`make install`, or `cargo pgrx install --release --pg-config \
+                 \"$(pg_config --bindir)/pg_config\"` in the repository root)",
+                so.display()
+            ))
+        }
+    }
+}
+
+/// A private PostgreSQL cluster. Dropping it stops the server (`-m immediate`) and removes its
+/// directory.
+pub struct PgCluster {
+    config: PgConfig,
+    install: PgInstall,
+    dir: Option<tempfile::TempDir>,
+    port: u16,
+    running: bool,
+}
+
+impl PgCluster {
+    /// `initdb`, configure, start, create the database. Panics with the reason (and the server
+    /// log) when any step fails.
+    pub fn new(config: PgConfig) -> PgCluster {
+        match PgCluster::try_new(config) {
+            Ok(c) => c,
+            Err(e) => panic!("cannot set up a PostgreSQL cluster: {e}"),
+        }
+    }
+
+    /// A cluster with the default configuration (extension preloaded).
+    pub fn with_defaults() -> PgCluster {
+        PgCluster::new(PgConfig::default())
+    }
+
+    pub fn try_new(config: PgConfig) -> Result<PgCluster, String> {
+        let install = PgInstall::find()?;
+        if config.preload {
+            install.check_extension_installed()?;
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("amqp_outbox_e2e_pg.")
+            .tempdir()
+            .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+        if running_as_root() {
+            let (uid, gid) = postgres_user_ids()?;
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
+                .map_err(|e| format!("cannot chown {} to postgres: {e}", dir.path().display()))?;
+        }
+        let mut cluster = PgCluster {
+            config,
+            install,
+            dir: Some(dir),
+            port: 0,
+            running: false,
+        };
+        cluster.initdb()?;
+        // A port can be taken between our check and the server's bind: try a few.
+        let mut last = String::new();
+        for _ in 0..3 {
+            cluster.port = pick_ports(55001, 64000, 1);
+            cluster.write_config()?;
+            match cluster.try_start() {
+                Ok(()) => {
+                    last.clear();
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        if !last.is_empty() {
+            return Err(last);
+        }
+        let mut admin = cluster.try_client_db("postgres")?;
+        admin
+            .batch_execute(&format!(
+                "CREATE DATABASE \"{}\"",
+                cluster.config.database.replace('"', "\"\"")
+            ))
+            .map_err(|e| format!("CREATE DATABASE {}: {e}", cluster.config.database))?;
+        Ok(cluster)
+    }
+
+    pub fn config(&self) -> &PgConfig {
+        &self.config
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The temporary directory: the data directory, the log and the unix socket live here.
+    pub fn dir(&self) -> &Path {
+        self.dir.as_ref().expect("cluster directory").path()
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir().join("data")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir().join("postgresql.log")
+    }
+
+    /// Everything the server wrote to its log so far (for asserting, e.g., that no password was
+    /// ever logged).
+    pub fn log(&self) -> String {
+        fs::read(self.log_path())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// The last `n` lines of the log, for failure messages.
+    pub fn log_tail(&self, n: usize) -> String {
+        tail(&self.log(), n)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.running
+    }
+
+    /// A libpq connection string for `db` (TCP to 127.0.0.1, user postgres, trust auth).
+    pub fn connection_string(&self, db: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname={db} connect_timeout=10 \
+             application_name=amqp_outbox_e2e",
+            self.port
+        )
+    }
+
+    /// A new connection to the test database.
+    pub fn client(&self) -> Client {
+        self.client_db(&self.config.database)
+    }
+
+    pub fn client_db(&self, db: &str) -> Client {
+        match self.try_client_db(db) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}\n--- server log ---\n{}", self.log_tail(30)),
+        }
+    }
+
+    pub fn try_client(&self) -> Result<Client, String> {
+        self.try_client_db(&self.config.database)
+    }
+
+    pub fn try_client_db(&self, db: &str) -> Result<Client, String> {
+        Client::connect(&self.connection_string(db), NoTls)
+            .map_err(|e| format!("cannot connect to database {db} on port {}: {e}", self.port))
+    }
+
+    /// Starts a stopped server.
+    pub fn start(&mut self) {
+        if let Err(e) = self.try_start() {
+            panic!("{e}");
+        }
+    }
+
+    pub fn try_start(&mut self) -> Result<(), String> {
+        let data = self.data_dir();
+        let log = self.log_path();
+        let out = self.pg_tool(
+            "pg_ctl",
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-l".as_ref(),
+                log.as_os_str(),
+                "-w".as_ref(),
+                "-t".as_ref(),
+                "60".as_ref(),
+                "start".as_ref(),
+            ],
+        )?;
+        if !out.status.success() {
+            return Err(format!(
+                "pg_ctl start failed ({}): {}{}\n--- server log ---\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+                self.log_tail(30)
+            ));
+        }
+        self.running = true;
+        Ok(())
+    }
+
+    /// `pg_ctl stop -m mode`, waiting until the server is down.
+    pub fn stop(&mut self, mode: StopMode) {
+        if let Err(e) = self.try_stop(mode) {
+            panic!("{e}");
+        }
+    }
+
+    pub fn try_stop(&mut self, mode: StopMode) -> Result<(), String> {
+        let data = self.data_dir();
+        let out = self.pg_tool(
+            "pg_ctl",
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-m".as_ref(),
+                mode.as_arg().as_ref(),
+                "-w".as_ref(),
+                "-t".as_ref(),
+                "60".as_ref(),
+                "stop".as_ref(),
+            ],
+        )?;
+        if !out.status.success() {
+            return Err(format!(
+                "pg_ctl stop -m {} failed ({}): {}{}",
+                mode.as_arg(),
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        self.running = false;
+        Ok(())
+    }
+
+    /// Fast stop, then start (for a changed `shared_preload_libraries` or a new `.so`).
+    pub fn restart(&mut self) {
+        if self.running {
+            self.stop(StopMode::Fast);
+        }
+        self.start();
+    }
+
+    /// `pg_ctl reload` (SIGHUP): picks up changed `sighup` settings.
+    pub fn reload(&self) {
+        let data = self.data_dir();
+        let out = self
+            .pg_tool(
+                "pg_ctl",
+                &["-D".as_ref(), data.as_os_str(), "reload".as_ref()],
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            out.status.success(),
+            "pg_ctl reload failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Sets (or replaces) `name = value` in the cluster's configuration file. Takes effect at the
+    /// next [`reload`](Self::reload) or [`restart`](Self::restart).
+    pub fn set_setting(&mut self, name: &str, value: impl ToString) {
+        self.config.settings.retain(|(n, _)| n != name);
+        self.config
+            .settings
+            .push((name.to_string(), value.to_string()));
+        self.write_config().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// The pid of the `amqp_outbox` background worker, if it is in `pg_stat_activity` now.
+    pub fn worker_pid(&self, client: &mut Client) -> Result<Option<i32>, String> {
+        client
+            .batch_execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+            .map_err(|e| format!("pg_stat_clear_snapshot: {e}"))?;
+        let rows = client
+            .query(
+                "SELECT pid FROM pg_catalog.pg_stat_activity WHERE backend_type = 'amqp_outbox'",
+                &[],
+            )
+            .map_err(|e| format!("querying pg_stat_activity: {e}"))?;
+        match rows.len() {
+            0 => Ok(None),
+            1 => Ok(Some(rows[0].get(0))),
+            n => Err(format!(
+                "{n} backends with backend_type 'amqp_outbox' (one per cluster expected)"
+            )),
+        }
+    }
+
+    /// Waits until the worker is in `pg_stat_activity`, and returns its pid.
+    pub fn wait_for_worker(&self, client: &mut Client, timeout: Duration) -> i32 {
+        eventually(
+            timeout,
+            "the amqp_outbox worker in pg_stat_activity (backend_type 'amqp_outbox')",
+            || match self.worker_pid(client)? {
+                Some(pid) => Ok(pid),
+                None => Err(format!(
+                    "no such backend; server log tail:\n{}",
+                    self.log_tail(10)
+                )),
+            },
+        )
+    }
+
+    fn initdb(&self) -> Result<(), String> {
+        let data = self.data_dir();
+        let out = self.pg_tool(
+            "initdb",
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-U".as_ref(),
+                "postgres".as_ref(),
+                "--auth=trust".as_ref(),
+                "-E".as_ref(),
+                "UTF8".as_ref(),
+                "--locale=C".as_ref(),
+                "--no-sync".as_ref(),
+            ],
+        )?;
+        if !out.status.success() {
+            return Err(format!(
+                "initdb failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        // Include our own file, rewritten whenever the settings change.
+        let conf = data.join("postgresql.conf");
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(&conf)
+            .map_err(|e| format!("cannot open {}: {e}", conf.display()))?;
+        writeln!(f, "\ninclude 'e2e.conf'")
+            .map_err(|e| format!("cannot write {}: {e}", conf.display()))?;
+        Ok(())
+    }
+
+    fn write_config(&self) -> Result<(), String> {
+        let mut text = String::new();
+        let dir = self.dir().display().to_string().replace('\'', "''");
+        text.push_str(&format!(
+            "listen_addresses = '127.0.0.1'\n\
+             port = {}\n\
+             unix_socket_directories = '{dir}'\n\
+             max_connections = 60\n\
+             fsync = off\n\
+             full_page_writes = off\n\
+             shared_buffers = '64MB'\n\
+             log_line_prefix = '%m [%p] %b '\n\
+             log_min_messages = info\n",
+            self.port
+        ));
+        if self.config.preload {
+            text.push_str(&format!(
+                "shared_preload_libraries = 'amqp_outbox'\n\
+                 amqp_outbox.database = '{}'\n\
+                 amqp_outbox.naptime = {}\n",
+                self.config.database.replace('\'', "''"),
+                self.config.naptime_ms
+            ));
+        }
+        for (name, value) in &self.config.settings {
+            text.push_str(&format!("{name} = {value}\n"));
+        }
+        let path = self.data_dir().join("e2e.conf");
+        fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        if running_as_root() {
+            let (uid, gid) = postgres_user_ids()?;
+            std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                .map_err(|e| format!("cannot chown {}: {e}", path.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Runs one of PostgreSQL's programs, as `postgres` when we are root.
+    fn pg_tool(&self, program: &str, args: &[&std::ffi::OsStr]) -> Result<Output, String> {
+        let bin = self.install.bindir.join(program);
+        let mut cmd = if running_as_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&bin);
+            c
+        } else {
+            Command::new(&bin)
+        };
+        cmd.args(args)
+            .current_dir(self.dir())
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", bin.display()))
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        if self.running {
+            let _ = self.try_stop(StopMode::Immediate);
+        }
+        if let Some(dir) = self.dir.take() {
+            if std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some() {
+                let kept = dir.keep();
+                eprintln!("keeping PostgreSQL test cluster in {}", kept.display());
+            } else {
+                let _ = dir.close();
+            }
+        }
+    }
+}
+
+/// uid and gid of the `postgres` user (looked up once: `getpwnam` is not thread-safe).
+fn postgres_user_ids() -> Result<(u32, u32), String> {
+    static IDS: std::sync::OnceLock<Result<(u32, u32), String>> = std::sync::OnceLock::new();
+    IDS.get_or_init(|| {
+        let name = std::ffi::CString::new("postgres").expect("no NUL");
+        // SAFETY: getpwnam gets a valid C string; OnceLock runs this once, so no other
+        // getpw* call of ours overwrites the record before it is read.
+        unsafe {
+            let pw = libc::getpwnam(name.as_ptr());
+            if pw.is_null() {
+                return Err(
+                    "running as root, but there is no `postgres` user to run initdb \
+                            and pg_ctl as"
+                        .to_string(),
+                );
+            }
+            Ok(((*pw).pw_uid, (*pw).pw_gid))
+        }
+    })
+    .clone()
+}

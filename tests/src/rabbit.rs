@@ -1,0 +1,580 @@
+//! RabbitMQ helpers: uniquely named exchanges and queues, and a consumer that records every
+//! delivery.
+//!
+//! The AMQP client (lapin) runs on one tokio runtime shared by the whole test process; the
+//! helpers here are synchronous, so tests stay plain `#[test]` functions.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+use crate::{eventually, unique_name};
+
+/// The process-wide runtime the AMQP clients run on.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("e2e-amqp")
+            .enable_all()
+            .build()
+            .expect("cannot build the tokio runtime for the AMQP clients")
+    })
+}
+
+/// Where a broker listens and how to log in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AmqpEndpoint {
+    pub host: String,
+    pub port: u16,
+    pub vhost: String,
+    pub username: String,
+    pub password: String,
+}
+
+impl AmqpEndpoint {
+    /// The shared broker: 127.0.0.1:5672 guest/guest, or `AMQP_OUTBOX_E2E_AMQP_PORT`.
+    /// Tests never restart or reconfigure it.
+    pub fn shared() -> AmqpEndpoint {
+        let port = std::env::var("AMQP_OUTBOX_E2E_AMQP_PORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(5672);
+        AmqpEndpoint::local(port)
+    }
+
+    /// 127.0.0.1:`port`, vhost `/`, guest/guest.
+    pub fn local(port: u16) -> AmqpEndpoint {
+        AmqpEndpoint {
+            host: "127.0.0.1".to_string(),
+            port,
+            vhost: "/".to_string(),
+            username: "guest".to_string(),
+            password: "guest".to_string(),
+        }
+    }
+
+    pub fn uri(&self) -> String {
+        let vhost = if self.vhost == "/" {
+            "%2f".to_string()
+        } else {
+            self.vhost.clone()
+        };
+        format!(
+            "amqp://{}:{}@{}:{}/{vhost}?heartbeat=5&connection_timeout=5000",
+            self.username, self.password, self.host, self.port
+        )
+    }
+}
+
+async fn connect(endpoint: &AmqpEndpoint) -> Result<Connection, String> {
+    let uri = endpoint.uri();
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        Connection::connect(&uri, ConnectionProperties::default()),
+    )
+    .await
+    {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(format!(
+            "cannot connect to {}:{}: {e}",
+            endpoint.host, endpoint.port
+        )),
+        Err(_) => Err(format!(
+            "connecting to {}:{} timed out",
+            endpoint.host, endpoint.port
+        )),
+    }
+}
+
+/// A connection and a channel to a broker, for declaring and deleting test topology.
+pub struct Rabbit {
+    endpoint: AmqpEndpoint,
+    connection: Connection,
+    channel: Channel,
+}
+
+impl Rabbit {
+    /// The shared broker (127.0.0.1:5672).
+    pub fn shared() -> Rabbit {
+        Rabbit::connect(AmqpEndpoint::shared()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn connect(endpoint: AmqpEndpoint) -> Result<Rabbit, String> {
+        runtime().block_on(async {
+            let connection = connect(&endpoint).await?;
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| format!("cannot open a channel: {e}"))?;
+            Ok(Rabbit {
+                endpoint,
+                connection,
+                channel,
+            })
+        })
+    }
+
+    pub fn endpoint(&self) -> &AmqpEndpoint {
+        &self.endpoint
+    }
+
+    /// A durable direct exchange and a durable queue bound to it with the routing key `rk`,
+    /// both uniquely named after `prefix`. Deleted when the [`Route`] is dropped.
+    pub fn declare_route(&self, prefix: &str) -> Route {
+        self.declare_route_kind(prefix, ExchangeKind::Direct, "rk")
+    }
+
+    pub fn declare_route_kind(&self, prefix: &str, kind: ExchangeKind, binding_key: &str) -> Route {
+        let base = unique_name(prefix);
+        let route = Route {
+            endpoint: self.endpoint.clone(),
+            exchange: format!("{base}.x"),
+            queue: format!("{base}.q"),
+            routing_key: binding_key.to_string(),
+            delete_on_drop: true,
+        };
+        let r = runtime().block_on(async {
+            self.channel
+                .exchange_declare(
+                    route.exchange.as_str().into(),
+                    kind,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("exchange.declare {}: {e}", route.exchange))?;
+            self.channel
+                .queue_declare(
+                    route.queue.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("queue.declare {}: {e}", route.queue))?;
+            self.channel
+                .queue_bind(
+                    route.queue.as_str().into(),
+                    route.exchange.as_str().into(),
+                    binding_key.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("queue.bind {} to {}: {e}", route.queue, route.exchange))
+        });
+        if let Err(e) = r {
+            panic!("cannot declare the test route on {:?}: {e}", self.endpoint);
+        }
+        route
+    }
+
+    /// Publishes one message directly (not through the outbox), waiting for the broker's
+    /// confirm. For testing the harness and for foreign messages in a queue.
+    pub fn publish(&self, exchange: &str, routing_key: &str, body: &[u8]) -> Result<(), String> {
+        runtime().block_on(async {
+            // A channel of its own with confirms: an error (404) closes only this one.
+            let ch = self
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| format!("cannot open a channel: {e}"))?;
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| format!("confirm.select: {e}"))?;
+            let confirm = ch
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions::default(),
+                    body,
+                    BasicProperties::default()
+                        .with_message_id(format!("direct-{}", String::from_utf8_lossy(body)).into())
+                        .with_delivery_mode(2),
+                )
+                .await
+                .map_err(|e| format!("basic.publish: {e}"))?
+                .await
+                .map_err(|e| format!("publish confirm: {e}"))?;
+            let _ = ch.close(200, "done".into()).await;
+            if confirm.is_ack() {
+                Ok(())
+            } else {
+                Err(format!("not confirmed: {confirm:?}"))
+            }
+        })
+    }
+
+    /// A consumer on `route`'s queue that records every delivery (see [`Collector`]).
+    pub fn consume(&self, route: &Route) -> Collector {
+        Collector::start(self.endpoint.clone(), route.queue.clone())
+    }
+}
+
+impl Drop for Rabbit {
+    fn drop(&mut self) {
+        let conn = &self.connection;
+        runtime().block_on(async {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
+        });
+    }
+}
+
+/// A uniquely named durable exchange and queue, bound with `routing_key`. Both are deleted
+/// (best effort) on drop.
+#[derive(Debug)]
+pub struct Route {
+    pub endpoint: AmqpEndpoint,
+    pub exchange: String,
+    pub queue: String,
+    pub routing_key: String,
+    /// Off for a broker that is about to be thrown away anyway.
+    pub delete_on_drop: bool,
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        if !self.delete_on_drop {
+            return;
+        }
+        let endpoint = self.endpoint.clone();
+        let exchange = self.exchange.clone();
+        let queue = self.queue.clone();
+        runtime().block_on(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(5), async move {
+                let conn = connect(&endpoint).await?;
+                let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+                let _ = ch
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = ch
+                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                    .await;
+                let _ = conn.close(200, "bye".into()).await;
+                Ok::<(), String>(())
+            })
+            .await;
+        });
+    }
+}
+
+/// One delivery as the consumer saw it.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub body: Vec<u8>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub redelivered: bool,
+    pub message_id: Option<String>,
+    pub delivery_mode: Option<u8>,
+    pub content_type: Option<String>,
+    pub reply_to: Option<String>,
+    pub correlation_id: Option<String>,
+    pub timestamp: Option<u64>,
+    /// The AMQP headers, converted to JSON (strings, numbers, booleans, arrays, objects).
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    /// Which consumer connection of the collector received it (0, 1, … after reconnects).
+    pub connection_no: u64,
+    pub received_at: Instant,
+}
+
+impl Received {
+    /// The body as UTF-8 (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn header(&self, name: &str) -> Option<&serde_json::Value> {
+        self.headers.get(name)
+    }
+}
+
+/// Converts an AMQP field value to JSON, for easy assertions.
+pub fn amqp_to_json(value: &AMQPValue) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::ShortShortInt(v) => Value::from(*v),
+        AMQPValue::ShortShortUInt(v) => Value::from(*v),
+        AMQPValue::ShortInt(v) => Value::from(*v),
+        AMQPValue::ShortUInt(v) => Value::from(*v),
+        AMQPValue::LongInt(v) => Value::from(*v),
+        AMQPValue::LongUInt(v) => Value::from(*v),
+        AMQPValue::LongLongInt(v) => Value::from(*v),
+        AMQPValue::Float(v) => Value::from(*v),
+        AMQPValue::Double(v) => Value::from(*v),
+        AMQPValue::DecimalValue(d) => {
+            Value::from(f64::from(d.value) / 10f64.powi(i32::from(d.scale)))
+        }
+        AMQPValue::ShortString(s) => Value::String(s.as_str().to_string()),
+        AMQPValue::LongString(s) => Value::String(String::from_utf8_lossy(s.as_bytes()).into()),
+        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(amqp_to_json).collect()),
+        AMQPValue::Timestamp(t) => Value::from(*t),
+        AMQPValue::FieldTable(t) => Value::Object(table_to_json(t)),
+        AMQPValue::ByteArray(b) => Value::String(String::from_utf8_lossy(b.as_slice()).into()),
+        AMQPValue::Void => Value::Null,
+    }
+}
+
+pub fn table_to_json(table: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
+    table
+        .inner()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_string(), amqp_to_json(v)))
+        .collect()
+}
+
+#[derive(Default)]
+struct CollectorState {
+    deliveries: Vec<Received>,
+    connections: u64,
+    last_error: Option<String>,
+}
+
+/// A consumer on one queue, on its own connection, recording every delivery in arrival order
+/// (recorded first, then acknowledged). When its connection drops (a broker stopped or
+/// restarted), it reconnects every 200 ms until dropped; an unacknowledged delivery then comes
+/// again with `redelivered` set, so it is recorded twice.
+pub struct Collector {
+    queue: String,
+    state: Arc<Mutex<CollectorState>>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Collector {
+    pub fn start(endpoint: AmqpEndpoint, queue: String) -> Collector {
+        let state = Arc::new(Mutex::new(CollectorState::default()));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let task = runtime().spawn(collect(endpoint, queue.clone(), state.clone(), stop_rx));
+        Collector {
+            queue,
+            state,
+            stop: Some(stop_tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CollectorState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Every delivery so far, in arrival order.
+    pub fn deliveries(&self) -> Vec<Received> {
+        self.lock().deliveries.clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().deliveries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bodies (UTF-8, lossy) in arrival order.
+    pub fn bodies(&self) -> Vec<String> {
+        self.lock().deliveries.iter().map(Received::text).collect()
+    }
+
+    /// How many times the consumer has connected (1 once it is up).
+    pub fn connections(&self) -> u64 {
+        self.lock().connections
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.lock().last_error.clone()
+    }
+
+    /// Waits until the consumer is connected and consuming.
+    pub fn wait_connected(&self, timeout: Duration) {
+        eventually(timeout, "the test consumer to connect", || {
+            if self.connections() > 0 {
+                Ok(())
+            } else {
+                Err(self
+                    .last_error()
+                    .unwrap_or_else(|| "not connected yet".into()))
+            }
+        });
+    }
+
+    /// Waits until a delivery with this body arrived, and returns it.
+    pub fn wait_for_body(&self, body: &str, timeout: Duration) -> Received {
+        eventually(timeout, &format!("a delivery with body {body:?}"), || {
+            let st = self.lock();
+            st.deliveries
+                .iter()
+                .find(|d| d.body == body.as_bytes())
+                .cloned()
+                .ok_or_else(|| {
+                    format!(
+                        "{} deliveries so far, none with that body; consumer error: {:?}",
+                        st.deliveries.len(),
+                        st.last_error
+                    )
+                })
+        })
+    }
+
+    /// Waits until at least `n` deliveries arrived.
+    pub fn wait_for_count(&self, n: usize, timeout: Duration) -> Vec<Received> {
+        eventually(
+            timeout,
+            &format!("{n} deliveries on {}", self.queue),
+            || {
+                let st = self.lock();
+                if st.deliveries.len() >= n {
+                    Ok(st.deliveries.clone())
+                } else {
+                    Err(format!(
+                        "{} deliveries so far; consumer error: {:?}",
+                        st.deliveries.len(),
+                        st.last_error
+                    ))
+                }
+            },
+        )
+    }
+
+    /// Deliveries counted by body: body → how many times it arrived.
+    pub fn body_counts(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for d in self.lock().deliveries.iter() {
+            *m.entry(d.text()).or_insert(0) += 1;
+        }
+        m
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(task) = self.task.take() {
+            // Give it a moment to close its connection politely, then abort.
+            let _ = runtime()
+                .block_on(async { tokio::time::timeout(Duration::from_secs(2), task).await });
+        }
+    }
+}
+
+async fn collect(
+    endpoint: AmqpEndpoint,
+    queue: String,
+    state: Arc<Mutex<CollectorState>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        match consume_once(&endpoint, &queue, &state, &mut stop).await {
+            Ok(()) => return,
+            Err(e) => {
+                state.lock().unwrap_or_else(|e| e.into_inner()).last_error = Some(e);
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}
+
+/// One connection's worth of consuming. `Ok` only when asked to stop.
+async fn consume_once(
+    endpoint: &AmqpEndpoint,
+    queue: &str,
+    state: &Arc<Mutex<CollectorState>>,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<(), String> {
+    let conn = connect(endpoint).await?;
+    let result = async {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(|e| format!("channel: {e}"))?;
+        ch.basic_qos(500, BasicQosOptions::default())
+            .await
+            .map_err(|e| format!("basic.qos: {e}"))?;
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("basic.consume {queue}: {e}"))?;
+        let connection_no = {
+            let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+            st.connections += 1;
+            st.connections - 1
+        };
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return Ok(()),
+                next = consumer.next() => match next {
+                    Some(Ok(d)) => {
+                        let p = &d.properties;
+                        let received = Received {
+                            body: d.data.clone(),
+                            exchange: d.exchange.as_str().to_string(),
+                            routing_key: d.routing_key.as_str().to_string(),
+                            redelivered: d.redelivered,
+                            message_id: p.message_id().as_ref().map(|s| s.as_str().to_string()),
+                            delivery_mode: *p.delivery_mode(),
+                            content_type: p.content_type().as_ref().map(|s| s.as_str().to_string()),
+                            reply_to: p.reply_to().as_ref().map(|s| s.as_str().to_string()),
+                            correlation_id: p
+                                .correlation_id()
+                                .as_ref()
+                                .map(|s| s.as_str().to_string()),
+                            timestamp: *p.timestamp(),
+                            headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
+                            connection_no,
+                            received_at: Instant::now(),
+                        };
+                        state
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .deliveries
+                            .push(received);
+                        d.acker
+                            .ack(BasicAckOptions::default())
+                            .await
+                            .map_err(|e| format!("basic.ack: {e}"))?;
+                    }
+                    Some(Err(e)) => return Err(format!("consumer on {queue}: {e}")),
+                    None => return Err(format!("consumer on {queue} was cancelled")),
+                },
+            }
+        }
+    }
+    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "bye".into())).await;
+    result
+}
