@@ -252,20 +252,23 @@ impl Ledger {
         }
         for (producer, mut seen) in first {
             seen.sort();
-            let mut highest: Option<u64> = None;
+            // (seq, index of its first arrival) of the highest sequence number seen so far.
+            let mut highest: Option<(u64, usize)> = None;
             for (pos, seq) in seen {
-                if let Some(h) = highest {
+                if let Some((h, h_pos)) = highest {
                     if seq < h {
                         report.order_violations.push(OrderViolation {
                             producer: producer.to_string(),
                             seq,
                             after: h,
                             position: pos,
+                            message_id: deliveries[pos].message_id.clone(),
+                            after_message_id: deliveries[h_pos].message_id.clone(),
                         });
                         continue;
                     }
                 }
-                highest = Some(seq);
+                highest = Some((seq, pos));
             }
         }
         report
@@ -296,6 +299,8 @@ pub struct OrderViolation {
     pub after: u64,
     /// Its index in the arrival order.
     pub position: usize,
+    pub message_id: Option<String>,
+    pub after_message_id: Option<String>,
 }
 
 /// What [`Ledger::check`] found.
@@ -378,10 +383,17 @@ impl fmt::Display for Duplicate {
 
 impl fmt::Display for OrderViolation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let id = |m: &Option<String>| m.clone().unwrap_or_else(|| "<none>".into());
         write!(
             f,
-            "{}:{} arrived (#{}) after {}:{}",
-            self.producer, self.seq, self.position, self.producer, self.after
+            "{}:{} (message_id {}) arrived (#{}) after {}:{} (message_id {})",
+            self.producer,
+            self.seq,
+            id(&self.message_id),
+            self.position,
+            self.producer,
+            self.after,
+            id(&self.after_message_id)
         )
     }
 }

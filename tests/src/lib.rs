@@ -20,7 +20,7 @@ pub mod private_rabbit;
 pub mod rabbit;
 
 pub use ledger::{Ledger, MessageKey, Outcome, Report};
-pub use outbox::{Outbox, Producer, ProducerStats};
+pub use outbox::{Outbox, Producer, ProducerConfig, ProducerStats};
 pub use pg::{PgCluster, PgConfig, StopMode};
 pub use private_rabbit::PrivateRabbit;
 pub use rabbit::{AmqpEndpoint, Collector, Rabbit, Received, Route};

@@ -102,7 +102,7 @@ pub struct ProducerConfig {
     pub broker_id: i32,
     pub exchange: String,
     pub routing_key: String,
-    /// Stop after this many messages (committed or not).
+    /// Stop after this many committed messages (aborted ones do not count).
     pub max_messages: u64,
     /// Each transaction publishes 1..=max_batch messages.
     pub max_batch: usize,
@@ -110,6 +110,22 @@ pub struct ProducerConfig {
     pub rollback_ratio: f64,
     /// Pause between transactions (to spread a stream over time; not a synchronisation).
     pub pause: Duration,
+}
+
+impl ProducerConfig {
+    /// 1000 messages in transactions of 1..=10, no rollbacks, no pause.
+    pub fn new(name: &str, broker_id: i32, exchange: &str, routing_key: &str) -> ProducerConfig {
+        ProducerConfig {
+            name: name.to_string(),
+            broker_id,
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            max_messages: 1000,
+            max_batch: 10,
+            rollback_ratio: 0.0,
+            pause: Duration::ZERO,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -122,7 +138,7 @@ pub struct ProducerStats {
 }
 
 /// A thread that publishes `producer:seq` bodies in transactions and records every outcome in
-/// the ledger. Ends after `max_messages`, or when stopped.
+/// the ledger. Ends after `max_messages` committed messages, or when stopped.
 pub struct Producer {
     handle: Option<JoinHandle<Result<ProducerStats, String>>>,
     stop: Arc<AtomicBool>,
@@ -228,10 +244,10 @@ fn produce(
     let mut seq: u64 = 0;
     // Prepared once per connection (forgotten on reconnect).
     let mut stmt: Option<postgres::Statement> = None;
-    while seq < cfg.max_messages && !stop.load(Ordering::Relaxed) {
+    while stats.committed < cfg.max_messages && !stop.load(Ordering::Relaxed) {
         let n = rng
             .gen_range(1..=cfg.max_batch.max(1))
-            .min((cfg.max_messages - seq) as usize);
+            .min((cfg.max_messages - stats.committed) as usize);
         let keys: Vec<MessageKey> = (0..n as u64)
             .map(|i| MessageKey::new(&cfg.name, seq + i))
             .collect();

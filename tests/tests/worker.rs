@@ -1,0 +1,686 @@
+//! End-to-end tests of the amqp_outbox background worker: a private PostgreSQL 15 cluster with
+//! the extension preloaded (one per test) publishing to a real RabbitMQ.
+//!
+//! Requires the extension installed into the PostgreSQL that `pg_config` names
+//! (`make install`), a RabbitMQ on 127.0.0.1:5672 (guest/guest) for the tests that do not break
+//! the broker, and `rabbitmq-server` installed for those that do (they start a private node).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use amqp_outbox_e2e::outbox::create_extension;
+use amqp_outbox_e2e::{
+    eventually, unique_name, Collector, Ledger, Outbox, PgCluster, PgConfig, PrivateRabbit,
+    Producer, ProducerConfig, Rabbit, Received, Route,
+};
+use postgres::Client;
+use serde_json::{json, Value};
+
+const WORKER_UP: Duration = Duration::from_secs(30);
+const ARRIVAL: Duration = Duration::from_secs(30);
+const BULK_ARRIVAL: Duration = Duration::from_secs(150);
+
+/// One test's world: its cluster (extension installed, one broker row), a route on the broker,
+/// and a consumer on the route's queue. Fields drop in order: consumer, route, then cluster.
+struct Fixture {
+    collector: Collector,
+    route: Route,
+    client: Client,
+    outbox: Outbox,
+    cluster: PgCluster,
+}
+
+impl Fixture {
+    /// Cluster with `config`, extension installed, broker row for `endpoint`, and a route +
+    /// consumer declared through `rabbit`.
+    fn new(name: &str, config: PgConfig, rabbit: &Rabbit) -> Fixture {
+        let cluster = PgCluster::new(config);
+        let mut client = cluster.client();
+        let outbox = Outbox::install(&mut client, rabbit.endpoint());
+        let route = rabbit.declare_route(name);
+        let collector = rabbit.consume(&route);
+        collector.wait_connected(Duration::from_secs(10));
+        cluster.wait_for_worker(&mut client, WORKER_UP);
+        Fixture {
+            collector,
+            route,
+            client,
+            outbox,
+            cluster,
+        }
+    }
+
+    fn publish(&mut self, body: &str) {
+        let (ex, rk) = (self.route.exchange.clone(), self.route.routing_key.clone());
+        self.outbox.publish(&mut self.client, &ex, &rk, body);
+    }
+
+    /// Waits until nothing unparked is left in the outbox, then sends a marker through the
+    /// outbox and waits for it: every copy of every earlier message was in the queue before the
+    /// marker was even published, so once the marker is here the consumer has seen them all.
+    fn settle(&mut self) {
+        Outbox::wait_drained(&mut self.client, BULK_ARRIVAL);
+        let marker = unique_name("marker");
+        self.publish(&marker);
+        self.collector.wait_for_body(&marker, ARRIVAL);
+        Outbox::wait_drained(&mut self.client, ARRIVAL);
+    }
+
+    /// Deliveries whose body is not a settle() marker.
+    fn deliveries(&self) -> Vec<Received> {
+        self.collector
+            .deliveries()
+            .into_iter()
+            .filter(|d| !d.text().starts_with("e2e.marker."))
+            .collect()
+    }
+}
+
+/// Reads a header as an integer (the worker may send it as a number or a numeric string).
+fn header_i64(d: &Received, name: &str) -> i64 {
+    match d.header(name) {
+        Some(Value::Number(n)) => n
+            .as_i64()
+            .unwrap_or_else(|| panic!("header {name} = {n} is not an integer")),
+        Some(Value::String(s)) => s
+            .parse()
+            .unwrap_or_else(|_| panic!("header {name} = {s:?} is not an integer")),
+        other => panic!(
+            "header {name} missing or not an integer: {other:?}; headers: {:?}",
+            d.headers
+        ),
+    }
+}
+
+fn wait_all_committed_delivered(ledger: &Ledger, collector: &Collector, timeout: Duration) {
+    eventually(timeout, "every committed message to arrive", || {
+        let report = ledger.check(&collector.deliveries());
+        if report.lost.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} of {} committed messages not arrived yet (e.g. {})",
+                report.lost.len(),
+                report.committed,
+                report
+                    .lost
+                    .iter()
+                    .take(5)
+                    .map(|k| k.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        }
+    });
+}
+
+#[test]
+fn committed_message_arrives_once_with_properties_and_headers() {
+    let rabbit = Rabbit::shared();
+    let mut f = Fixture::new("props", PgConfig::default(), &rabbit);
+    let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
+
+    let (pid, started_micros): (i32, i64) = {
+        let row = f
+            .client
+            .query_one(
+                "SELECT pid, (extract(epoch FROM backend_start) * 1000000)::bigint \
+                   FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+                &[],
+            )
+            .expect("own backend in pg_stat_activity");
+        (row.get(0), row.get(1))
+    };
+    let user_headers = json!({"tenant": "acme", "n": 42, "flag": true, "note": "ünïcode"});
+    let persistent_id: i64 = f
+        .client
+        .query_one(
+            "SELECT amqp.publish_message($1, $2, $3, 'hello-persistent', $4::text::jsonb, NULL, \
+             'application/json', 'reply.queue', 'corr-1')",
+            &[&f.outbox.broker_id, &ex, &rk, &user_headers.to_string()],
+        )
+        .expect("amqp.publish_message")
+        .get(0);
+    let published: bool = f
+        .client
+        .query_one(
+            "SELECT amqp.publish($1, $2, $3, 'hello-transient', 1, 'text/plain')",
+            &[&f.outbox.broker_id, &ex, &rk],
+        )
+        .expect("amqp.publish")
+        .get(0);
+    assert!(published, "amqp.publish should return true");
+    let transient_id: i64 = f
+        .client
+        .query_one("SELECT amqp.last_message_id()", &[])
+        .expect("amqp.last_message_id()")
+        .get(0);
+    assert!(transient_id > persistent_id);
+
+    f.collector.wait_for_body("hello-persistent", ARRIVAL);
+    f.collector.wait_for_body("hello-transient", ARRIVAL);
+    f.settle();
+
+    let counts = f.collector.body_counts();
+    assert_eq!(counts.get("hello-persistent"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("hello-transient"), Some(&1), "{counts:?}");
+
+    let all = f.deliveries();
+    let p = all
+        .iter()
+        .find(|d| d.body == b"hello-persistent")
+        .expect("persistent message");
+    let t = all
+        .iter()
+        .find(|d| d.body == b"hello-transient")
+        .expect("transient message");
+
+    // Routing.
+    assert_eq!(p.exchange, ex);
+    assert_eq!(p.routing_key, rk);
+    // Properties.
+    assert_eq!(
+        p.delivery_mode,
+        Some(2),
+        "NULL delivery_mode means persistent"
+    );
+    assert_eq!(p.content_type.as_deref(), Some("application/json"));
+    assert_eq!(p.reply_to.as_deref(), Some("reply.queue"));
+    assert_eq!(p.correlation_id.as_deref(), Some("corr-1"));
+    assert_eq!(t.delivery_mode, Some(1), "delivery_mode 1 was requested");
+    assert_eq!(t.content_type.as_deref(), Some("text/plain"));
+    assert_eq!(t.reply_to, None);
+    assert_eq!(t.correlation_id, None);
+    // message_id: present, distinct per row, and of the documented form
+    // `<system identifier>-<database oid>-<table oid>-<id>` (hex parts, then the row id).
+    let pm = p
+        .message_id
+        .clone()
+        .expect("message_id on the persistent message");
+    let tm = t
+        .message_id
+        .clone()
+        .expect("message_id on the transient message");
+    assert!(!pm.is_empty() && !tm.is_empty());
+    assert_ne!(pm, tm, "two rows must not share a message_id");
+    assert!(
+        pm.ends_with(&format!("-{persistent_id}")) && tm.ends_with(&format!("-{transient_id}")),
+        "message_id should end with the row id: {pm} (id {persistent_id}), {tm} (id {transient_id})"
+    );
+    assert_eq!(
+        pm.rsplit_once('-').map(|x| x.0),
+        tm.rsplit_once('-').map(|x| x.0),
+        "both message_ids should share the cluster/database/table prefix"
+    );
+    let sysid: String = f
+        .client
+        .query_one(
+            "SELECT to_hex(system_identifier) FROM pg_control_system()",
+            &[],
+        )
+        .expect("pg_control_system()")
+        .get(0);
+    assert!(
+        pm.starts_with(&sysid),
+        "message_id {pm} should start with the system identifier {sysid}"
+    );
+    // Producer headers.
+    assert_eq!(header_i64(p, "x-amqp-outbox-producer-pid"), i64::from(pid));
+    assert_eq!(header_i64(t, "x-amqp-outbox-producer-pid"), i64::from(pid));
+    assert_eq!(
+        header_i64(p, "x-amqp-outbox-producer-start"),
+        started_micros,
+        "producer start should be the backend start in µs since the Unix epoch"
+    );
+    assert_eq!(header_i64(p, "x-amqp-outbox-seq"), persistent_id);
+    assert_eq!(header_i64(t, "x-amqp-outbox-seq"), transient_id);
+    // User headers.
+    assert_eq!(p.header("tenant"), Some(&json!("acme")), "{:?}", p.headers);
+    assert_eq!(p.header("n"), Some(&json!(42)), "{:?}", p.headers);
+    assert_eq!(p.header("flag"), Some(&json!(true)), "{:?}", p.headers);
+    assert_eq!(p.header("note"), Some(&json!("ünïcode")), "{:?}", p.headers);
+    assert!(
+        p.timestamp.is_some(),
+        "the AMQP timestamp property should be set"
+    );
+
+    assert_eq!(Outbox::rows(&mut f.client).expect("count"), 0);
+}
+
+#[test]
+fn rollback_publishes_nothing() {
+    let rabbit = Rabbit::shared();
+    let mut f = Fixture::new("rollback", PgConfig::default(), &rabbit);
+    let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
+    let b = f.outbox.broker_id;
+    let c = &mut f.client;
+    let publish = |c: &mut Client, body: &str| {
+        c.execute(
+            "SELECT amqp.publish($1, $2, $3, $4)",
+            &[&b, &ex, &rk, &body],
+        )
+        .unwrap_or_else(|e| panic!("publish {body}: {e}"));
+    };
+
+    // Plain ROLLBACK.
+    c.batch_execute("BEGIN").expect("BEGIN");
+    publish(c, "rb:rollback");
+    c.batch_execute("ROLLBACK").expect("ROLLBACK");
+
+    // ROLLBACK TO SAVEPOINT inside a committed transaction.
+    c.batch_execute("BEGIN").expect("BEGIN");
+    publish(c, "keep:outer-before");
+    c.batch_execute("SAVEPOINT s").expect("SAVEPOINT");
+    publish(c, "rb:savepoint");
+    publish(c, "rb:savepoint-2");
+    c.batch_execute("ROLLBACK TO SAVEPOINT s")
+        .expect("ROLLBACK TO");
+    publish(c, "keep:outer-after");
+    c.batch_execute("COMMIT").expect("COMMIT");
+
+    // A plpgsql EXCEPTION block around a publish (an implicit savepoint).
+    c.batch_execute(&format!(
+        "DO $$
+         BEGIN
+           BEGIN
+             PERFORM amqp.publish({b}, '{ex}', '{rk}', 'rb:exception-block');
+             RAISE EXCEPTION 'e2e: undo the publish';
+           EXCEPTION WHEN raise_exception THEN
+             NULL;
+           END;
+           PERFORM amqp.publish({b}, '{ex}', '{rk}', 'keep:after-exception-block');
+         END $$"
+    ))
+    .expect("DO block");
+
+    // An error after the publish aborts the transaction.
+    c.batch_execute("BEGIN").expect("BEGIN");
+    publish(c, "rb:error-after");
+    assert!(c.batch_execute("SELECT 1 / 0").is_err(), "1/0 must fail");
+    c.batch_execute("ROLLBACK").expect("ROLLBACK");
+
+    // statement_timeout in the transaction after the publish.
+    c.batch_execute("BEGIN; SET LOCAL statement_timeout = '50ms'")
+        .expect("BEGIN");
+    publish(c, "rb:statement-timeout");
+    assert!(
+        c.batch_execute("SELECT pg_sleep(5)").is_err(),
+        "pg_sleep should hit statement_timeout"
+    );
+    c.batch_execute("ROLLBACK").expect("ROLLBACK");
+
+    // A committed marker after all of them.
+    publish(c, "keep:marker");
+    f.collector.wait_for_body("keep:marker", ARRIVAL);
+    f.settle();
+
+    let bodies: BTreeSet<String> = f.deliveries().iter().map(Received::text).collect();
+    let rolled_back: Vec<&String> = bodies.iter().filter(|b| b.starts_with("rb:")).collect();
+    assert!(
+        rolled_back.is_empty(),
+        "rolled-back messages were delivered: {rolled_back:?}"
+    );
+    let expected: BTreeSet<String> = [
+        "keep:outer-before",
+        "keep:outer-after",
+        "keep:after-exception-block",
+        "keep:marker",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    assert_eq!(bodies, expected);
+    assert_eq!(
+        f.collector.len() - 1,
+        4,
+        "each committed message exactly once (plus one settle marker): {:?}",
+        f.collector.bodies()
+    );
+}
+
+#[test]
+fn ten_thousand_messages_from_eight_sessions_arrive_in_per_session_order() {
+    let rabbit = Rabbit::shared();
+    let mut f = Fixture::new("bulk", PgConfig::default(), &rabbit);
+    let ledger = Arc::new(Ledger::new());
+    let producers: Vec<Producer> = (0..8)
+        .map(|i| {
+            let mut cfg = ProducerConfig::new(
+                &format!("s{i}"),
+                f.outbox.broker_id,
+                &f.route.exchange,
+                &f.route.routing_key,
+            );
+            cfg.max_messages = 1250;
+            cfg.max_batch = 25;
+            cfg.rollback_ratio = 0.05;
+            Producer::spawn(&f.cluster, cfg, ledger.clone())
+        })
+        .collect();
+    let stats: Vec<_> = producers.into_iter().map(Producer::wait).collect();
+    let committed: u64 = stats.iter().map(|s| s.committed).sum();
+    let aborted: u64 = stats.iter().map(|s| s.aborted).sum();
+    assert_eq!(committed, 10_000, "{stats:?}");
+    assert_eq!(ledger.committed_count(), 10_000);
+
+    wait_all_committed_delivered(&ledger, &f.collector, BULK_ARRIVAL);
+    f.settle();
+    let report = ledger.check(&f.deliveries());
+    eprintln!("{report}");
+    assert_eq!(report.aborted as u64, aborted);
+    report.assert_exactly_once_in_order();
+    assert_eq!(Outbox::rows(&mut f.client).expect("count"), 0);
+}
+
+#[test]
+fn worker_killed_mid_stream_comes_back_and_nothing_is_lost() {
+    let rabbit = Rabbit::shared();
+    let mut f = Fixture::new("kill", PgConfig::default(), &rabbit);
+    let ledger = Arc::new(Ledger::new());
+    // Producers keep committing through every kill (stopped after the last one).
+    let producers: Vec<Producer> = (0..3)
+        .map(|i| {
+            let mut cfg = ProducerConfig::new(
+                &format!("k{i}"),
+                f.outbox.broker_id,
+                &f.route.exchange,
+                &f.route.routing_key,
+            );
+            cfg.max_messages = 100_000;
+            cfg.max_batch = 10;
+            cfg.rollback_ratio = 0.05;
+            cfg.pause = Duration::from_millis(15);
+            Producer::spawn(&f.cluster, cfg, ledger.clone())
+        })
+        .collect();
+
+    const KILLS: usize = 4;
+    let mut previous: Option<i32> = None;
+    for kill in 0..KILLS {
+        let delivered_before = f.collector.len();
+        // A new worker is up (not the one we killed) and has delivered something since.
+        let pid = eventually(
+            WORKER_UP,
+            &format!("worker back and delivering before kill #{kill}"),
+            || {
+                let pid = f.cluster.worker_pid(&mut f.client)?;
+                match pid {
+                    Some(p) if Some(p) != previous => {
+                        let n = f.collector.len();
+                        if n >= delivered_before + 200 {
+                            Ok(p)
+                        } else {
+                            Err(format!(
+                                "worker {p} up, {} delivered since last kill",
+                                n - delivered_before
+                            ))
+                        }
+                    }
+                    Some(p) => Err(format!("still the killed worker {p}")),
+                    None => Err("no worker in pg_stat_activity".into()),
+                }
+            },
+        );
+        let killed: bool = f
+            .client
+            .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+            .expect("pg_terminate_backend")
+            .get(0);
+        assert!(killed, "pg_terminate_backend({pid}) returned false");
+        previous = Some(pid);
+        for p in &producers {
+            assert!(
+                !p.is_finished(),
+                "producer {} ended before kill #{kill}: not mid-stream",
+                p.name
+            );
+        }
+    }
+    let back = eventually(WORKER_UP, "the worker back after the last kill", || match f
+        .cluster
+        .worker_pid(&mut f.client)?
+    {
+        Some(p) if Some(p) != previous => Ok(p),
+        other => Err(format!("worker pid {other:?}")),
+    });
+    let stats: Vec<_> = producers.into_iter().map(Producer::join).collect();
+    eprintln!("producers: {stats:?}; worker now {back}");
+    assert!(
+        ledger.committed_count() > 1000,
+        "the stream was too short to be mid-stream: {stats:?}"
+    );
+
+    wait_all_committed_delivered(&ledger, &f.collector, BULK_ARRIVAL);
+    f.settle();
+    let report = ledger.check(&f.deliveries());
+    eprintln!("{report}");
+    // Duplicates are bounded by the in-flight window (amqp_outbox.max_in_flight, 2000) per kill.
+    report.assert_at_least_once(KILLS * 2000);
+    let log = f.cluster.log();
+    assert!(
+        !log.contains("terminated by signal"),
+        "a process died by a signal (the whole cluster restarted):\n{}",
+        f.cluster.log_tail(40)
+    );
+}
+
+#[test]
+fn broker_stop_app_mid_stream_loses_nothing() {
+    let node = PrivateRabbit::start();
+    let rabbit = node.rabbit();
+    let config = PgConfig::default()
+        .setting("amqp_outbox.retry_backoff_min", 100)
+        .setting("amqp_outbox.retry_backoff_max", 1000)
+        .setting("amqp_outbox.confirm_timeout", 5000);
+    let mut f = Fixture::new("stopapp", config, &rabbit);
+    f.route.delete_on_drop = false; // the node goes away with its data
+    drop(rabbit);
+
+    let ledger = Arc::new(Ledger::new());
+    let producers: Vec<Producer> = (0..3)
+        .map(|i| {
+            let mut cfg = ProducerConfig::new(
+                &format!("b{i}"),
+                f.outbox.broker_id,
+                &f.route.exchange,
+                &f.route.routing_key,
+            );
+            cfg.max_messages = 4000;
+            cfg.max_batch = 10;
+            cfg.pause = Duration::from_millis(3);
+            Producer::spawn(&f.cluster, cfg, ledger.clone())
+        })
+        .collect();
+    let published = |ps: &[Producer]| ps.iter().map(Producer::published).sum::<u64>();
+
+    f.collector.wait_for_count(300, ARRIVAL);
+    node.stop_app();
+    let during = published(&producers);
+    eventually(
+        ARRIVAL,
+        "producers to commit 300 messages while the broker is stopped",
+        || {
+            let now = published(&producers);
+            if now >= during + 300 {
+                Ok(())
+            } else {
+                Err(format!("{} since stop_app", now - during))
+            }
+        },
+    );
+    let delivered_while_down = f.collector.len();
+    node.start_app();
+    eventually(ARRIVAL, "deliveries to resume after start_app", || {
+        let n = f.collector.len();
+        if n > delivered_while_down + 100 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} new deliveries since start_app; consumer error {:?}",
+                n - delivered_while_down,
+                f.collector.last_error()
+            ))
+        }
+    });
+    let stats: Vec<_> = producers.into_iter().map(Producer::join).collect();
+    eprintln!("producers: {stats:?}");
+
+    wait_all_committed_delivered(&ledger, &f.collector, BULK_ARRIVAL);
+    f.settle();
+    let report = ledger.check(&f.deliveries());
+    eprintln!("{report}");
+    report.assert_at_least_once(2000);
+}
+
+#[test]
+fn unroutable_message_is_parked_while_later_messages_arrive() {
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default()
+        .setting("amqp_outbox.max_attempts", 3)
+        .setting("amqp_outbox.retry_backoff_min", 100)
+        .setting("amqp_outbox.retry_backoff_max", 400);
+    let mut f = Fixture::new("unroutable", config, &rabbit);
+    let ex = f.route.exchange.clone();
+    let b = f.outbox.broker_id;
+
+    let unroutable_id: i64 = f
+        .client
+        .query_one(
+            "SELECT amqp.publish_message($1, $2, 'no-binding-for-this-key', 'unroutable:0')",
+            &[&b, &ex],
+        )
+        .expect("publish the unroutable message")
+        .get(0);
+    for i in 0..5 {
+        f.publish(&format!("after:{i}"));
+    }
+    for i in 0..5 {
+        f.collector.wait_for_body(&format!("after:{i}"), ARRIVAL);
+    }
+
+    let (attempts, last_error) = eventually(ARRIVAL, "the unroutable row to be parked", || {
+        let row = f
+            .client
+            .query_opt(
+                "SELECT attempts, parked_at IS NOT NULL, last_error FROM amqp.message WHERE id = $1",
+                &[&unroutable_id],
+            )
+            .map_err(|e| e.to_string())?;
+        let Some(row) = row else {
+            panic!("the unroutable row was deleted: it was counted as delivered");
+        };
+        let (attempts, parked, last_error): (i32, bool, Option<String>) =
+            (row.get(0), row.get(1), row.get(2));
+        if parked {
+            Ok((attempts, last_error))
+        } else {
+            Err(format!("attempts {attempts}, last_error {last_error:?}"))
+        }
+    });
+    assert!(
+        attempts >= 3,
+        "parked after {attempts} attempts, amqp_outbox.max_attempts is 3"
+    );
+    let last_error = last_error.unwrap_or_default();
+    assert!(
+        !last_error.trim().is_empty(),
+        "a parked row must say why (last_error)"
+    );
+    eprintln!("parked after {attempts} attempts: {last_error}");
+
+    // Still flowing after parking, and the parked row stays.
+    f.publish("after:parked");
+    f.collector.wait_for_body("after:parked", ARRIVAL);
+    f.settle();
+    let left: i64 = f
+        .client
+        .query_one(
+            "SELECT count(*) FROM amqp.message WHERE id = $1 AND parked_at IS NOT NULL",
+            &[&unroutable_id],
+        )
+        .expect("count")
+        .get(0);
+    assert_eq!(left, 1, "the parked row must be kept");
+    assert!(
+        !f.collector.bodies().iter().any(|b| b == "unroutable:0"),
+        "the unroutable message cannot have reached the queue"
+    );
+    let counts = f.collector.body_counts();
+    for i in 0..5 {
+        assert_eq!(counts.get(&format!("after:{i}")), Some(&1), "{counts:?}");
+    }
+}
+
+#[test]
+fn worker_starts_before_create_extension_and_before_broker() {
+    // The durable route exists on the node's disk; then the node is stopped, so nothing
+    // listens on its port when the cluster and the worker start.
+    let mut node = PrivateRabbit::start();
+    let mut route = node.rabbit().declare_route("early");
+    route.delete_on_drop = false;
+    node.stop();
+    assert!(!node.accepts_connections());
+
+    let cluster = PgCluster::new(
+        PgConfig::default()
+            .setting("amqp_outbox.retry_backoff_min", 100)
+            .setting("amqp_outbox.retry_backoff_max", 1000),
+    );
+    let mut client = cluster.client();
+    let exists: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'amqp_outbox')",
+            &[],
+        )
+        .expect("pg_extension")
+        .get(0);
+    assert!(!exists);
+    let first = cluster.wait_for_worker(&mut client, WORKER_UP);
+
+    create_extension(&mut client);
+    let broker_id = amqp_outbox_e2e::outbox::add_broker(&mut client, &node.endpoint());
+    let outbox = Outbox { broker_id };
+    outbox.publish(&mut client, &route.exchange, &route.routing_key, "early:0");
+    assert_eq!(Outbox::rows(&mut client).expect("count"), 1);
+
+    node.boot();
+    let collector = Collector::start(node.endpoint(), route.queue.clone());
+    collector.wait_for_body("early:0", Duration::from_secs(60));
+    outbox.publish(&mut client, &route.exchange, &route.routing_key, "early:1");
+    collector.wait_for_body("early:1", ARRIVAL);
+    Outbox::wait_drained(&mut client, ARRIVAL);
+    let now = cluster.wait_for_worker(&mut client, WORKER_UP);
+    eprintln!("worker pid before CREATE EXTENSION {first}, now {now}");
+    let counts = collector.body_counts();
+    assert_eq!(counts.get("early:0"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("early:1"), Some(&1), "{counts:?}");
+    drop(collector);
+}
+
+#[test]
+fn table_is_empty_after_delivery() {
+    let rabbit = Rabbit::shared();
+    let mut f = Fixture::new("empty", PgConfig::default(), &rabbit);
+    let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
+    f.client
+        .execute(
+            "SELECT amqp.publish($1, $2, $3, 'e:' || i) FROM generate_series(0, 199) AS i",
+            &[&f.outbox.broker_id, &ex, &rk],
+        )
+        .expect("publish 200 in one statement");
+    for i in 0..20 {
+        f.publish(&format!("e:single-{i}"));
+    }
+    f.collector.wait_for_count(220, BULK_ARRIVAL);
+    eventually(
+        ARRIVAL,
+        "amqp.message to be empty",
+        || match Outbox::rows(&mut f.client)? {
+            0 => Ok(()),
+            n => Err(format!("{n} rows left")),
+        },
+    );
+    let keys: BTreeSet<String> = f.collector.bodies().into_iter().collect();
+    assert_eq!(keys.len(), 220);
+}
