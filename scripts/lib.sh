@@ -1,0 +1,61 @@
+# shellcheck shell=bash
+# Helpers shared by the scripts in this directory. Source it; do not run it.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+say()  { if [ -t 1 ]; then printf '\033[1m==> %s\033[0m\n' "$*"; else printf '==> %s\n' "$*"; fi; }
+note() { printf '    %s\n' "$*"; }
+warn() { printf 'WARNING: %s\n' "$*" >&2; }
+die()  { printf 'ERROR: %s\n' "$*" >&2; exit 1; }
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+
+# Run a command with root rights: directly as root, else through sudo.
+as_root() {
+    if is_root; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        die "need root rights for: $* (install sudo or run as root)"
+    fi
+}
+
+# initdb, pg_ctl and pg_regress refuse to run as root: as root, run them as `postgres`.
+as_pg() {
+    if is_root; then
+        # (from a directory postgres can enter: initdb and pg_ctl complain about others)
+        (runuser -u postgres -- test -x "$PWD" || cd /; runuser -u postgres -- "$@")
+    else
+        "$@"
+    fi
+}
+
+# The real pg_config (Debian's /usr/bin/pg_config is a wrapper script).
+real_pg_config() {
+    local pgc="${PG_CONFIG:-pg_config}"
+    command -v "$pgc" >/dev/null 2>&1 || die "pg_config not found (run scripts/setup.sh, or set PG_CONFIG)"
+    local bindir
+    bindir="$("$pgc" --bindir)"
+    if [ -x "$bindir/pg_config" ]; then echo "$bindir/pg_config"; else command -v "$pgc"; fi
+}
+
+# Does something accept TCP connections on host:port?
+port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
+
+# The private demo cluster's directory: .run inside the checkout, unless (as root) the
+# `postgres` user cannot reach it, or the path is too long for a unix socket (107 bytes).
+run_dir() {
+    local dir="$ROOT/.run"
+    if { is_root && ! runuser -u postgres -- test -x "$ROOT"; } || [ "${#dir}" -gt 80 ]; then
+        dir="/tmp/amqp_outbox-run-$(printf '%s' "$ROOT" | sha256sum | cut -c1-12)"
+    fi
+    echo "$dir"
+}
+
+# The database superuser of the private cluster: initdb names it after the OS user.
+pg_superuser() { if is_root; then echo postgres; else id -un; fi; }
+
+# Is a cargo subcommand wanted version? `cargo pgrx --version` prints "cargo-pgrx 0.18.0".
+PGRX_VERSION="0.18.0"
+have_cargo_pgrx() { cargo pgrx --version 2>/dev/null | grep -qw "$PGRX_VERSION"; }

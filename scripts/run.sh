@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Run it: set up, build and install amqp_outbox, start a private PostgreSQL cluster with the
+# extension preloaded, publish a few messages in committed and rolled-back transactions, and
+# watch the worker deliver the committed ones to the local RabbitMQ.
+#
+# Running it again restarts the cluster (so a freshly built library is loaded) and publishes
+# another round. scripts/stop.sh stops it.
+#
+# Environment:
+#   AMQP_OUTBOX_PGPORT   port of the private cluster (default 54329)
+#   PG_CONFIG            pg_config of the PostgreSQL to use (default: the one on PATH)
+#   AMQP_OUTBOX_NO_BUILD =1 skips setup and make install (use what is installed)
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+PGPORT="${AMQP_OUTBOX_PGPORT:-54329}"
+DB=amqp_demo
+EXCHANGE=amqp_outbox_demo     # fanout exchange, declared through amqp.exchange_declare()
+QUEUE=amqp_outbox_demo        # bound to it by demo_queue (below), when that can be done
+RUN_DIR="$(run_dir)"
+PGDATA="$RUN_DIR/pgdata"
+LOG="$RUN_DIR/postgresql.log"
+
+# --- 1. toolchain, build, install -----------------------------------------------------------------
+if [ "${AMQP_OUTBOX_NO_BUILD:-}" != 1 ]; then
+    mkdir -p "$RUN_DIR"
+    # setup.sh writes this file only if it is the one that starts RabbitMQ; stop.sh reads it.
+    AMQP_OUTBOX_RABBITMQ_STARTED_FILE="$RUN_DIR/rabbitmq-started-by-run" "$ROOT/scripts/setup.sh"
+    say "Building and installing amqp_outbox (release)"
+    make -C "$ROOT" --no-print-directory install
+fi
+PG_CONFIG_REAL="$(real_pg_config)"
+BINDIR="$("$PG_CONFIG_REAL" --bindir)"
+[ -f "$("$PG_CONFIG_REAL" --pkglibdir)/amqp_outbox.so" ] || die "amqp_outbox is not installed (run make install)"
+
+# --- 2. the private cluster -------------------------------------------------------------------------
+say "Private PostgreSQL cluster in $PGDATA (port $PGPORT)"
+mkdir -p "$RUN_DIR"
+if is_root; then chown postgres: "$RUN_DIR"; fi
+if [ ! -f "$PGDATA/PG_VERSION" ]; then
+    note "initdb"
+    # trust: a private development cluster, reachable only through 127.0.0.1 and a socket in
+    # the run directory.
+    as_pg "$BINDIR/initdb" -D "$PGDATA" --auth=trust --encoding=UTF8 --no-locale >"$RUN_DIR/initdb.log" 2>&1 \
+        || { cat "$RUN_DIR/initdb.log"; die "initdb failed"; }
+    echo "include_if_exists = 'amqp_outbox_run.conf'" >>"$PGDATA/postgresql.conf"
+fi
+# Rewritten on every run, so a changed port takes effect with the restart below.
+cat >"$PGDATA/amqp_outbox_run.conf" <<EOF
+# Written by scripts/run.sh on each run.
+port = $PGPORT
+listen_addresses = '127.0.0.1'
+unix_socket_directories = '$RUN_DIR'
+shared_preload_libraries = 'amqp_outbox'
+amqp_outbox.database = '$DB'
+EOF
+if is_root; then chown postgres: "$PGDATA/amqp_outbox_run.conf"; fi
+
+if as_pg "$BINDIR/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
+    note "running: restarting it so that the installed library is loaded"
+    action=restart
+else
+    action=start
+fi
+if ! as_pg "$BINDIR/pg_ctl" -D "$PGDATA" -l "$LOG" -w -t 60 -m fast "$action" >/dev/null; then
+    echo "---- last lines of $LOG ----"
+    tail -n 30 "$LOG" || true
+    die "pg_ctl $action failed"
+fi
+note "up; log: $LOG"
+
+PGUSER_NAME="$(pg_superuser)"
+psql_() { "$BINDIR/psql" -X -q -v ON_ERROR_STOP=1 -h "$RUN_DIR" -p "$PGPORT" -U "$PGUSER_NAME" "$@"; }
+sql()   { psql_ -d "$DB" "$@"; }
+value() { psql_ -d "$DB" -At -c "$1"; }
+
+# --- 3. database, extension, broker, exchange --------------------------------------------------------
+say "Database $DB with the extension"
+if [ "$(psql_ -d postgres -At -c "SELECT count(*) FROM pg_database WHERE datname = '$DB'")" = 0 ]; then
+    psql_ -d postgres -c "CREATE DATABASE $DB"
+    note "created database $DB"
+fi
+sql -c "SET client_min_messages = warning; CREATE EXTENSION IF NOT EXISTS amqp_outbox"
+sql <<'EOF'
+INSERT INTO amqp.broker (host, port, vhost, username, password)
+SELECT '127.0.0.1', 5672, '/', 'guest', 'guest'
+ WHERE NOT EXISTS (SELECT FROM amqp.broker WHERE host = '127.0.0.1' AND port = 5672);
+EOF
+BROKER_ID="$(value "SELECT min(broker_id) FROM amqp.broker WHERE host = '127.0.0.1' AND port = 5672")"
+note "broker_id $BROKER_ID = 127.0.0.1:5672 (guest/guest)"
+value "SELECT amqp.exchange_declare($BROKER_ID, '$EXCHANGE', 'fanout', false, true)" >/dev/null
+note "exchange $EXCHANGE (fanout) recorded; the worker declares it when it connects"
+
+# ---------------------------------------------------------------------------------------------------
+# HOOK: declare the demo queue, bind it to the exchange, and show what arrived.
+#   demo_queue declare   -> before publishing
+#   demo_queue show      -> after the worker drained the outbox
+# TODO(lead): call the project's demo consumer here once it exists (declare + bind + print the
+# bodies). Until then: scripts/amqp_demo.py (python3 standard library only) does it when python3 is
+# present, else the queue depth is shown with rabbitmqctl when the queue exists.
+# ---------------------------------------------------------------------------------------------------
+rabbitmqctl_() {
+    if is_root; then rabbitmqctl "$@"; elif command -v sudo >/dev/null 2>&1; then sudo -n rabbitmqctl "$@"; else return 1; fi
+}
+demo_queue() {
+    local py="$ROOT/scripts/amqp_demo.py"
+    case "$1" in
+    declare)
+        if command -v python3 >/dev/null 2>&1; then
+            if python3 "$py" declare "$EXCHANGE" "$QUEUE"; then
+                note "queue $QUEUE declared and bound to $EXCHANGE"
+            else
+                warn "could not declare queue $QUEUE (messages to $EXCHANGE have no queue to go to)"
+            fi
+        else
+            note "python3 not found: queue $QUEUE not declared; bind a queue to exchange $EXCHANGE to see the messages"
+        fi
+        ;;
+    show)
+        local depth
+        depth="$(rabbitmqctl_ -q list_queues name messages 2>/dev/null | awk -v q="$QUEUE" '$1 == q {print $2}')" || true
+        if [ -n "$depth" ]; then
+            note "rabbitmqctl list_queues: $QUEUE holds $depth message(s)"
+        else
+            note "queue $QUEUE not found by rabbitmqctl (not declared, or rabbitmqctl not usable)"
+        fi
+        if command -v python3 >/dev/null 2>&1; then
+            note "consuming them:"
+            python3 "$py" drain "$QUEUE" | sed 's/^/      /' || warn "could not read queue $QUEUE"
+        fi
+        ;;
+    esac
+}
+
+say "Demo queue"
+demo_queue declare
+
+# --- 4. publish --------------------------------------------------------------------------------------
+say "Publishing"
+STAMP="$(date +%H:%M:%S)"
+BEFORE="$(value "SELECT coalesce(max(id), 0) FROM amqp.message")"
+WAITING_BEFORE="$(value "SELECT count(*) FROM amqp.message")"
+sql -v b="$BROKER_ID" -v ex="$EXCHANGE" -v stamp="$STAMP" <<'EOF'
+\set VERBOSITY terse
+-- 3 messages in a committed transaction
+BEGIN;
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' committed 1/3') \g /dev/null
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' committed 2/3') \g /dev/null
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' committed 3/3') \g /dev/null
+COMMIT;
+-- 2 messages in a rolled-back transaction
+BEGIN;
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' ROLLED BACK 1/2 (must never arrive)') \g /dev/null
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' ROLLED BACK 2/2 (must never arrive)') \g /dev/null
+ROLLBACK;
+-- a committed transaction with 1 message kept and 1 in a rolled-back savepoint
+BEGIN;
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' committed, beside a rolled-back savepoint') \g /dev/null
+SAVEPOINT s;
+SELECT amqp.publish(:b, :'ex', '', :'stamp' || ' ROLLED BACK savepoint (must never arrive)') \g /dev/null
+ROLLBACK TO SAVEPOINT s;
+COMMIT;
+EOF
+note "committed 4 messages (3 + 1), rolled back 3 (2 + 1 in a savepoint)"
+if [ "$WAITING_BEFORE" != 0 ]; then
+    note "($WAITING_BEFORE older message(s) were already waiting in amqp.message)"
+fi
+
+say "Waiting in amqp.message (the outbox)"
+sql -c "SELECT id, exchange, convert_from(body, 'UTF8') AS body, attempts, last_error
+          FROM amqp.message ORDER BY id"
+if [ "$(value "SELECT count(*) FROM amqp.message WHERE id > $BEFORE")" = 0 ]; then
+    note "(none left: the commits woke the worker, which delivered them already)"
+fi
+
+say "Waiting up to 10 s for the worker to deliver them"
+left=""
+for _ in $(seq 1 20); do
+    left="$(value "SELECT count(*) FROM amqp.message WHERE id > $BEFORE")"
+    [ "$left" = 0 ] && break
+    sleep 0.5
+done
+if [ "$left" = 0 ]; then
+    note "all 4 delivered: amqp.message holds none of them any more"
+else
+    warn "$left of this run's messages are still waiting; the worker's log lines are in $LOG"
+    sql -c "SELECT id, attempts, last_error, parked_at FROM amqp.message WHERE id > $BEFORE ORDER BY id"
+fi
+
+say "Arrived in RabbitMQ"
+demo_queue show
+
+sockdir_hint="$RUN_DIR"
+user_hint=""
+if is_root; then user_hint=" -U postgres"; fi
+cat <<EOF
+
+Connect:   psql -h $sockdir_hint -p $PGPORT$user_hint $DB     (or -h 127.0.0.1)
+Publish:   SELECT amqp.publish($BROKER_ID, '$EXCHANGE', '', 'hello');
+Log:       $LOG
+Stop:      scripts/stop.sh   (or make stop)
+EOF
