@@ -9,3 +9,29 @@ CREATE TRIGGER broker_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @e
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 CREATE TRIGGER exchange_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.exchange
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
+
+-- Views for DBAs. Readable by pg_monitor; they show no secrets.
+CREATE VIEW @extschema@.worker_status AS
+    SELECT * FROM @extschema@._worker_status();
+COMMENT ON VIEW @extschema@.worker_status IS
+    'The worker''s pid (NULL when not running) and its counters since the server started.';
+
+CREATE VIEW @extschema@.broker_status AS
+    SELECT * FROM @extschema@._broker_status();
+COMMENT ON VIEW @extschema@.broker_status IS
+    'Each broker''s connection as the worker sees it: connected host, channel number, since when, messages awaiting a confirm, last error.';
+
+CREATE VIEW @extschema@.outbox_summary AS
+    SELECT broker_id, exchange,
+           pg_catalog.count(*) FILTER (WHERE parked_at IS NULL) AS pending,
+           pg_catalog.count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
+           pg_catalog.count(*) FILTER (WHERE attempts OPERATOR(pg_catalog.>) 0 AND parked_at IS NULL) AS retrying,
+           pg_catalog.min(created_at) FILTER (WHERE parked_at IS NULL) AS oldest_pending_at,
+           pg_catalog.now() OPERATOR(pg_catalog.-) pg_catalog.min(created_at) FILTER (WHERE parked_at IS NULL) AS oldest_pending_age
+      FROM @extschema@.message
+     GROUP BY broker_id, exchange;
+COMMENT ON VIEW @extschema@.outbox_summary IS
+    'Messages waiting in the outbox per broker and exchange, with the age of the oldest.';
+
+GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema@.outbox_summary TO pg_monitor;
+GRANT USAGE ON SCHEMA @extschema@ TO pg_monitor;

@@ -15,6 +15,8 @@ static REQUESTS: PgLwLock<Requests> = unsafe { PgLwLock::new(c"amqp_outbox_reque
 /// amqp.broker or amqp.exchange changed: the worker re-reads them. An atomic, so a commit
 /// callback can set it without taking a lock.
 static RELOAD: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"amqp_outbox_reload") };
+static BROKER_STATES: PgLwLock<BrokerStates> =
+    unsafe { PgLwLock::new(c"amqp_outbox_broker_states") };
 
 /// Set in `_PG_init` of the postmaster; inherited by every backend it forks.
 static READY: AtomicBool = AtomicBool::new(false);
@@ -25,6 +27,84 @@ pub struct Counters {
     pub confirmed: AtomicU64,
     pub failed: AtomicU64,
     pub parked: AtomicU64,
+}
+
+/// Brokers whose connection state the worker publishes for `amqp.broker_status`.
+pub const MAX_BROKERS: usize = 64;
+const HOST_LEN: usize = 160;
+const ERROR_LEN: usize = 240;
+
+/// One broker's connection as the worker sees it. Fixed-size: it lives in shared memory.
+#[derive(Clone, Copy)]
+pub struct BrokerSlot {
+    pub used: bool,
+    pub broker_id: i32,
+    pub connected: bool,
+    pub epoch: u64,
+    /// When the state last changed (PostgreSQL timestamp).
+    pub since: i64,
+    pub in_flight: u32,
+    host: [u8; HOST_LEN],
+    host_len: usize,
+    error: [u8; ERROR_LEN],
+    error_len: usize,
+}
+
+impl BrokerSlot {
+    const EMPTY: BrokerSlot = BrokerSlot {
+        used: false,
+        broker_id: 0,
+        connected: false,
+        epoch: 0,
+        since: 0,
+        in_flight: 0,
+        host: [0; HOST_LEN],
+        host_len: 0,
+        error: [0; ERROR_LEN],
+        error_len: 0,
+    };
+
+    fn set_text(buf: &mut [u8], len: &mut usize, text: &str) {
+        // Cut on a character boundary so the stored text stays valid UTF-8.
+        let mut n = text.len().min(buf.len());
+        while !text.is_char_boundary(n) {
+            n -= 1;
+        }
+        buf[..n].copy_from_slice(&text.as_bytes()[..n]);
+        *len = n;
+    }
+
+    pub fn host(&self) -> &str {
+        std::str::from_utf8(&self.host[..self.host_len]).unwrap_or("")
+    }
+
+    pub fn error(&self) -> &str {
+        std::str::from_utf8(&self.error[..self.error_len]).unwrap_or("")
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct BrokerStates {
+    slots: [BrokerSlot; MAX_BROKERS],
+}
+
+impl Default for BrokerStates {
+    fn default() -> Self {
+        BrokerStates {
+            slots: [BrokerSlot::EMPTY; MAX_BROKERS],
+        }
+    }
+}
+unsafe impl PGRXSharedMemory for BrokerStates {}
+
+/// What the worker reports about one broker.
+pub struct BrokerReport<'a> {
+    pub broker_id: i32,
+    pub connected: bool,
+    pub host: Option<&'a str>,
+    pub epoch: u64,
+    pub error: Option<&'a str>,
+    pub in_flight: usize,
 }
 unsafe impl PGRXSharedMemory for Counters {}
 
@@ -46,6 +126,7 @@ pub fn init() {
     pg_shmem_init!(COUNTERS);
     pg_shmem_init!(REQUESTS);
     pg_shmem_init!(RELOAD);
+    pg_shmem_init!(BROKER_STATES);
     READY.store(true, Ordering::Relaxed);
 }
 
@@ -142,4 +223,42 @@ pub fn count(counter: impl Fn(&Counters) -> &AtomicU64, n: u64) {
     if let Some(c) = counters() {
         counter(c).fetch_add(n, Ordering::Relaxed);
     }
+}
+
+/// The worker replaces the whole table; `since` moves only when the connection state changed.
+pub fn report_brokers(reports: &[BrokerReport<'_>]) {
+    if !ready() {
+        return;
+    }
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let mut states = BROKER_STATES.exclusive();
+    let old = *states;
+    let mut fresh = BrokerStates::default();
+    for (slot, r) in fresh.slots.iter_mut().zip(reports) {
+        let previous = old
+            .slots
+            .iter()
+            .find(|s| s.used && s.broker_id == r.broker_id);
+        slot.used = true;
+        slot.broker_id = r.broker_id;
+        slot.connected = r.connected;
+        slot.epoch = r.epoch;
+        slot.in_flight = r.in_flight.min(u32::MAX as usize) as u32;
+        slot.since = match previous {
+            Some(p) if p.connected == r.connected && p.epoch == r.epoch => p.since,
+            _ => now,
+        };
+        BrokerSlot::set_text(&mut slot.host, &mut slot.host_len, r.host.unwrap_or(""));
+        BrokerSlot::set_text(&mut slot.error, &mut slot.error_len, r.error.unwrap_or(""));
+    }
+    *states = fresh;
+}
+
+/// A copy of the broker table, for SQL.
+pub fn broker_states() -> Vec<BrokerSlot> {
+    if !ready() {
+        return Vec::new();
+    }
+    let states = BROKER_STATES.share();
+    states.slots.iter().filter(|s| s.used).copied().collect()
 }

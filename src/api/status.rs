@@ -1,11 +1,11 @@
-//! What DBAs query to see the worker: its pid and its counters since the server started.
+//! What DBAs query to watch the worker (through the views in sql/finish.sql).
 
 use crate::shmem;
 use pgrx::prelude::*;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The worker's process id and counters since server start (zeros when not preloaded).
-#[pg_extern(volatile, parallel_safe)]
+/// The worker's process id and its counters since server start (zeros when not preloaded).
+#[pg_extern(volatile, parallel_safe, name = "_worker_status")]
 fn worker_status() -> TableIterator<
     'static,
     (
@@ -16,7 +16,7 @@ fn worker_status() -> TableIterator<
         name!(parked, i64),
     ),
 > {
-    let load = |f: fn(&shmem::Counters) -> &std::sync::atomic::AtomicU64| {
+    let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
         shmem::counters().map_or(0, |c| f(c).load(Ordering::Relaxed) as i64)
     };
     TableIterator::once((
@@ -26,4 +26,37 @@ fn worker_status() -> TableIterator<
         load(|c| &c.failed),
         load(|c| &c.parked),
     ))
+}
+
+/// Each broker's connection as the worker last reported it.
+#[pg_extern(volatile, parallel_safe, name = "_broker_status")]
+fn broker_status() -> TableIterator<
+    'static,
+    (
+        name!(broker_id, i32),
+        name!(connected, bool),
+        name!(host, Option<String>),
+        name!(channel, i64),
+        name!(since, TimestampWithTimeZone),
+        name!(in_flight, i32),
+        name!(last_error, Option<String>),
+    ),
+> {
+    let rows: Vec<_> = shmem::broker_states()
+        .into_iter()
+        .map(|s| {
+            let text = |t: &str| (!t.is_empty()).then(|| t.to_string());
+            (
+                s.broker_id,
+                s.connected,
+                text(s.host()),
+                s.epoch as i64,
+                TimestampWithTimeZone::try_from(s.since)
+                    .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity()),
+                s.in_flight.min(i32::MAX as u32) as i32,
+                text(s.error()),
+            )
+        })
+        .collect();
+    TableIterator::new(rows)
 }

@@ -9,6 +9,8 @@ pub struct BrokerFlight {
     pub connected: bool,
     pub host: Option<String>,
     pub epoch: u64,
+    /// Why the connection is down, if it is.
+    pub error: Option<String>,
     pub in_flight: HashSet<i64>,
     /// Ids whose last publish ended in an ambiguous channel error, or that failed before: they
     /// are published one at a time, with nothing else in flight, so an error names its cause.
@@ -38,6 +40,10 @@ impl Flight {
         self.brokers.retain(|id, _| ids.contains(id));
         let brokers = &self.brokers;
         self.owner.retain(|_, b| brokers.contains_key(b));
+    }
+
+    pub fn brokers(&self) -> impl Iterator<Item = (&i32, &BrokerFlight)> {
+        self.brokers.iter()
     }
 
     pub fn is_in_flight(&self, id: i64) -> bool {

@@ -33,6 +33,9 @@ pub struct Worker {
     scan_from: i64,
     /// The last claim filled its batch: claim again without sleeping.
     more_work: bool,
+    /// A connection changed state: publish the broker table to shared memory.
+    status_changed: bool,
+    status_reported_at: Option<std::time::Instant>,
 }
 
 impl Worker {
@@ -47,6 +50,8 @@ impl Worker {
             need_reload: true,
             scan_from: 0,
             more_work: false,
+            status_changed: true,
+            status_reported_at: None,
         }
     }
 
@@ -82,6 +87,7 @@ impl Worker {
                     error!("amqp_outbox: the AMQP thread has stopped");
                 }
             }
+            self.report_status();
             let timeout = if self.more_work {
                 Duration::ZERO
             } else {
@@ -91,6 +97,32 @@ impl Worker {
                 // Drained at the top of the loop.
             }
         }
+    }
+
+    /// Connection states at once when they change; in-flight counts at most once a second.
+    fn report_status(&mut self) {
+        let due = self
+            .status_reported_at
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        if !self.status_changed && !due {
+            return;
+        }
+        let mut reports: Vec<shmem::BrokerReport<'_>> = self
+            .flight
+            .brokers()
+            .map(|(id, b)| shmem::BrokerReport {
+                broker_id: *id,
+                connected: b.connected,
+                host: b.host.as_deref(),
+                epoch: b.epoch,
+                error: b.error.as_deref(),
+                in_flight: b.in_flight.len(),
+            })
+            .collect();
+        reports.sort_by_key(|r| r.broker_id);
+        shmem::report_brokers(&reports);
+        self.status_changed = false;
+        self.status_reported_at = Some(std::time::Instant::now());
     }
 
     fn handle_disconnect_requests(&mut self, which: Option<Vec<i32>>) {
@@ -118,6 +150,8 @@ impl Worker {
                     let b = self.flight.broker(broker_id);
                     b.connected = true;
                     b.epoch = epoch;
+                    b.error = None;
+                    self.status_changed = true;
                     log!("amqp_outbox: broker {broker_id} connected to {host} (channel {epoch})");
                     b.host = Some(host);
                     self.scan_from = 0;
@@ -128,6 +162,8 @@ impl Worker {
                     b.connected = false;
                     b.host = None;
                     warning!("amqp_outbox: broker {broker_id} unavailable: {error}");
+                    b.error = Some(error);
+                    self.status_changed = true;
                 }
                 Event::Confirmed { ids, .. } => {
                     for id in &ids {
@@ -270,6 +306,7 @@ impl Worker {
             self.flight.broker(*id);
         }
         self.brokers = brokers.clone();
+        self.status_changed = true;
         self.handle.send(Command::Configure(brokers));
     }
 
