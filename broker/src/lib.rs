@@ -99,13 +99,19 @@ pub enum Command {
     Configure(Vec<BrokerConfig>),
     /// Publish these, in this order, on the broker's current channel. With `solo`, each message
     /// is published only after the previous one is settled, so an error is attributable to it.
+    ///
+    /// Every message gets exactly one answer: its id in one [`Event::Confirmed`], or one
+    /// [`Event::Failed`] (at once with [`Failure::Transient`] when the broker is not connected
+    /// or not configured), unless the thread reports [`Event::Fatal`].
     Publish {
         broker_id: i32,
         messages: Vec<OutboundMessage>,
         solo: bool,
     },
     /// Close and reopen this broker's connection (for `amqp.disconnect()`).
-    Reconnect { broker_id: i32 },
+    Reconnect {
+        broker_id: i32,
+    },
     Shutdown,
 }
 

@@ -1,0 +1,601 @@
+//! One task per publishing channel: publishes messages in order (pipelined, many confirms
+//! outstanding) and turns confirms, returns, nacks and channel deaths into events.
+//!
+//! A task owns exactly one lapin channel, and every confirm it awaits was produced by that
+//! channel: when the channel dies the task ends, so a confirm can never settle a message of an
+//! earlier channel (delivery tags restart on each channel). Every message handed to the task is
+//! reported exactly once — Confirmed or Failed — before the task ends.
+
+use crate::amqp_values::{to_field_table, truncate};
+use crate::supervisor::Redactor;
+use crate::thread::EventSink;
+use crate::{Event, Failure, OutboundMessage};
+use futures_util::future::{BoxFuture, FutureExt};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use lapin::message::BasicReturnMessage;
+use lapin::options::BasicPublishOptions;
+use lapin::protocol::AMQPErrorKind;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Confirmation, ErrorKind};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+/// How long a dying channel may take to fail its outstanding confirms (lapin rejects them all at
+/// once when the channel closes; this only bounds a channel that never finishes closing).
+const DYING_WAIT: Duration = Duration::from_secs(5);
+/// How often an idle task checks that its channel is still open.
+const CHANNEL_CHECK: Duration = Duration::from_secs(1);
+
+pub(crate) enum Job {
+    Publish {
+        messages: Vec<OutboundMessage>,
+        solo: bool,
+    },
+    SetConfirmTimeout(Duration),
+}
+
+/// Why a publishing task ended. In every case its messages have been reported already.
+#[derive(Debug)]
+pub(crate) enum ChannelEnd {
+    /// The channel closed (by a channel error, or with its connection); the text says why.
+    Closed(String),
+    /// A confirm did not arrive within the confirm timeout.
+    Hung(String),
+    /// Stopped by the broker task (reconnect, shutdown, connection lost).
+    Stopped,
+}
+
+pub(crate) struct ChannelCtx {
+    pub(crate) broker_id: i32,
+    pub(crate) epoch: u64,
+    pub(crate) channel: Channel,
+    pub(crate) sink: EventSink,
+    pub(crate) redactor: Redactor,
+    pub(crate) confirm_timeout: Duration,
+}
+
+struct Pending {
+    id: i64,
+    message_id: String,
+    sent_at: Instant,
+    solo: bool,
+}
+
+type ConfirmResult = (u64, lapin::Result<Confirmation>);
+
+struct Publisher {
+    ctx: ChannelCtx,
+    /// Received, not yet published (solo messages wait here until nothing is unsettled).
+    queue: VecDeque<(OutboundMessage, bool)>,
+    /// Published on this channel, not yet settled; keyed by publish order.
+    unsettled: BTreeMap<u64, Pending>,
+    confirms: FuturesUnordered<BoxFuture<'static, ConfirmResult>>,
+    /// basic.return seen but not yet matched to a message's confirm, by message_id. lapin hands
+    /// a return to whichever confirm of a multiple-ack it resolves first, not necessarily the
+    /// returned message's own, so returns are matched by message_id instead.
+    returned: HashMap<String, VecDeque<(u16, String)>>,
+    next_seq: u64,
+    /// Unsettled solo messages (0 or 1): nothing else is published meanwhile.
+    solo_unsettled: usize,
+}
+
+/// Runs until the channel dies or `stop` fires; reports every message it was given.
+pub(crate) async fn run(
+    ctx: ChannelCtx,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    mut stop: oneshot::Receiver<String>,
+) -> ChannelEnd {
+    let mut p = Publisher {
+        ctx,
+        queue: VecDeque::new(),
+        unsettled: BTreeMap::new(),
+        confirms: FuturesUnordered::new(),
+        returned: HashMap::new(),
+        next_seq: 0,
+        solo_unsettled: 0,
+    };
+    let end = p.main(&mut jobs, &mut stop).await;
+    // Anything sent after this point fails at the sender, which then reports it itself.
+    jobs.close();
+    while let Ok(job) = jobs.try_recv() {
+        if let Job::Publish { messages, .. } = job {
+            for m in messages {
+                p.fail(m.id, Failure::Transient, "publishing channel closed");
+            }
+        }
+    }
+    end
+}
+
+impl Publisher {
+    async fn main(
+        &mut self,
+        jobs: &mut mpsc::UnboundedReceiver<Job>,
+        stop: &mut oneshot::Receiver<String>,
+    ) -> ChannelEnd {
+        let mut check = tokio::time::interval(CHANNEL_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if let Some(end) = self.publish_ready(stop).await {
+                return end;
+            }
+            let deadline = self
+                .unsettled
+                .values()
+                .next()
+                .map(|p| later(p.sent_at, self.ctx.confirm_timeout));
+            // The sleep future is built even when its branch is disabled: give it some instant.
+            let sleep_until =
+                deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            tokio::select! {
+                biased;
+                reason = &mut *stop => {
+                    let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
+                    self.fail_everything(Failure::Transient, &reason);
+                    return ChannelEnd::Stopped;
+                }
+                Some(first) = self.confirms.next(), if !self.confirms.is_empty() => {
+                    let batch = self.ready_batch(first);
+                    if let Some(err) = self.settle(batch) {
+                        return self.dying(Some(err), stop).await;
+                    }
+                }
+                job = jobs.recv() => match job {
+                    Some(Job::Publish { messages, solo }) => {
+                        self.queue.extend(messages.into_iter().map(|m| (m, solo)));
+                    }
+                    Some(Job::SetConfirmTimeout(d)) => self.ctx.confirm_timeout = d,
+                    None => {
+                        self.fail_everything(Failure::Transient, "publisher stopped");
+                        return ChannelEnd::Stopped;
+                    }
+                },
+                _ = tokio::time::sleep_until(sleep_until), if deadline.is_some() => {
+                    let text = self.hung_text();
+                    self.fail_everything(Failure::Transient, &text);
+                    return ChannelEnd::Hung(text);
+                }
+                _ = check.tick() => {
+                    // A channel closed with nothing in flight has no confirm to tell us.
+                    if !self.ctx.channel.status().connected() && self.confirms.is_empty() {
+                        return self.dying(None, stop).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes queued messages, in order, until the queue is empty or a solo message must wait
+    /// for the ones before it to settle.
+    async fn publish_ready(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
+        while let Some((_, solo)) = self.queue.front() {
+            let solo = *solo;
+            // A solo message goes out alone: after everything before it settled, and before
+            // anything after it, so a channel error can only be its own.
+            if (solo && !self.unsettled.is_empty()) || self.solo_unsettled > 0 {
+                return None;
+            }
+            let (msg, _) = self.queue.pop_front()?;
+            let (exchange, routing_key, properties) = match build(&msg) {
+                Ok(parts) => parts,
+                Err(e) => {
+                    self.fail(msg.id, Failure::Rejected, &e);
+                    continue;
+                }
+            };
+            let publish = self.ctx.channel.basic_publish(
+                exchange,
+                routing_key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &msg.body,
+                properties,
+            );
+            // A publish that cannot even be written (the broker stopped reading: blocked or
+            // hung) counts against the confirm timeout too.
+            let oldest = self
+                .unsettled
+                .values()
+                .next()
+                .map_or_else(Instant::now, |p| p.sent_at);
+            let hang_at = later(oldest, self.ctx.confirm_timeout);
+            // basic_publish resolves once the frames are handed to the socket; the confirm comes
+            // later and is awaited concurrently with everything else.
+            tokio::select! {
+                biased;
+                reason = &mut *stop => {
+                    let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
+                    self.fail(msg.id, Failure::Transient, &reason);
+                    self.fail_everything(Failure::Transient, &reason);
+                    return Some(ChannelEnd::Stopped);
+                }
+                res = publish => match res {
+                    Ok(confirm) => {
+                        let seq = self.next_seq;
+                        self.next_seq += 1;
+                        if solo {
+                            self.solo_unsettled += 1;
+                        }
+                        self.unsettled.insert(
+                            seq,
+                            Pending {
+                                id: msg.id,
+                                message_id: msg.message_id.clone(),
+                                sent_at: Instant::now(),
+                                solo,
+                            },
+                        );
+                        self.confirms.push(async move { (seq, confirm.await) }.boxed());
+                    }
+                    Err(e) => {
+                        // The channel is closing or closed: this one was (probably) not sent.
+                        let text = self.describe(&e);
+                        self.fail(
+                            msg.id,
+                            Failure::Transient,
+                            &format!("publishing channel closed: {text}"),
+                        );
+                        return Some(self.dying(Some(e), stop).await);
+                    }
+                },
+                _ = tokio::time::sleep_until(hang_at) => {
+                    let text = self.hung_text();
+                    self.fail(msg.id, Failure::Transient, &text);
+                    self.fail_everything(Failure::Transient, &text);
+                    return Some(ChannelEnd::Hung(text));
+                }
+            }
+            if solo {
+                return None;
+            }
+            // During a long batch, settle what is already confirmed now and then: it keeps the
+            // hang check honest and notices a dead channel early.
+            if self.next_seq.is_multiple_of(64) {
+                if let Some(Some(first)) = self.confirms.next().now_or_never() {
+                    let batch = self.ready_batch(first);
+                    if let Some(err) = self.settle(batch) {
+                        return Some(self.dying(Some(err), stop).await);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// `first` plus every other confirm that is already complete: confirms resolved together
+    /// (one multiple-ack) become one event.
+    fn ready_batch(&mut self, first: ConfirmResult) -> Vec<ConfirmResult> {
+        let mut batch = vec![first];
+        while let Some(Some(r)) = self.confirms.next().now_or_never() {
+            batch.push(r);
+        }
+        batch
+    }
+
+    /// Settles the positive and negative confirms of a batch; returns the first error, if any
+    /// (the channel is dead then; the errored messages stay unsettled for `dying`).
+    fn settle(&mut self, batch: Vec<ConfirmResult>) -> Option<lapin::Error> {
+        let mut error: Option<lapin::Error> = None;
+        let mut outcomes = Vec::with_capacity(batch.len());
+        // Record every return of the batch before settling anything (see `returned`).
+        for (seq, res) in batch {
+            match res {
+                Ok(Confirmation::Ack(ret)) => {
+                    self.record_return(ret);
+                    outcomes.push((seq, Some(true)));
+                }
+                Ok(Confirmation::Nack(ret)) => {
+                    self.record_return(ret);
+                    outcomes.push((seq, Some(false)));
+                }
+                Ok(Confirmation::NotRequested) => outcomes.push((seq, None)),
+                Err(e) => {
+                    if error.as_ref().is_none_or(|cur| better_error(&e, cur)) {
+                        error = Some(e);
+                    }
+                }
+            }
+        }
+        let mut confirmed = Vec::new();
+        for (seq, outcome) in outcomes {
+            let Some(p) = self.take_unsettled(seq) else {
+                continue;
+            };
+            match outcome {
+                Some(true) => match self.take_return(&p.message_id) {
+                    None => confirmed.push(p.id),
+                    Some((code, text)) => self.fail(
+                        p.id,
+                        Failure::Rejected,
+                        &format!("returned by broker as unroutable: {code} {text}"),
+                    ),
+                },
+                Some(false) => self.fail(p.id, Failure::Rejected, "nacked by broker"),
+                // Cannot happen on a confirm-mode channel; without a confirm nothing is proven.
+                None => self.fail(
+                    p.id,
+                    Failure::Transient,
+                    "publisher confirms were not enabled on the channel",
+                ),
+            }
+        }
+        if !confirmed.is_empty() {
+            self.ctx.sink.send(Event::Confirmed {
+                broker_id: self.ctx.broker_id,
+                epoch: self.ctx.epoch,
+                ids: confirmed,
+            });
+        }
+        error
+    }
+
+    fn take_unsettled(&mut self, seq: u64) -> Option<Pending> {
+        let p = self.unsettled.remove(&seq)?;
+        if p.solo {
+            self.solo_unsettled = self.solo_unsettled.saturating_sub(1);
+        }
+        Some(p)
+    }
+
+    fn record_return(&mut self, ret: Option<BasicReturnMessage>) {
+        if let Some(ret) = ret {
+            let message_id = ret
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str().to_string())
+                .unwrap_or_default();
+            self.returned
+                .entry(message_id)
+                .or_default()
+                .push_back((ret.reply_code, ret.reply_text.as_str().to_string()));
+        }
+    }
+
+    fn take_return(&mut self, message_id: &str) -> Option<(u16, String)> {
+        let list = self.returned.get_mut(message_id)?;
+        let first = list.pop_front();
+        if list.is_empty() {
+            self.returned.remove(message_id);
+        }
+        first
+    }
+
+    /// The channel is dead: collect the remaining confirms (lapin fails them all at once), settle
+    /// any that were acked just before, and blame the rest according to the error.
+    async fn dying(
+        &mut self,
+        first: Option<lapin::Error>,
+        stop: &mut oneshot::Receiver<String>,
+    ) -> ChannelEnd {
+        let mut error = first;
+        let deadline = Instant::now() + DYING_WAIT;
+        while !self.confirms.is_empty() {
+            tokio::select! {
+                biased;
+                reason = &mut *stop => {
+                    let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
+                    self.fail_everything(Failure::Transient, &reason);
+                    return ChannelEnd::Stopped;
+                }
+                Some(r) = self.confirms.next() => {
+                    let batch = self.ready_batch(r);
+                    if let Some(e) = self.settle(batch) {
+                        if error.as_ref().is_none_or(|cur| better_error(&e, cur)) {
+                            error = Some(e);
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        let text = match &error {
+            Some(e) => self.describe(e),
+            None => "publishing channel closed".to_string(),
+        };
+        let n = self.unsettled.len();
+        let (failure, detail) = match &error {
+            Some(e) if message_may_be_at_fault(e) => {
+                // Alone in flight (always so for a solo message): it is the culprit.
+                if n == 1 {
+                    (
+                        Failure::Rejected,
+                        format!("channel closed by broker: {text}"),
+                    )
+                } else {
+                    (
+                        Failure::Ambiguous,
+                        format!(
+                            "channel closed by broker while {n} messages were unconfirmed \
+                             (publish alone to find which): {text}"
+                        ),
+                    )
+                }
+            }
+            _ => (
+                Failure::Transient,
+                format!("publishing channel lost: {text}"),
+            ),
+        };
+        self.solo_unsettled = 0;
+        for (_, p) in std::mem::take(&mut self.unsettled) {
+            self.fail(p.id, failure, &detail);
+        }
+        let queued = format!("publishing channel closed before the message was sent: {text}");
+        for (m, _) in std::mem::take(&mut self.queue) {
+            self.fail(m.id, Failure::Transient, &queued);
+        }
+        self.confirms.clear();
+        self.returned.clear();
+        ChannelEnd::Closed(text)
+    }
+
+    fn hung_text(&self) -> String {
+        format!(
+            "no publisher confirm within {:?}: the connection is considered hung",
+            self.ctx.confirm_timeout
+        )
+    }
+
+    fn fail_everything(&mut self, failure: Failure, error: &str) {
+        self.solo_unsettled = 0;
+        for (_, p) in std::mem::take(&mut self.unsettled) {
+            self.fail(p.id, failure, error);
+        }
+        for (m, _) in std::mem::take(&mut self.queue) {
+            self.fail(m.id, failure, error);
+        }
+        self.confirms.clear();
+        self.returned.clear();
+    }
+
+    fn fail(&self, id: i64, failure: Failure, error: &str) {
+        self.ctx.sink.send(Event::Failed {
+            broker_id: self.ctx.broker_id,
+            id,
+            failure,
+            error: self.ctx.redactor.clean(error),
+        });
+    }
+
+    fn describe(&self, e: &lapin::Error) -> String {
+        self.ctx.redactor.clean(&describe_error(e))
+    }
+}
+
+/// `t + d`, without the panic of an overflowing Instant (a huge timeout means "never").
+fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(10 * 365 * 86_400)))
+        .unwrap_or(t)
+}
+
+/// `404 NOT_FOUND - no exchange 'x' in vhost '/'` for broker errors, lapin's text otherwise.
+pub(crate) fn describe_error(e: &lapin::Error) -> String {
+    match e.kind() {
+        ErrorKind::ProtocolError(a) => format!("{} {}", a.get_id(), a.get_message()),
+        _ => e.to_string(),
+    }
+}
+
+/// Could a message published on the channel have caused this error? Channel-level (soft)
+/// errors: yes (404 no exchange, 403, 406 too large…). Connection-level errors that a malformed
+/// publish provokes: yes. Everything else (I/O, heartbeat, forced close…): no.
+fn message_may_be_at_fault(e: &lapin::Error) -> bool {
+    match e.kind() {
+        ErrorKind::ProtocolError(a) => match a.kind() {
+            AMQPErrorKind::Soft(_) => true,
+            // FRAME_ERROR, SYNTAX_ERROR, COMMAND_INVALID, UNEXPECTED_FRAME.
+            AMQPErrorKind::Hard(_) => matches!(a.get_id(), 501 | 502 | 503 | 505),
+        },
+        _ => false,
+    }
+}
+
+/// Prefer the broker's own explanation over a secondary state error.
+fn better_error(new: &lapin::Error, current: &lapin::Error) -> bool {
+    matches!(new.kind(), ErrorKind::ProtocolError(_))
+        && !matches!(current.kind(), ErrorKind::ProtocolError(_))
+}
+
+fn short(value: &str, what: &str) -> Result<ShortString, String> {
+    ShortString::try_new(value).map_err(|_| {
+        format!(
+            "{what} is longer than 255 bytes: {}...",
+            truncate(value, 40)
+        )
+    })
+}
+
+fn build(m: &OutboundMessage) -> Result<(ShortString, ShortString, BasicProperties), String> {
+    let exchange = short(&m.exchange, "exchange name")?;
+    let routing_key = short(&m.routing_key, "routing key")?;
+    let mut props = BasicProperties::default()
+        .with_delivery_mode(m.delivery_mode)
+        .with_message_id(short(&m.message_id, "message_id")?)
+        .with_timestamp(m.timestamp)
+        .with_headers(to_field_table(&m.headers)?);
+    if let Some(v) = &m.content_type {
+        props = props.with_content_type(short(v, "content_type")?);
+    }
+    if let Some(v) = &m.reply_to {
+        props = props.with_reply_to(short(v, "reply_to")?);
+    }
+    if let Some(v) = &m.correlation_id {
+        props = props.with_correlation_id(short(v, "correlation_id")?);
+    }
+    Ok((exchange, routing_key, props))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPHardError, AMQPSoftError};
+
+    fn msg() -> OutboundMessage {
+        OutboundMessage {
+            id: 1,
+            exchange: "x".into(),
+            routing_key: "rk".into(),
+            body: b"b".to_vec(),
+            delivery_mode: 2,
+            content_type: Some("application/json".into()),
+            reply_to: None,
+            correlation_id: Some("c".into()),
+            message_id: "m-1".into(),
+            timestamp: 1_700_000_000,
+            headers: serde_json::Map::new(),
+        }
+    }
+
+    #[test]
+    fn build_sets_properties() {
+        let (ex, rk, p) = build(&msg()).unwrap();
+        assert_eq!(ex.as_str(), "x");
+        assert_eq!(rk.as_str(), "rk");
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(p.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
+        assert_eq!(p.correlation_id().as_ref().map(|s| s.as_str()), Some("c"));
+        assert_eq!(*p.timestamp(), Some(1_700_000_000));
+        assert!(p.reply_to().is_none());
+    }
+
+    #[test]
+    fn build_rejects_overlong_names_without_panicking() {
+        let mut m = msg();
+        m.routing_key = "r".repeat(256);
+        assert!(build(&m).unwrap_err().contains("routing key"));
+        let mut m = msg();
+        m.exchange = "e".repeat(300);
+        assert!(build(&m).unwrap_err().contains("exchange"));
+    }
+
+    #[test]
+    fn blame_rules() {
+        let soft: lapin::Error = ErrorKind::ProtocolError(AMQPError::new(
+            AMQPSoftError::NOTFOUND.into(),
+            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
+        ))
+        .into();
+        assert!(message_may_be_at_fault(&soft));
+        assert_eq!(
+            describe_error(&soft),
+            "404 NOT_FOUND - no exchange 'x' in vhost '/'"
+        );
+        let forced: lapin::Error = ErrorKind::ProtocolError(AMQPError::new(
+            AMQPHardError::CONNECTIONFORCED.into(),
+            "CONNECTION_FORCED".into(),
+        ))
+        .into();
+        assert!(!message_may_be_at_fault(&forced));
+        let io: lapin::Error = std::io::Error::other("reset").into();
+        assert!(!message_may_be_at_fault(&io));
+        assert!(better_error(&soft, &io));
+        assert!(!better_error(&io, &soft));
+    }
+}

@@ -1,0 +1,878 @@
+//! The supervisor: one task per `broker_id`, each keeping one publishing connection to one of
+//! its hosts at a time (failover in order, capped exponential backoff with jitter between full
+//! rounds), and reporting one event per state change.
+
+use crate::publisher::{self, describe_error, ChannelCtx, ChannelEnd, Job};
+use crate::thread::{panic_message, EventSink};
+use crate::{
+    BrokerConfig, Command, Endpoint, Event, ExchangeDecl, Failure, LogLevel, OutboundMessage,
+};
+use futures_util::future::FutureExt;
+use futures_util::stream::{Stream, StreamExt};
+use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use rand::Rng;
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// Channel epochs grow across every broker and every AMQP thread of the process.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// Bound on a clean close (channel.close / connection.close) before the socket is just dropped.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+/// Bound on the whole shutdown of every broker task.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+/// A publishing task stops within this once told to (it selects on its stop signal everywhere).
+const STOP_WAIT: Duration = Duration::from_secs(5);
+/// How often a connected broker task checks that its connection is still up, in case the
+/// connection died without an event.
+const CONNECTION_CHECK: Duration = Duration::from_secs(1);
+
+/// Replaces a broker's passwords in any text that may reach a log: error strings come from
+/// lapin and the OS, and we never want to rely on them leaving the URI out.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Redactor(Arc<Vec<String>>);
+
+impl Redactor {
+    pub(crate) fn new(hosts: &[Endpoint]) -> Self {
+        let mut secrets: Vec<String> = Vec::new();
+        for h in hosts {
+            if h.password.is_empty() {
+                continue;
+            }
+            secrets.push(h.password.clone());
+            let encoded = percent_encode(&h.password);
+            if encoded != h.password {
+                secrets.push(encoded);
+            }
+        }
+        // Longest first, so a password containing another is replaced whole.
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        secrets.dedup();
+        Redactor(Arc::new(secrets))
+    }
+
+    pub(crate) fn clean(&self, text: &str) -> String {
+        let mut out = text.to_string();
+        for s in self.0.iter() {
+            if out.contains(s.as_str()) {
+                out = out.replace(s.as_str(), "********");
+            }
+        }
+        out
+    }
+}
+
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Delay before the next full round of connection attempts after `failures` failed rounds:
+/// `min·2^failures` capped at `max`, then jittered down by up to half (never below `min`), so
+/// many workers restarted together do not reconnect in step.
+pub(crate) fn backoff(min: Duration, max: Duration, failures: u32) -> Duration {
+    let max = max.max(min);
+    let cap = min
+        .checked_mul(2u32.saturating_pow(failures.min(31)))
+        .unwrap_or(max)
+        .min(max);
+    let low = (cap / 2).max(min);
+    if cap <= low {
+        return cap;
+    }
+    rand::thread_rng().gen_range(low..=cap)
+}
+
+enum BrokerCmd {
+    Configure(BrokerConfig),
+    Publish {
+        messages: Vec<OutboundMessage>,
+        solo: bool,
+    },
+    Reconnect,
+    Shutdown,
+}
+
+struct Slot {
+    config: BrokerConfig,
+    tx: mpsc::UnboundedSender<BrokerCmd>,
+    task: JoinHandle<()>,
+}
+
+/// Runs until `Command::Shutdown` (or until the worker drops its handle).
+pub(crate) async fn run(mut commands: mpsc::UnboundedReceiver<Command>, sink: EventSink) {
+    let mut brokers: HashMap<i32, Slot> = HashMap::new();
+    // Removed brokers still closing; awaited (bounded) at shutdown.
+    let mut retiring: Vec<JoinHandle<()>> = Vec::new();
+
+    while let Some(cmd) = commands.recv().await {
+        match cmd {
+            Command::Configure(configs) => {
+                let mut wanted: HashMap<i32, BrokerConfig> = HashMap::new();
+                for c in configs {
+                    if wanted.contains_key(&c.broker_id) {
+                        sink.send(Event::Log {
+                            level: LogLevel::Warning,
+                            message: format!(
+                                "broker {} is configured twice; using the last entry",
+                                c.broker_id
+                            ),
+                        });
+                    }
+                    wanted.insert(c.broker_id, c);
+                }
+                let removed: Vec<i32> = brokers
+                    .keys()
+                    .filter(|id| !wanted.contains_key(id))
+                    .copied()
+                    .collect();
+                for id in removed {
+                    if let Some(slot) = brokers.remove(&id) {
+                        let _ = slot.tx.send(BrokerCmd::Shutdown);
+                        retiring.push(slot.task);
+                    }
+                }
+                for (id, config) in wanted {
+                    match brokers.get_mut(&id) {
+                        Some(slot) if !slot.task.is_finished() => {
+                            if slot.config != config {
+                                slot.config = config.clone();
+                                let _ = slot.tx.send(BrokerCmd::Configure(config));
+                            }
+                        }
+                        _ => {
+                            brokers.insert(id, start_broker(config, sink.clone()));
+                        }
+                    }
+                }
+                retiring.retain(|t| !t.is_finished());
+            }
+            Command::Publish {
+                broker_id,
+                messages,
+                solo,
+            } => {
+                let undelivered = match brokers.get(&broker_id) {
+                    Some(slot) => match slot.tx.send(BrokerCmd::Publish { messages, solo }) {
+                        Ok(()) => None,
+                        Err(mpsc::error::SendError(BrokerCmd::Publish { messages, .. })) => {
+                            Some((messages, "the broker's task has stopped"))
+                        }
+                        Err(_) => None,
+                    },
+                    None => Some((messages, "broker is not configured")),
+                };
+                if let Some((messages, why)) = undelivered {
+                    for m in messages {
+                        sink.send(Event::Failed {
+                            broker_id,
+                            id: m.id,
+                            failure: Failure::Transient,
+                            error: format!("broker {broker_id}: {why}"),
+                        });
+                    }
+                }
+            }
+            Command::Reconnect { broker_id } => {
+                if let Some(slot) = brokers.get(&broker_id) {
+                    let _ = slot.tx.send(BrokerCmd::Reconnect);
+                }
+            }
+            Command::Shutdown => break,
+        }
+    }
+
+    for slot in brokers.values() {
+        let _ = slot.tx.send(BrokerCmd::Shutdown);
+    }
+    retiring.extend(brokers.into_values().map(|s| s.task));
+    let all = futures_util::future::join_all(retiring);
+    let _ = tokio::time::timeout(SHUTDOWN_WAIT, all).await;
+}
+
+fn start_broker(config: BrokerConfig, sink: EventSink) -> Slot {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = BrokerTask {
+        redactor: Redactor::new(&config.hosts),
+        cfg: config.clone(),
+        rx,
+        sink: sink.clone(),
+        reported_down: false,
+        failures: 0,
+    };
+    let broker_id = config.broker_id;
+    let handle = tokio::spawn(async move {
+        // A panic in a task would otherwise vanish into its JoinHandle, leaving messages
+        // unreported: make it fatal, so the worker restarts and republishes.
+        if let Err(panic) = AssertUnwindSafe(task.run()).catch_unwind().await {
+            sink.send(Event::Fatal(format!(
+                "broker {broker_id}: task panicked: {}",
+                panic_message(&*panic)
+            )));
+        }
+    });
+    Slot {
+        config,
+        tx,
+        task: handle,
+    }
+}
+
+/// Why waiting (connecting, backing off) was cut short.
+enum Interrupt {
+    Shutdown,
+    /// Start over now: Reconnect, or a configuration change that needs a new connection.
+    Restart,
+}
+
+/// How a connected session ended.
+enum SessionEnd {
+    Shutdown,
+    /// Reconnect at once (requested, or new configuration).
+    Restart,
+    /// The connection was lost; reconnect after the minimum delay.
+    Lost,
+}
+
+struct Session {
+    conn: Arc<Connection>,
+    host: String,
+    /// The exchange declarations already made on this connection.
+    declared: Vec<ExchangeDecl>,
+}
+
+struct BrokerTask {
+    cfg: BrokerConfig,
+    rx: mpsc::UnboundedReceiver<BrokerCmd>,
+    sink: EventSink,
+    redactor: Redactor,
+    /// A Disconnected event went out and no Connected since: do not repeat it every round.
+    reported_down: bool,
+    /// Consecutive failed rounds over all hosts.
+    failures: u32,
+}
+
+impl BrokerTask {
+    fn id(&self) -> i32 {
+        self.cfg.broker_id
+    }
+
+    async fn run(mut self) {
+        let mut delay: Option<Duration> = None;
+        loop {
+            if let Some(d) = delay.take() {
+                match self.waiting(tokio::time::sleep(d)).await {
+                    Ok(()) | Err(Interrupt::Restart) => {}
+                    Err(Interrupt::Shutdown) => return,
+                }
+            }
+            if self.cfg.hosts.is_empty() {
+                self.report_down("no host is configured".to_string());
+                match self.waiting(std::future::pending::<()>()).await {
+                    Err(Interrupt::Shutdown) => return,
+                    _ => continue,
+                }
+            }
+            let mut errors = Vec::new();
+            let mut session = None;
+            let mut restart = false;
+            for ep in self.cfg.hosts.clone() {
+                let attempt = connect(ep.clone(), self.cfg.clone(), self.sink.clone());
+                match self.waiting(attempt).await {
+                    Ok(Ok(s)) => {
+                        session = Some(s);
+                        break;
+                    }
+                    Ok(Err(e)) => errors.push(format!("{}: {}", ep.display_name(), e)),
+                    Err(Interrupt::Shutdown) => return,
+                    Err(Interrupt::Restart) => {
+                        restart = true;
+                        break;
+                    }
+                }
+            }
+            if restart {
+                continue;
+            }
+            let Some(session) = session else {
+                self.failures = self.failures.saturating_add(1);
+                let error = format!("cannot connect: {}", errors.join("; "));
+                if self.reported_down {
+                    self.log(LogLevel::Debug, error);
+                } else {
+                    self.report_down(error);
+                }
+                delay = Some(backoff(
+                    self.cfg.reconnect_min,
+                    self.cfg.reconnect_max,
+                    self.failures - 1,
+                ));
+                continue;
+            };
+            self.failures = 0;
+            match self.serve(session).await {
+                SessionEnd::Shutdown => return,
+                SessionEnd::Restart => {}
+                SessionEnd::Lost => {
+                    delay = Some(backoff(self.cfg.reconnect_min, self.cfg.reconnect_max, 0))
+                }
+            }
+        }
+    }
+
+    /// Awaits `fut` while answering commands: not being connected, publishes fail at once.
+    async fn waiting<F: Future>(&mut self, fut: F) -> Result<F::Output, Interrupt> {
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            tokio::select! {
+                out = &mut fut => return Ok(out),
+                cmd = self.rx.recv() => match cmd {
+                    None | Some(BrokerCmd::Shutdown) => return Err(Interrupt::Shutdown),
+                    Some(BrokerCmd::Reconnect) => return Err(Interrupt::Restart),
+                    Some(BrokerCmd::Publish { messages, .. }) => {
+                        let why = format!("broker {} is not connected", self.id());
+                        self.fail_all(messages, &why);
+                    }
+                    Some(BrokerCmd::Configure(cfg)) => {
+                        if self.apply_config(cfg) {
+                            // New hosts: a fresh state, worth a fresh Disconnected if it fails.
+                            self.reported_down = false;
+                            self.failures = 0;
+                            return Err(Interrupt::Restart);
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// Stores a new configuration; true when the connection must be remade for it.
+    fn apply_config(&mut self, cfg: BrokerConfig) -> bool {
+        let reconnect =
+            cfg.hosts != self.cfg.hosts || cfg.heartbeat_secs != self.cfg.heartbeat_secs;
+        self.redactor = Redactor::new(&cfg.hosts);
+        self.cfg = cfg;
+        reconnect
+    }
+
+    /// Connected: run publishing channels (a new one, with a new epoch, after a channel error)
+    /// until the connection goes away or a command ends it.
+    async fn serve(&mut self, session: Session) -> SessionEnd {
+        let Session {
+            conn,
+            host,
+            mut declared,
+        } = session;
+        let mut conn_events: Pin<Box<dyn Stream<Item = lapin::Event> + Send>> =
+            Box::pin(conn.events_listener());
+        let mut check = tokio::time::interval(CONNECTION_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+        loop {
+            // A (new) publishing channel. Meanwhile publishes fail as Transient, as when
+            // disconnected.
+            let channel = match self.waiting(open_publishing_channel(&conn)).await {
+                Ok(Ok(ch)) => ch,
+                Ok(Err(e)) => {
+                    let error = format!(
+                        "{host}: cannot open a publishing channel: {}",
+                        self.redactor.clean(&describe_error(&e))
+                    );
+                    self.report_down(error);
+                    close_connection(&conn).await;
+                    return SessionEnd::Lost;
+                }
+                Err(interrupt) => {
+                    return self.end_session(&conn, &host, interrupt).await;
+                }
+            };
+            // Exchanges added while the channel was being (re)opened.
+            self.declare_changes(&conn, &mut declared);
+            let epoch = EPOCH.fetch_add(1, Ordering::SeqCst) + 1;
+            let (job_tx, job_rx) = mpsc::unbounded_channel();
+            let (stop_tx, stop_rx) = oneshot::channel();
+            let ctx = ChannelCtx {
+                broker_id: self.id(),
+                epoch,
+                channel: channel.clone(),
+                sink: self.sink.clone(),
+                redactor: self.redactor.clone(),
+                confirm_timeout: self.cfg.confirm_timeout,
+            };
+            let mut pub_task = tokio::spawn(publisher::run(ctx, job_rx, stop_rx));
+            let mut running = Running {
+                sink: self.sink.clone(),
+                job_tx,
+                stop_tx: Some(stop_tx),
+                channel,
+            };
+            self.reported_down = false;
+            self.sink.send(Event::Connected {
+                broker_id: self.id(),
+                host: host.clone(),
+                epoch,
+            });
+
+            // What ends this channel: Some(end of session), or None to open a new channel.
+            let outcome: Option<SessionEnd> = loop {
+                tokio::select! {
+                    end = &mut pub_task => {
+                        let end = match end {
+                            Ok(end) => end,
+                            Err(e) => {
+                                self.sink.send(Event::Fatal(format!(
+                                    "broker {}: publishing task failed: {e}", self.id()
+                                )));
+                                ChannelEnd::Closed("publishing task failed".into())
+                            }
+                        };
+                        match end {
+                            ChannelEnd::Hung(text) => {
+                                self.report_down(format!("{host}: {text}"));
+                                close_connection(&conn).await;
+                                break Some(SessionEnd::Lost);
+                            }
+                            ChannelEnd::Closed(text) => {
+                                if conn.status().connected() {
+                                    self.log(
+                                        LogLevel::Warning,
+                                        format!("{host}: publishing channel closed, reopening it: {text}"),
+                                    );
+                                    break None;
+                                }
+                                self.report_down(format!("{host}: connection lost: {text}"));
+                                break Some(SessionEnd::Lost);
+                            }
+                            ChannelEnd::Stopped => {
+                                // Only we stop it, and we do not come back here after that.
+                                break Some(SessionEnd::Lost);
+                            }
+                        }
+                    }
+                    cmd = self.rx.recv() => match cmd {
+                        Some(BrokerCmd::Publish { messages, solo }) => {
+                            if let Err(mpsc::error::SendError(Job::Publish { messages, .. })) =
+                                running.job_tx.send(Job::Publish { messages, solo })
+                            {
+                                self.fail_all(messages, "publishing channel closed");
+                            }
+                        }
+                        Some(BrokerCmd::Configure(cfg)) => {
+                            let old_timeout = self.cfg.confirm_timeout;
+                            if self.apply_config(cfg) {
+                                running.stop(&mut pub_task, "broker configuration changed").await;
+                                self.report_down(format!("{host}: reconnecting: configuration changed"));
+                                close_connection(&conn).await;
+                                self.reported_down = false;
+                                break Some(SessionEnd::Restart);
+                            }
+                            if self.cfg.confirm_timeout != old_timeout {
+                                let _ = running.job_tx.send(Job::SetConfirmTimeout(self.cfg.confirm_timeout));
+                            }
+                            self.declare_changes(&conn, &mut declared);
+                        }
+                        Some(BrokerCmd::Reconnect) => {
+                            running.stop(&mut pub_task, "reconnect requested").await;
+                            self.report_down(format!("{host}: reconnect requested"));
+                            close_connection(&conn).await;
+                            break Some(SessionEnd::Restart);
+                        }
+                        None | Some(BrokerCmd::Shutdown) => {
+                            running.stop(&mut pub_task, "shutting down").await;
+                            let _ = tokio::time::timeout(
+                                CLOSE_WAIT,
+                                running.channel.close(200, "shutting down".into()),
+                            )
+                            .await;
+                            close_connection(&conn).await;
+                            break Some(SessionEnd::Shutdown);
+                        }
+                    },
+                    ev = conn_events.next() => {
+                        let lost = match ev {
+                            Some(lapin::Event::Error(e)) => (!conn.status().connected())
+                                .then(|| self.redactor.clean(&describe_error(&e))),
+                            Some(lapin::Event::ConnectionBlocked(reason)) => {
+                                self.log(LogLevel::Warning, format!(
+                                    "{host}: the broker blocked publishing: {reason}"
+                                ));
+                                None
+                            }
+                            Some(lapin::Event::ConnectionUnblocked) => {
+                                self.log(LogLevel::Info, format!("{host}: the broker unblocked publishing"));
+                                None
+                            }
+                            Some(_) => None,
+                            None => Some("connection closed".to_string()),
+                        };
+                        if let Some(text) = lost {
+                            let why = format!("connection lost: {text}");
+                            running.stop(&mut pub_task, &why).await;
+                            self.report_down(format!("{host}: {why}"));
+                            break Some(SessionEnd::Lost);
+                        }
+                    }
+                    _ = check.tick() => {
+                        if !conn.status().connected() {
+                            let why = "connection lost: connection is no longer open".to_string();
+                            running.stop(&mut pub_task, &why).await;
+                            self.report_down(format!("{host}: {why}"));
+                            break Some(SessionEnd::Lost);
+                        }
+                    }
+                }
+            };
+            if let Some(end) = outcome {
+                return end;
+            }
+        }
+    }
+
+    /// Declares (in the background, on its own channel) the exchanges configured since the
+    /// connection's declarations: a new configuration does not need a new connection for that.
+    fn declare_changes(&self, conn: &Arc<Connection>, declared: &mut Vec<ExchangeDecl>) {
+        let new: Vec<ExchangeDecl> = self
+            .cfg
+            .exchanges
+            .iter()
+            .filter(|d| !declared.contains(d))
+            .cloned()
+            .collect();
+        declared.clone_from(&self.cfg.exchanges);
+        if new.is_empty() {
+            return;
+        }
+        let conn = conn.clone();
+        let (id, sink, redactor, limit) = (
+            self.id(),
+            self.sink.clone(),
+            self.redactor.clone(),
+            self.cfg.connect_timeout,
+        );
+        tokio::spawn(async move {
+            let work = declare_exchanges(&conn, &new, id, &sink, &redactor);
+            if tokio::time::timeout(limit, work).await.is_err() {
+                sink.send(Event::Log {
+                    level: LogLevel::Warning,
+                    message: format!("broker {id}: declaring exchanges timed out"),
+                });
+            }
+        });
+    }
+
+    /// Ends a session interrupted while it had no publishing channel.
+    async fn end_session(
+        &mut self,
+        conn: &Connection,
+        host: &str,
+        interrupt: Interrupt,
+    ) -> SessionEnd {
+        close_connection(conn).await;
+        match interrupt {
+            Interrupt::Shutdown => SessionEnd::Shutdown,
+            Interrupt::Restart => {
+                self.report_down(format!("{host}: reconnecting"));
+                self.reported_down = false;
+                SessionEnd::Restart
+            }
+        }
+    }
+
+    fn report_down(&mut self, error: String) {
+        if self.reported_down {
+            return;
+        }
+        self.reported_down = true;
+        self.sink.send(Event::Disconnected {
+            broker_id: self.id(),
+            error: self.redactor.clean(&error),
+        });
+    }
+
+    fn log(&self, level: LogLevel, message: String) {
+        self.sink.send(Event::Log {
+            level,
+            message: format!("broker {}: {}", self.id(), self.redactor.clean(&message)),
+        });
+    }
+
+    fn fail_all(&self, messages: Vec<OutboundMessage>, why: &str) {
+        let error = self.redactor.clean(why);
+        for m in messages {
+            self.sink.send(Event::Failed {
+                broker_id: self.id(),
+                id: m.id,
+                failure: Failure::Transient,
+                error: error.clone(),
+            });
+        }
+    }
+}
+
+/// The broker task's end of a publishing task.
+struct Running {
+    sink: EventSink,
+    job_tx: mpsc::UnboundedSender<Job>,
+    stop_tx: Option<oneshot::Sender<String>>,
+    channel: Channel,
+}
+
+impl Running {
+    /// Tells the publishing task to fail what it holds (Transient) and waits for it to finish.
+    async fn stop(&mut self, task: &mut JoinHandle<ChannelEnd>, why: &str) {
+        if let Some(tx) = self.stop_tx.take() {
+            let _ = tx.send(why.to_string());
+        }
+        if task.is_finished() {
+            let _ = task.await;
+            return;
+        }
+        if tokio::time::timeout(STOP_WAIT, &mut *task).await.is_err() {
+            // Cannot happen (the task selects on its stop signal at every await), but if it
+            // did, its messages would go unanswered: say so, the worker restarts.
+            task.abort();
+            self.sink.send(Event::Fatal(
+                "a publishing task did not stop; unconfirmed messages are unaccounted for".into(),
+            ));
+        }
+    }
+}
+
+fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
+    // Built field by field: no URI string holding the password is ever formatted.
+    AMQPUri {
+        scheme: AMQPScheme::AMQP,
+        authority: AMQPAuthority {
+            userinfo: AMQPUserInfo {
+                username: ep.username.clone(),
+                password: ep.password.clone(),
+            },
+            host: ep.host.clone(),
+            port: ep.port,
+        },
+        vhost: ep.vhost.clone(),
+        query: AMQPQueryString {
+            heartbeat: Some(cfg.heartbeat_secs),
+            connection_timeout: u64::try_from(cfg.connect_timeout.as_millis())
+                .ok()
+                .filter(|ms| *ms > 0),
+            ..AMQPQueryString::default()
+        },
+    }
+}
+
+/// Connects to one host, declares the exchanges, and returns the connection. Bounded by the
+/// connect timeout (built here, inside the runtime).
+async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Session, String> {
+    let redactor = Redactor::new(std::slice::from_ref(&ep));
+    let props = ConnectionProperties::default().with_connection_name(
+        format!(
+            "amqp_outbox broker {} (pid {})",
+            cfg.broker_id,
+            std::process::id()
+        )
+        .into(),
+    );
+    let limit = cfg.connect_timeout;
+    let conn = match tokio::time::timeout(limit, Connection::connect_uri(uri_for(&ep, &cfg), props))
+        .await
+    {
+        Err(_) => return Err(format!("connection timed out after {limit:?}")),
+        Ok(Err(e)) => return Err(redactor.clean(&describe_error(&e))),
+        Ok(Ok(c)) => Arc::new(c),
+    };
+    let declared = tokio::time::timeout(
+        limit,
+        declare_exchanges(&conn, &cfg.exchanges, cfg.broker_id, &sink, &redactor),
+    )
+    .await;
+    if declared.is_err() {
+        close_connection(&conn).await;
+        return Err(format!("declaring exchanges timed out after {limit:?}"));
+    }
+    Ok(Session {
+        conn,
+        host: ep.display_name(),
+        declared: cfg.exchanges,
+    })
+}
+
+async fn open_publishing_channel(conn: &Connection) -> lapin::Result<Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}
+
+/// Declares on a channel of their own, so a failed declaration (which closes its channel) never
+/// touches the publishing channel. A failure is a warning; the others are still declared.
+async fn declare_exchanges(
+    conn: &Connection,
+    decls: &[ExchangeDecl],
+    broker_id: i32,
+    sink: &EventSink,
+    redactor: &Redactor,
+) {
+    let warn = |message: String| {
+        sink.send(Event::Log {
+            level: LogLevel::Warning,
+            message: format!("broker {broker_id}: {}", redactor.clean(&message)),
+        })
+    };
+    let mut channel: Option<Channel> = None;
+    for d in decls {
+        let Ok(name) = ShortString::try_new(d.name.as_str()) else {
+            warn(format!(
+                "exchange name longer than 255 bytes, not declared: {}...",
+                crate::amqp_values::truncate(&d.name, 40)
+            ));
+            continue;
+        };
+        let ch = match channel.take() {
+            Some(ch) if ch.status().connected() => ch,
+            _ => match conn.create_channel().await {
+                Ok(ch) => ch,
+                Err(e) => {
+                    warn(format!(
+                        "cannot open a channel to declare exchanges: {}",
+                        describe_error(&e)
+                    ));
+                    return;
+                }
+            },
+        };
+        let options = ExchangeDeclareOptions {
+            passive: d.passive,
+            durable: d.durable,
+            auto_delete: d.auto_delete,
+            internal: false,
+            nowait: false,
+        };
+        match ch
+            .exchange_declare(name, exchange_kind(&d.kind), options, FieldTable::default())
+            .await
+        {
+            Ok(()) => channel = Some(ch),
+            // The broker closed that channel; the next declaration opens another.
+            Err(e) => warn(format!(
+                "cannot declare exchange \"{}\" ({}): {}",
+                d.name,
+                d.kind,
+                describe_error(&e)
+            )),
+        }
+    }
+    if let Some(ch) = channel {
+        let _ = ch.close(200, "declared".into()).await;
+    }
+}
+
+fn exchange_kind(kind: &str) -> ExchangeKind {
+    match kind {
+        "direct" => ExchangeKind::Direct,
+        "fanout" => ExchangeKind::Fanout,
+        "topic" => ExchangeKind::Topic,
+        "headers" => ExchangeKind::Headers,
+        other => ExchangeKind::Custom(other.to_string()),
+    }
+}
+
+/// A clean close when the broker answers, bounded when it does not.
+async fn close_connection(conn: &Connection) {
+    if conn.status().connected() {
+        let _ = tokio::time::timeout(CLOSE_WAIT, conn.close(200, "OK".into())).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(password: &str) -> Endpoint {
+        Endpoint {
+            host: "h".into(),
+            port: 5672,
+            vhost: "/".into(),
+            username: "u".into(),
+            password: password.into(),
+        }
+    }
+
+    #[test]
+    fn backoff_stays_within_bounds() {
+        let min = Duration::from_millis(100);
+        let max = Duration::from_secs(5);
+        for failures in 0..100 {
+            for _ in 0..50 {
+                let d = backoff(min, max, failures);
+                assert!(d >= min && d <= max, "{d:?} for {failures}");
+            }
+        }
+        // Grows: after many failures it is at least half the cap.
+        assert!(backoff(min, max, 40) >= max / 2);
+        // First delay is exactly min..=min (cap = min).
+        assert_eq!(backoff(min, max, 0), min);
+    }
+
+    #[test]
+    fn backoff_tolerates_odd_settings() {
+        assert_eq!(backoff(Duration::ZERO, Duration::ZERO, 3), Duration::ZERO);
+        // max below min: min wins.
+        let d = backoff(Duration::from_secs(2), Duration::from_secs(1), 10);
+        assert_eq!(d, Duration::from_secs(2));
+        let d = backoff(Duration::from_secs(1), Duration::MAX, u32::MAX);
+        assert!(d >= Duration::from_secs(1));
+    }
+
+    #[test]
+    fn redaction_removes_passwords_and_their_encoding() {
+        let r = Redactor::new(&[ep("s3cr/t p@ss"), ep(""), ep("other")]);
+        let text = "auth failed for amqp://u:s3cr%2Ft%20p%40ss@h and s3cr/t p@ss, other";
+        let clean = r.clean(text);
+        assert!(!clean.contains("s3cr"), "{clean}");
+        assert!(!clean.contains("other"), "{clean}");
+        assert!(clean.contains("********"));
+        // An empty password redacts nothing.
+        assert_eq!(Redactor::new(&[ep("")]).clean("abc"), "abc");
+    }
+
+    #[test]
+    fn endpoint_debug_has_no_password() {
+        let e = ep("hunter2");
+        assert!(!format!("{e:?}").contains("hunter2"));
+        let uri = uri_for(
+            &e,
+            &BrokerConfig {
+                broker_id: 1,
+                hosts: vec![e.clone()],
+                exchanges: vec![],
+                connect_timeout: Duration::from_secs(3),
+                heartbeat_secs: 7,
+                confirm_timeout: Duration::from_secs(3),
+                reconnect_min: Duration::from_secs(1),
+                reconnect_max: Duration::from_secs(2),
+            },
+        );
+        assert_eq!(uri.query.heartbeat, Some(7));
+        assert_eq!(uri.query.connection_timeout, Some(3000));
+        assert_eq!(uri.vhost, "/");
+    }
+}

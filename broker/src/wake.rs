@@ -1,0 +1,131 @@
+//! The wake socket: the AMQP thread writes a byte when it queues events, and the worker's main
+//! thread waits for the read end with `WaitLatchOrSocket`. A flag shared by both ends keeps at
+//! most one byte in flight, so a burst of events costs one syscall.
+
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// The worker's end: readable when events are pending.
+pub(crate) struct WakeReceiver {
+    stream: UnixStream,
+    pending: Arc<AtomicBool>,
+}
+
+/// The AMQP thread's end.
+#[derive(Clone)]
+pub(crate) struct WakeSender {
+    stream: Arc<UnixStream>,
+    pending: Arc<AtomicBool>,
+}
+
+/// A connected, non-blocking, close-on-exec pair.
+pub(crate) fn pair() -> io::Result<(WakeReceiver, WakeSender)> {
+    let (rx, tx) = UnixStream::pair()?;
+    rx.set_nonblocking(true)?;
+    tx.set_nonblocking(true)?;
+    let pending = Arc::new(AtomicBool::new(false));
+    Ok((
+        WakeReceiver {
+            stream: rx,
+            pending: pending.clone(),
+        },
+        WakeSender {
+            stream: Arc::new(tx),
+            pending,
+        },
+    ))
+}
+
+impl WakeReceiver {
+    pub(crate) fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Consumes the pending wake-ups. Call it *before* taking the events: the flag is cleared
+    /// first, so an event queued during the drain writes a new byte and is not missed (at worst
+    /// the next wait returns at once with nothing new).
+    pub(crate) fn clear(&self) {
+        self.pending.store(false, Ordering::SeqCst);
+        let mut buf = [0u8; 64];
+        loop {
+            match (&self.stream).read(&mut buf) {
+                Ok(0) => break, // the AMQP thread is gone; nothing more will come
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break, // WouldBlock: drained
+            }
+        }
+    }
+}
+
+impl WakeSender {
+    /// Call after queueing an event. Writes only when no wake-up is pending.
+    pub(crate) fn wake(&self) {
+        if self.pending.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let byte = [1u8];
+        loop {
+            // MSG_NOSIGNAL: if the worker is gone, no SIGPIPE (this thread blocks signals
+            // anyway, but a pending SIGPIPE is better never raised).
+            // SAFETY: the fd is owned by `self.stream` and valid for its lifetime; the buffer
+            // is one valid byte.
+            let n = unsafe {
+                libc::send(
+                    self.stream.as_raw_fd(),
+                    byte.as_ptr().cast(),
+                    1,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            // A full buffer (impossible with one pending byte) or a closed peer: nothing to do.
+            break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn readable(fd: RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n == 1 && (p.revents & libc::POLLIN) != 0
+    }
+
+    #[test]
+    fn one_byte_per_burst_and_clear_drains() {
+        let (rx, tx) = pair().unwrap();
+        assert!(!readable(rx.fd()));
+        tx.wake();
+        tx.wake();
+        tx.wake();
+        assert!(readable(rx.fd()));
+        rx.clear();
+        assert!(!readable(rx.fd()));
+        tx.wake();
+        assert!(readable(rx.fd()));
+        rx.clear();
+        assert!(!readable(rx.fd()));
+    }
+
+    #[test]
+    fn wake_after_receiver_dropped_does_not_fail() {
+        let (rx, tx) = pair().unwrap();
+        drop(rx);
+        tx.wake();
+        tx.wake();
+    }
+}
