@@ -684,3 +684,78 @@ fn table_is_empty_after_delivery() {
     let keys: BTreeSet<String> = f.collector.bodies().into_iter().collect();
     assert_eq!(keys.len(), 220);
 }
+
+#[test]
+fn wrong_broker_password_is_reported_without_the_password_and_fixed_by_update() {
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_route("password");
+    let collector = rabbit.consume(&route);
+    let cluster = PgCluster::new(
+        PgConfig::default()
+            .setting("amqp_outbox.retry_backoff_min", 100)
+            .setting("amqp_outbox.retry_backoff_max", 1000),
+    );
+    let mut client = cluster.client();
+    create_extension(&mut client);
+    let secret = unique_name("S3cret").replace('.', "-");
+    let mut endpoint = rabbit.endpoint().clone();
+    endpoint.password = secret.clone();
+    let broker_id = amqp_outbox_e2e::outbox::add_broker(&mut client, &endpoint);
+    let outbox = Outbox { broker_id };
+    outbox.publish(&mut client, &route.exchange, &route.routing_key, "pw:0");
+
+    let last_error = eventually(
+        ARRIVAL,
+        "amqp.broker_status to report the failed login",
+        || {
+            let row = client
+                .query_opt(
+                    "SELECT connected, last_error FROM amqp.broker_status WHERE broker_id = $1",
+                    &[&broker_id],
+                )
+                .map_err(|e| format!("amqp.broker_status: {e}"))?;
+            match row.map(|r| (r.get::<_, bool>(0), r.get::<_, Option<String>>(1))) {
+                Some((false, Some(e))) if !e.is_empty() => Ok(e),
+                other => Err(format!("broker status {other:?}")),
+            }
+        },
+    );
+    eventually(ARRIVAL, "the failed login in the server log", || {
+        let log = cluster.log();
+        if log.contains(&format!("broker {broker_id}")) {
+            Ok(())
+        } else {
+            Err(cluster.log_tail(5))
+        }
+    });
+    assert_eq!(
+        collector.len(),
+        0,
+        "nothing can arrive with a wrong password"
+    );
+    assert!(
+        !last_error.contains(&secret),
+        "amqp.broker_status shows the password: {last_error}"
+    );
+    let log = cluster.log();
+    assert!(
+        !log.contains(&secret),
+        "the server log contains the broker password:\n{}",
+        log.lines()
+            .filter(|l| l.contains(&secret))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    eprintln!("reported: {last_error}");
+
+    // Fixing the row is picked up without a restart, and the waiting message goes out.
+    client
+        .execute(
+            "UPDATE amqp.broker SET password = $2 WHERE broker_id = $1",
+            &[&broker_id, &rabbit.endpoint().password],
+        )
+        .expect("UPDATE amqp.broker");
+    collector.wait_for_body("pw:0", ARRIVAL);
+    Outbox::wait_drained(&mut client, ARRIVAL);
+    assert!(!cluster.log().contains(&secret));
+}
