@@ -9,6 +9,10 @@ CREATE TRIGGER broker_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @e
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 CREATE TRIGGER exchange_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.exchange
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
+CREATE TRIGGER queue_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.queue
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
+CREATE TRIGGER binding_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.binding
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 
 -- Views for DBAs. Readable by pg_monitor; they show no secrets.
 CREATE VIEW @extschema@.worker_status AS
@@ -33,5 +37,20 @@ CREATE VIEW @extschema@.outbox_summary AS
 COMMENT ON VIEW @extschema@.outbox_summary IS
     'Messages waiting in the outbox per broker and exchange, with the age of the oldest.';
 
-GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema@.outbox_summary TO pg_monitor;
+CREATE VIEW @extschema@.message_status AS
+    SELECT m.id, m.broker_id, m.exchange, m.routing_key,
+           CASE WHEN m.parked_at IS NOT NULL THEN 'parked'
+                WHEN f.confirmed THEN 'awaiting_ack'
+                WHEN f.id IS NOT NULL THEN 'in_flight'
+                WHEN m.next_attempt_at OPERATOR(pg_catalog.>) pg_catalog.now() THEN 'retry_wait'
+                ELSE 'pending' END AS state,
+           m.attempts, m.created_at, m.next_attempt_at, m.parked_at, m.last_error,
+           m.producer_pid, m.producer_started_at
+      FROM @extschema@.message m
+      LEFT JOIN @extschema@._in_flight() f ON f.id OPERATOR(pg_catalog.=) m.id;
+COMMENT ON VIEW @extschema@.message_status IS
+    'Each message in the outbox and its delivery state: pending, in_flight (published, not confirmed), awaiting_ack (confirmed, acknowledgement record not seen yet), retry_wait, parked.';
+
+GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema@.outbox_summary,
+                @extschema@.message_status TO pg_monitor;
 GRANT USAGE ON SCHEMA @extschema@ TO pg_monitor;

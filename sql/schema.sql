@@ -9,7 +9,11 @@ CREATE TABLE @extschema@.broker (
     vhost text NOT NULL DEFAULT '/',
     username text NOT NULL DEFAULT 'guest',
     password text NOT NULL DEFAULT 'guest',
+    -- What proves delivery: 'ack_queue' (confirm + the acknowledgement record seen on the
+    -- acknowledgement queue) or 'confirm' (a positive confirm without a return).
+    proof text NOT NULL DEFAULT 'ack_queue',
     PRIMARY KEY (broker_id, host, port),
+    CONSTRAINT broker_proof_valid CHECK (proof IN ('ack_queue', 'confirm')),
     CONSTRAINT broker_port_range CHECK (port BETWEEN 1 AND 65535),
     CONSTRAINT broker_host_not_empty CHECK (host <> '')
 );
@@ -84,4 +88,46 @@ CREATE TABLE @extschema@.exchange (
 COMMENT ON TABLE @extschema@.exchange IS
     'Exchanges the worker declares on each connection to their broker, before publishing.';
 
-REVOKE ALL ON @extschema@.broker, @extschema@.message, @extschema@.exchange FROM PUBLIC;
+-- Queues and bindings the worker declares on each connection (amqp.queue_declare(), amqp.queue_bind()).
+CREATE TABLE @extschema@.queue (
+    broker_id integer NOT NULL,
+    queue text NOT NULL,
+    durable boolean NOT NULL DEFAULT true,
+    auto_delete boolean NOT NULL DEFAULT false,
+    arguments jsonb NOT NULL DEFAULT '{}',
+    declared_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    PRIMARY KEY (broker_id, queue),
+    CONSTRAINT queue_name_valid CHECK (queue <> '' AND pg_catalog.octet_length(queue) <= 255),
+    CONSTRAINT queue_arguments_object CHECK (pg_catalog.jsonb_typeof(arguments) = 'object')
+);
+COMMENT ON TABLE @extschema@.queue IS
+    'Queues the worker declares on each connection to their broker, before publishing.';
+
+CREATE TABLE @extschema@.binding (
+    broker_id integer NOT NULL,
+    queue text NOT NULL,
+    exchange text NOT NULL,
+    routing_key text NOT NULL DEFAULT '',
+    arguments jsonb NOT NULL DEFAULT '{}',
+    declared_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    PRIMARY KEY (broker_id, queue, exchange, routing_key),
+    CONSTRAINT binding_exchange_valid CHECK (exchange <> '' AND pg_catalog.octet_length(exchange) <= 255),
+    CONSTRAINT binding_routing_key_length CHECK (pg_catalog.octet_length(routing_key) <= 255),
+    CONSTRAINT binding_arguments_object CHECK (pg_catalog.jsonb_typeof(arguments) = 'object')
+);
+COMMENT ON TABLE @extschema@.binding IS
+    'Bindings the worker declares on each connection to their broker, after exchanges and queues.';
+
+-- Parked messages discarded on purpose with amqp.discard(): the record of what was never sent.
+CREATE TABLE @extschema@.discarded (
+    LIKE @extschema@.message,
+    discarded_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    discarded_by name NOT NULL DEFAULT pg_catalog.current_user,
+    reason text
+);
+ALTER TABLE @extschema@.discarded ADD PRIMARY KEY (id);
+COMMENT ON TABLE @extschema@.discarded IS
+    'Parked messages deliberately discarded with amqp.discard(), with who, when and why.';
+
+REVOKE ALL ON @extschema@.broker, @extschema@.message, @extschema@.exchange,
+              @extschema@.queue, @extschema@.binding, @extschema@.discarded FROM PUBLIC;

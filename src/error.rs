@@ -22,6 +22,11 @@ pub enum OutboxError {
     InvalidHeaders(String),
     InvalidExchangeType(String),
     EmptyExchangeName,
+    EmptyName(&'static str),
+    /// Queue or binding arguments that are not a JSON object.
+    InvalidArguments,
+    /// amqp.retry()/amqp.discard() of a message that is not parked.
+    NotParked(i64),
     /// amqp.last_message_id() before any publish in this session.
     NoMessageYet,
 }
@@ -37,7 +42,10 @@ impl OutboxError {
             InvalidDeliveryMode(_)
             | InvalidHeaders(_)
             | InvalidExchangeType(_)
-            | EmptyExchangeName => ERRCODE_INVALID_PARAMETER_VALUE,
+            | EmptyExchangeName
+            | EmptyName(_)
+            | InvalidArguments => ERRCODE_INVALID_PARAMETER_VALUE,
+            NotParked(_) => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             BodyTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             NoMessageYet => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
         }
@@ -64,6 +72,9 @@ impl OutboxError {
             EmptyExchangeName => {
                 "amqp_outbox: the default exchange (\"\") cannot be declared".to_string()
             }
+            EmptyName(what) => format!("amqp_outbox: {what} must not be empty"),
+            InvalidArguments => "amqp_outbox: arguments must be a JSON object".to_string(),
+            NotParked(id) => format!("amqp_outbox: message {id} is not parked"),
             NoMessageYet => {
                 "amqp_outbox: no message has been published in this session yet".to_string()
             }

@@ -18,6 +18,9 @@ pub static HEARTBEAT: GucSetting<i32> = GucSetting::<i32>::new(10);
 pub static CONFIRM_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(15000);
 pub static RETRY_BACKOFF_MIN: GucSetting<i32> = GucSetting::<i32>::new(200);
 pub static RETRY_BACKOFF_MAX: GucSetting<i32> = GucSetting::<i32>::new(60000);
+pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(30000);
+pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(false);
+pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 pub fn init() {
     GucRegistry::define_string_guc(
@@ -136,6 +139,34 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.resend_after",
+        c"A message without proof of delivery after this time is published again.",
+        c"Proof is the confirm (and, in ack_queue mode, the acknowledgement record). Each resend counts as an attempt.",
+        &RESEND_AFTER,
+        100,
+        86_400_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_bool_guc(
+        c"amqp_outbox.ack_queue_quorum",
+        c"Declare the acknowledgement queue as a quorum queue.",
+        c"Takes effect for a new acknowledgement queue; an existing queue keeps its type.",
+        &ACK_QUEUE_QUORUM,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.test_lose_one_in",
+        c"Fault injection for tests: pretend one first publish in N is lost in transit (0 = never).",
+        c"Never set this in production: it exists to prove that lost messages are detected and resent.",
+        &TEST_LOSE_ONE_IN,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"amqp_outbox".as_ptr()) };
 }
 
@@ -157,6 +188,9 @@ pub struct WorkerSettings {
     pub confirm_timeout: Duration,
     pub retry_backoff_min: Duration,
     pub retry_backoff_max: Duration,
+    pub resend_after: Duration,
+    pub ack_queue_quorum: bool,
+    pub lose_one_in: u32,
 }
 
 impl WorkerSettings {
@@ -173,6 +207,9 @@ impl WorkerSettings {
             confirm_timeout: ms(&CONFIRM_TIMEOUT),
             retry_backoff_min: ms(&RETRY_BACKOFF_MIN),
             retry_backoff_max: ms(&RETRY_BACKOFF_MAX).max(ms(&RETRY_BACKOFF_MIN)),
+            resend_after: ms(&RESEND_AFTER),
+            ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
+            lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
         }
     }
 }

@@ -17,6 +17,7 @@ static REQUESTS: PgLwLock<Requests> = unsafe { PgLwLock::new(c"amqp_outbox_reque
 static RELOAD: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"amqp_outbox_reload") };
 static BROKER_STATES: PgLwLock<BrokerStates> =
     unsafe { PgLwLock::new(c"amqp_outbox_broker_states") };
+static IN_FLIGHT: PgLwLock<InFlightTable> = unsafe { PgLwLock::new(c"amqp_outbox_in_flight") };
 
 /// Set in `_PG_init` of the postmaster; inherited by every backend it forks.
 static READY: AtomicBool = AtomicBool::new(false);
@@ -27,6 +28,48 @@ pub struct Counters {
     pub confirmed: AtomicU64,
     pub failed: AtomicU64,
     pub parked: AtomicU64,
+    pub acknowledged: AtomicU64,
+    pub resent_gap: AtomicU64,
+    pub resent_timeout: AtomicU64,
+}
+
+/// Messages the worker has in flight, for `amqp.message_status`. Larger windows show only the
+/// first entries.
+pub const IN_FLIGHT_SHOWN: usize = 32768;
+
+#[derive(Clone, Copy)]
+pub struct InFlightTable {
+    len: usize,
+    /// (id, confirmed)
+    entries: [(i64, bool); IN_FLIGHT_SHOWN],
+}
+
+impl Default for InFlightTable {
+    fn default() -> Self {
+        InFlightTable {
+            len: 0,
+            entries: [(0, false); IN_FLIGHT_SHOWN],
+        }
+    }
+}
+unsafe impl PGRXSharedMemory for InFlightTable {}
+
+pub fn report_in_flight(entries: &[(i64, bool)]) {
+    if !ready() {
+        return;
+    }
+    let mut t = IN_FLIGHT.exclusive();
+    let n = entries.len().min(IN_FLIGHT_SHOWN);
+    t.entries[..n].copy_from_slice(&entries[..n]);
+    t.len = n;
+}
+
+pub fn in_flight() -> Vec<(i64, bool)> {
+    if !ready() {
+        return Vec::new();
+    }
+    let t = IN_FLIGHT.share();
+    t.entries[..t.len].to_vec()
 }
 
 /// Brokers whose connection state the worker publishes for `amqp.broker_status`.
@@ -127,6 +170,7 @@ pub fn init() {
     pg_shmem_init!(REQUESTS);
     pg_shmem_init!(RELOAD);
     pg_shmem_init!(BROKER_STATES);
+    pg_shmem_init!(IN_FLIGHT);
     READY.store(true, Ordering::Relaxed);
 }
 

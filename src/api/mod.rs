@@ -1,5 +1,7 @@
 //! SQL-callable functions. They run in user backends: no threads, no network.
 
 mod admin;
+mod parked;
 mod publish;
 mod status;
+mod topology;

@@ -12,6 +12,9 @@ fn worker_status() -> TableIterator<
         name!(worker_pid, Option<i32>),
         name!(published, i64),
         name!(confirmed, i64),
+        name!(acknowledged, i64),
+        name!(resent_lost, i64),
+        name!(resent_timeout, i64),
         name!(failed, i64),
         name!(parked, i64),
     ),
@@ -23,6 +26,9 @@ fn worker_status() -> TableIterator<
         shmem::worker_pid(),
         load(|c| &c.published),
         load(|c| &c.confirmed),
+        load(|c| &c.acknowledged),
+        load(|c| &c.resent_gap),
+        load(|c| &c.resent_timeout),
         load(|c| &c.failed),
         load(|c| &c.parked),
     ))
@@ -59,4 +65,11 @@ fn broker_status() -> TableIterator<
         })
         .collect();
     TableIterator::new(rows)
+}
+
+/// The messages the worker has in flight: `confirmed` means delivered and awaiting the
+/// acknowledgement record (ack_queue mode).
+#[pg_extern(volatile, parallel_safe, name = "_in_flight")]
+fn in_flight() -> TableIterator<'static, (name!(id, i64), name!(confirmed, bool))> {
+    TableIterator::new(shmem::in_flight())
 }

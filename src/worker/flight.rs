@@ -1,20 +1,45 @@
 //! The worker's memory of what it has handed to the AMQP thread: per broker, the connection
-//! state, the ids awaiting an outcome, and the suspects that must be published alone.
+//! state, and per message in flight what is known of its delivery (confirmed? acknowledged?).
 //! Plain Rust, no PostgreSQL calls. Bounded by `max_in_flight` per broker.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use amqp_outbox_broker::ProofMode;
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
-#[derive(Default)]
+pub struct Entry {
+    pub broker_id: i32,
+    pub sent_at: Instant,
+    /// A positive confirm without a return arrived.
+    pub confirmed: bool,
+    /// Its acknowledgement record was seen on the acknowledgement queue.
+    pub acked: bool,
+}
+
 pub struct BrokerFlight {
     pub connected: bool,
     pub host: Option<String>,
     pub epoch: u64,
+    pub proof: ProofMode,
     /// Why the connection is down, if it is.
     pub error: Option<String>,
-    pub in_flight: HashSet<i64>,
-    /// Ids whose last publish ended in an ambiguous channel error, or that failed before: they
-    /// are published one at a time, with nothing else in flight, so an error names its cause.
+    pub in_flight: usize,
+    /// Ids whose last publish ended in an ambiguous channel error: they are published one at a
+    /// time, with nothing else in flight, so an error names its cause.
     pub suspects: BTreeSet<i64>,
+}
+
+impl Default for BrokerFlight {
+    fn default() -> Self {
+        BrokerFlight {
+            connected: false,
+            host: None,
+            epoch: 0,
+            proof: ProofMode::AckQueue,
+            error: None,
+            in_flight: 0,
+            suspects: BTreeSet::new(),
+        }
+    }
 }
 
 impl BrokerFlight {
@@ -23,11 +48,23 @@ impl BrokerFlight {
     }
 }
 
+/// What a delivery event means for a row.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Proven delivered: delete the row.
+    Delivered,
+    /// Known lost: publish it again now.
+    Resend,
+    /// Wait for the rest of the proof.
+    Wait,
+    /// Not (or no longer) in flight: nothing to do.
+    Unknown,
+}
+
 #[derive(Default)]
 pub struct Flight {
     brokers: HashMap<i32, BrokerFlight>,
-    /// id → broker, for every id in flight anywhere.
-    owner: HashMap<i64, i32>,
+    entries: HashMap<i64, Entry>,
 }
 
 impl Flight {
@@ -35,43 +72,137 @@ impl Flight {
         self.brokers.entry(broker_id).or_default()
     }
 
-    /// Keeps only these brokers (the others were removed from amqp.broker).
-    pub fn retain_brokers(&mut self, ids: &[i32]) {
-        self.brokers.retain(|id, _| ids.contains(id));
-        let brokers = &self.brokers;
-        self.owner.retain(|_, b| brokers.contains_key(b));
-    }
-
     pub fn brokers(&self) -> impl Iterator<Item = (&i32, &BrokerFlight)> {
         self.brokers.iter()
     }
 
+    /// Keeps only these brokers (the others were removed from amqp.broker).
+    pub fn retain_brokers(&mut self, ids: &[i32]) {
+        self.brokers.retain(|id, _| ids.contains(id));
+        self.entries.retain(|_, e| ids.contains(&e.broker_id));
+        self.recount();
+    }
+
+    fn recount(&mut self) {
+        for b in self.brokers.values_mut() {
+            b.in_flight = 0;
+        }
+        for e in self.entries.values() {
+            if let Some(b) = self.brokers.get_mut(&e.broker_id) {
+                b.in_flight += 1;
+            }
+        }
+    }
+
     pub fn is_in_flight(&self, id: i64) -> bool {
-        self.owner.contains_key(&id)
+        self.entries.contains_key(&id)
     }
 
     pub fn mark_sent(&mut self, broker_id: i32, id: i64) {
-        self.owner.insert(id, broker_id);
-        self.broker(broker_id).in_flight.insert(id);
+        let entry = Entry {
+            broker_id,
+            sent_at: Instant::now(),
+            confirmed: false,
+            acked: false,
+        };
+        if self.entries.insert(id, entry).is_none() {
+            self.broker(broker_id).in_flight += 1;
+        }
     }
 
-    /// The outcome of `id` is known (or will never come): it is no longer in flight.
+    /// The row leaves the worker's hands (delivered, refused, or to be claimed again).
     pub fn settle(&mut self, id: i64) {
-        if let Some(b) = self.owner.remove(&id) {
-            if let Some(bf) = self.brokers.get_mut(&b) {
-                bf.in_flight.remove(&id);
+        if let Some(e) = self.entries.remove(&id) {
+            if let Some(b) = self.brokers.get_mut(&e.broker_id) {
+                b.in_flight = b.in_flight.saturating_sub(1);
             }
         }
     }
 
-    /// A connection went down or a new channel came up: whatever was in flight on the old one
-    /// will be published again (the AMQP thread also fails each of them).
-    pub fn forget_in_flight(&mut self, broker_id: i32) {
-        if let Some(bf) = self.brokers.get_mut(&broker_id) {
-            for id in bf.in_flight.drain() {
-                self.owner.remove(&id);
-            }
+    fn proof(&self, broker_id: i32) -> ProofMode {
+        self.brokers
+            .get(&broker_id)
+            .map_or(ProofMode::AckQueue, |b| b.proof)
+    }
+
+    /// A positive confirm without a return.
+    pub fn confirmed(&mut self, id: i64) -> Verdict {
+        let proof_mode = match self.entries.get(&id) {
+            Some(e) => self.proof(e.broker_id),
+            None => return Verdict::Unknown,
+        };
+        let Some(e) = self.entries.get_mut(&id) else {
+            return Verdict::Unknown;
+        };
+        e.confirmed = true;
+        let done = e.acked || proof_mode == ProofMode::Confirm;
+        if done {
+            self.settle(id);
+            Verdict::Delivered
+        } else {
+            Verdict::Wait
         }
+    }
+
+    /// The acknowledgement record was seen.
+    pub fn acked(&mut self, id: i64) -> Verdict {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return Verdict::Unknown;
+        };
+        e.acked = true;
+        if e.confirmed {
+            self.settle(id);
+            Verdict::Delivered
+        } else {
+            Verdict::Wait
+        }
+    }
+
+    /// The gap rule found its record missing: a confirm still proves the message arrived;
+    /// without one it was lost.
+    pub fn lost(&mut self, id: i64) -> Verdict {
+        let Some(e) = self.entries.get(&id) else {
+            return Verdict::Unknown;
+        };
+        let verdict = if e.confirmed {
+            Verdict::Delivered
+        } else {
+            Verdict::Resend
+        };
+        self.settle(id);
+        verdict
+    }
+
+    /// The publishing connection of a broker went down or got a new channel: messages not yet
+    /// confirmed on the old one will be published again (the AMQP thread also fails each of
+    /// them). Confirmed ones keep waiting for their acknowledgement record, which the listener
+    /// still receives.
+    pub fn forget_unconfirmed(&mut self, broker_id: i32) {
+        let gone: Vec<i64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.broker_id == broker_id && !e.confirmed)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.settle(id);
+        }
+    }
+
+    /// Messages in flight for longer than `after` without proof of delivery: taken back, to be
+    /// published again.
+    pub fn expire(&mut self, after: Duration) -> Vec<i64> {
+        let now = Instant::now();
+        let expired: Vec<i64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| now.duration_since(e.sent_at) >= after)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &expired {
+            self.settle(*id);
+        }
+        expired
     }
 
     /// Brokers that may take new (non-suspect) messages now, with how many each may take.
@@ -79,19 +210,33 @@ impl Flight {
         let mut open: Vec<(i32, usize)> = self
             .brokers
             .iter()
-            .filter(|(_, b)| b.connected && !b.isolating() && b.in_flight.len() < max_in_flight)
-            .map(|(id, b)| (*id, max_in_flight - b.in_flight.len()))
+            .filter(|(_, b)| b.connected && !b.isolating() && b.in_flight < max_in_flight)
+            .map(|(id, b)| (*id, max_in_flight - b.in_flight))
             .collect();
         open.sort_unstable();
         open
+    }
+
+    /// In flight for these brokers: the claim must read past them.
+    pub fn in_flight_of(&self, brokers: &[i32]) -> usize {
+        brokers
+            .iter()
+            .filter_map(|id| self.brokers.get(id))
+            .map(|b| b.in_flight)
+            .sum()
     }
 
     /// Brokers whose suspects can be published now: connected, nothing else in flight.
     pub fn isolation_ready(&self) -> Vec<(i32, Vec<i64>)> {
         self.brokers
             .iter()
-            .filter(|(_, b)| b.connected && b.isolating() && b.in_flight.is_empty())
+            .filter(|(_, b)| b.connected && b.isolating() && b.in_flight == 0)
             .map(|(id, b)| (*id, b.suspects.iter().copied().collect()))
             .collect()
+    }
+
+    /// Ids in flight and what is known of each, for `amqp.message_status`.
+    pub fn snapshot(&self) -> Vec<(i64, bool)> {
+        self.entries.iter().map(|(id, e)| (*id, e.confirmed)).collect()
     }
 }

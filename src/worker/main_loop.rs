@@ -1,23 +1,29 @@
 //! The worker's loop, on its main (PostgreSQL) thread: take the AMQP thread's events, settle
 //! rows in one short transaction, claim the next rows, hand them over, sleep on latch + socket.
 
-use super::flight::Flight;
+use super::flight::{Flight, Verdict};
 use super::pg::{self, Woken};
 use super::queries::{self, Row};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
 use amqp_outbox_broker::{
-    BrokerConfig, BrokerHandle, Command, Event, Failure, LogLevel, OutboundMessage,
+    AckQueueConfig, BrokerConfig, BrokerHandle, Command, Event, Failure, LogLevel,
+    OutboundMessage, ProofMode,
 };
 use pgrx::prelude::*;
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How often the worker looks for messages in flight past `amqp_outbox.resend_after`.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// What the events of one wake-up ask the database to do.
 #[derive(Default)]
 struct Settlement {
     delivered: Vec<i64>,
     rejected: Vec<(i64, String)>,
+    /// Lost (gap rule) or without proof past the timeout: publish again, counting an attempt.
+    resend: Vec<(Vec<i64>, &'static str)>,
 }
 
 pub struct Worker {
@@ -29,8 +35,9 @@ pub struct Worker {
     extension_present: bool,
     message_id_prefix: Option<String>,
     need_reload: bool,
-    /// Where the next claim starts; reset to 0 whenever a pass reaches the end.
-    scan_from: i64,
+    /// Counts first publishes, for the `test_lose_one_in` fault injection.
+    published_count: u64,
+    swept_at: Instant,
     /// The last claim filled its batch: claim again without sleeping.
     more_work: bool,
     /// A connection changed state: publish the broker table to shared memory.
@@ -48,7 +55,8 @@ impl Worker {
             extension_present: false,
             message_id_prefix: None,
             need_reload: true,
-            scan_from: 0,
+            published_count: 0,
+            swept_at: Instant::now(),
             more_work: false,
             status_changed: true,
             status_reported_at: None,
@@ -74,7 +82,8 @@ impl Worker {
             }
             self.handle_disconnect_requests(requests.disconnect);
 
-            let settlement = self.take_events();
+            let mut settlement = self.take_events();
+            self.sweep(&mut settlement);
             if pg::in_recovery() {
                 // A standby publishes nothing; after promotion this loop takes over.
                 pg::wait(None, self.settings.naptime);
@@ -99,11 +108,12 @@ impl Worker {
         }
     }
 
-    /// Connection states at once when they change; in-flight counts at most once a second.
+    /// Connection states at once when they change; in-flight counts and messages at most every
+    /// 100 ms.
     fn report_status(&mut self) {
         let due = self
             .status_reported_at
-            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100));
         if !self.status_changed && !due {
             return;
         }
@@ -116,11 +126,12 @@ impl Worker {
                 host: b.host.as_deref(),
                 epoch: b.epoch,
                 error: b.error.as_deref(),
-                in_flight: b.in_flight.len(),
+                in_flight: b.in_flight,
             })
             .collect();
         reports.sort_by_key(|r| r.broker_id);
         shmem::report_brokers(&reports);
+        shmem::report_in_flight(&self.flight.snapshot());
         self.status_changed = false;
         self.status_reported_at = Some(std::time::Instant::now());
     }
@@ -146,7 +157,7 @@ impl Worker {
                     host,
                     epoch,
                 } => {
-                    self.flight.forget_in_flight(broker_id);
+                    self.flight.forget_unconfirmed(broker_id);
                     let b = self.flight.broker(broker_id);
                     b.connected = true;
                     b.epoch = epoch;
@@ -154,10 +165,9 @@ impl Worker {
                     self.status_changed = true;
                     log!("amqp_outbox: broker {broker_id} connected to {host} (channel {epoch})");
                     b.host = Some(host);
-                    self.scan_from = 0;
                 }
                 Event::Disconnected { broker_id, error } => {
-                    self.flight.forget_in_flight(broker_id);
+                    self.flight.forget_unconfirmed(broker_id);
                     let b = self.flight.broker(broker_id);
                     b.connected = false;
                     b.host = None;
@@ -166,11 +176,38 @@ impl Worker {
                     self.status_changed = true;
                 }
                 Event::Confirmed { ids, .. } => {
-                    for id in &ids {
-                        self.flight.settle(*id);
-                    }
                     shmem::count(|c| &c.confirmed, ids.len() as u64);
-                    s.delivered.extend(ids);
+                    for id in ids {
+                        if self.flight.confirmed(id) == Verdict::Delivered {
+                            s.delivered.push(id);
+                        }
+                    }
+                }
+                Event::Acked { ids, .. } => {
+                    shmem::count(|c| &c.acknowledged, ids.len() as u64);
+                    for id in ids {
+                        if self.flight.acked(id) == Verdict::Delivered {
+                            s.delivered.push(id);
+                        }
+                    }
+                }
+                Event::Lost { ids, .. } => {
+                    let mut lost = Vec::new();
+                    for id in ids {
+                        match self.flight.lost(id) {
+                            Verdict::Delivered => s.delivered.push(id),
+                            Verdict::Resend => lost.push(id),
+                            _ => {}
+                        }
+                    }
+                    if !lost.is_empty() {
+                        shmem::count(|c| &c.resent_gap, lost.len() as u64);
+                        log!(
+                            "amqp_outbox: {} message(s) lost in transit (a later acknowledgement arrived first), publishing again: {lost:?}",
+                            lost.len()
+                        );
+                        s.resend.push((lost, "lost in transit: a later message of the same channel was acknowledged first"));
+                    }
                 }
                 Event::Failed {
                     broker_id,
@@ -191,7 +228,6 @@ impl Worker {
                             s.rejected.push((id, error));
                         }
                     }
-                    self.scan_from = 0;
                 }
                 Event::Log { level, message } => match level {
                     LogLevel::Debug => debug1!("amqp_outbox: {message}"),
@@ -204,6 +240,24 @@ impl Worker {
             }
         }
         s
+    }
+
+    /// The timeout sweep: what has been in flight past `resend_after` without proof of delivery
+    /// is taken back and published again.
+    fn sweep(&mut self, s: &mut Settlement) {
+        if self.swept_at.elapsed() < SWEEP_EVERY {
+            return;
+        }
+        self.swept_at = Instant::now();
+        let expired = self.flight.expire(self.settings.resend_after);
+        if !expired.is_empty() {
+            shmem::count(|c| &c.resent_timeout, expired.len() as u64);
+            log!(
+                "amqp_outbox: {} message(s) without proof of delivery after amqp_outbox.resend_after, publishing again",
+                expired.len()
+            );
+            s.resend.push((expired, "no proof of delivery within amqp_outbox.resend_after"));
+        }
     }
 
     /// One short transaction: record outcomes, reload configuration, claim rows. Returns the
@@ -229,6 +283,13 @@ impl Worker {
             }
             for (id, error) in &settlement.rejected {
                 self.record_rejection(client, *id, error)?;
+            }
+            for (ids, reason) in &settlement.resend {
+                let parked = queries::record_resend(client, ids, reason, self.settings.max_attempts)?;
+                for id in parked {
+                    shmem::count(|c| &c.parked, 1);
+                    warning!("amqp_outbox: message {id} parked after amqp_outbox.max_attempts attempts: {reason}");
+                }
             }
             if self.message_id_prefix.is_none() {
                 self.message_id_prefix = Some(queries::message_id_prefix()?);
@@ -288,6 +349,13 @@ impl Worker {
             broker_id: 0,
             hosts: Vec::new(),
             exchanges: Vec::new(),
+            queues: Vec::new(),
+            bindings: Vec::new(),
+            proof: ProofMode::AckQueue,
+            ack_queue: AckQueueConfig {
+                name: queries::ack_queue_name(),
+                quorum: s.ack_queue_quorum,
+            },
             connect_timeout: s.connect_timeout,
             heartbeat_secs: s.heartbeat_secs,
             confirm_timeout: s.confirm_timeout,
@@ -302,8 +370,8 @@ impl Worker {
         }
         let ids: Vec<i32> = brokers.iter().map(|b| b.broker_id).collect();
         self.flight.retain_brokers(&ids);
-        for id in &ids {
-            self.flight.broker(*id);
+        for b in &brokers {
+            self.flight.broker(b.broker_id).proof = b.proof;
         }
         self.brokers = brokers.clone();
         self.status_changed = true;
@@ -343,19 +411,12 @@ impl Worker {
         }
         let mut room: BTreeMap<i32, usize> = open.into_iter().collect();
         let broker_ids: Vec<i32> = room.keys().copied().collect();
-        let limit = self.settings.batch_size;
-        let rows = queries::claim(client, self.scan_from, &broker_ids, limit)?;
-        let reached_end = rows.len() < limit;
-        let last_id = rows.last().map(|r| r.id);
-        let mut skipped_for_room = false;
+        let limit = self.settings.batch_size + self.flight.in_flight_of(&broker_ids);
+        let rows = queries::claim(client, &broker_ids, limit)?;
+        self.more_work = rows.len() == limit;
         let mut batches: BTreeMap<i32, Vec<Row>> = BTreeMap::new();
         for row in rows {
             if self.flight.is_in_flight(row.id) {
-                continue;
-            }
-            if row.attempts > 0 {
-                // Failed before: publish it alone so its next error is its own.
-                self.flight.broker(row.broker_id).suspects.insert(row.id);
                 continue;
             }
             match room.get_mut(&row.broker_id) {
@@ -363,14 +424,13 @@ impl Worker {
                     *r -= 1;
                     batches.entry(row.broker_id).or_default().push(row);
                 }
-                _ => skipped_for_room = true,
+                // This broker's window is full: what it has in flight must settle first.
+                _ => {}
             }
         }
-        self.scan_from = match last_id {
-            Some(id) if !reached_end && !skipped_for_room => id,
-            _ => 0,
-        };
-        self.more_work = !reached_end && !skipped_for_room;
+        if room.values().all(|r| *r == 0) {
+            self.more_work = false;
+        }
         for (broker_id, rows) in batches {
             let messages = self.prepare(client, rows, max_size)?;
             if messages.is_empty() {
@@ -389,14 +449,25 @@ impl Worker {
         Ok(commands)
     }
 
+    /// The `test_lose_one_in` fault injection (0, the default, never loses anything): one first
+    /// publish in N is handed over marked "lose in transit".
+    fn lose_this_one(&mut self, first_attempt: bool) -> bool {
+        let n = self.settings.lose_one_in as u64;
+        if n == 0 || !first_attempt {
+            return false;
+        }
+        self.published_count += 1;
+        self.published_count % n == 0
+    }
+
     /// Turns rows into messages; parks rows that can never be published as they are.
     fn prepare(
-        &self,
+        &mut self,
         client: &mut pgrx::spi::SpiClient<'_>,
         rows: Vec<Row>,
         max_size: usize,
     ) -> pgrx::spi::SpiResult<Vec<OutboundMessage>> {
-        let prefix = self.message_id_prefix.as_deref().unwrap_or("0");
+        let prefix = self.message_id_prefix.clone().unwrap_or_else(|| "0".into());
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             if row.body.len() > max_size {
@@ -409,7 +480,10 @@ impl Worker {
                 shmem::count(|c| &c.parked, 1);
                 continue;
             }
-            out.push(to_message(prefix, row));
+            let first_attempt = row.attempts == 0;
+            let mut message = to_message(&prefix, row);
+            message.lose_in_transit = self.lose_this_one(first_attempt);
+            out.push(message);
         }
         Ok(out)
     }
@@ -440,5 +514,6 @@ fn to_message(prefix: &str, row: Row) -> OutboundMessage {
         correlation_id: row.correlation_id,
         timestamp: (row.created_at.max(0) / 1_000_000) as u64,
         headers,
+        lose_in_transit: false,
     }
 }

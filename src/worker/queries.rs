@@ -1,7 +1,7 @@
 //! Every SQL statement the worker runs. Each runs inside a short transaction opened by the
 //! caller ([`super::pg::transaction`]); none waits on the broker.
 
-use amqp_outbox_broker::{BrokerConfig, Endpoint, ExchangeDecl};
+use amqp_outbox_broker::{BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -35,6 +35,14 @@ pub fn extension_exists() -> bool {
     unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) != pg_sys::InvalidOid }
 }
 
+/// The acknowledgement queue of this database: a name no other database can have, even one on
+/// another cluster using the same broker.
+pub fn ack_queue_name() -> String {
+    let sysid = unsafe { pg_sys::GetSystemIdentifier() };
+    let dboid = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    format!("amqp_outbox.ack.{sysid:x}.{dboid:x}")
+}
+
 /// The parts of every message_id that make it unique beyond this table: the cluster's system
 /// identifier, the database and the table (new after a restore or a re-created extension).
 pub fn message_id_prefix() -> SpiResult<String> {
@@ -56,12 +64,11 @@ const CLAIM_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
        correlation_id, headers, producer_pid, producer_started_at, created_at, attempts \
   FROM amqp.message \
- WHERE id OPERATOR(pg_catalog.>) $1 \
-   AND broker_id OPERATOR(pg_catalog.=) ANY ($2) \
+ WHERE broker_id OPERATOR(pg_catalog.=) ANY ($1) \
    AND parked_at IS NULL \
    AND (next_attempt_at IS NULL OR next_attempt_at OPERATOR(pg_catalog.<=) pg_catalog.now()) \
  ORDER BY id \
- LIMIT $3";
+ LIMIT $2";
 
 const CLAIM_BY_ID_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
@@ -93,16 +100,13 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
     Ok(rows)
 }
 
-/// Rows not parked and due, of these brokers, with an id above `after`, in id order. Selected by
-/// state, never by a high-water mark alone: the caller restarts from 0 whenever it reaches the
-/// end, so a row that committed late with a smaller id is found on the next pass.
-pub fn claim(
-    client: &SpiClient<'_>,
-    after: i64,
-    brokers: &[i32],
-    limit: usize,
-) -> SpiResult<Vec<Row>> {
-    let args: [DatumWithOid; 3] = [after.into(), brokers.to_vec().into(), (limit as i64).into()];
+/// The first rows, in id order, that are not parked and are due, of these brokers. Selected by
+/// state from the lowest id every time, never from a high-water mark: ids are taken at INSERT
+/// and transactions commit in another order, so a mark would skip (or delay, breaking each
+/// session's order) a row that committed late with a smaller id. The caller skips the rows it
+/// already has in flight, so `limit` includes them.
+pub fn claim(client: &SpiClient<'_>, brokers: &[i32], limit: usize) -> SpiResult<Vec<Row>> {
+    let args: [DatumWithOid; 2] = [brokers.to_vec().into(), (limit as i64).into()];
     rows_from(client.select(CLAIM_SQL, None, &args)?)
 }
 
@@ -173,6 +177,34 @@ pub fn record_failure(
     Ok(out)
 }
 
+/// Messages known lost (gap rule) or without proof past the timeout: count the attempt, keep
+/// why, publish again at once, or park once `max_attempts` is reached. Returns the parked ids.
+pub fn record_resend(
+    client: &mut SpiClient<'_>,
+    ids: &[i64],
+    reason: &str,
+    max_attempts: i32,
+) -> SpiResult<Vec<i64>> {
+    let args: [DatumWithOid; 3] = [ids.to_vec().into(), reason.into(), max_attempts.into()];
+    let table = client.update(
+        "UPDATE amqp.message \
+            SET attempts = attempts OPERATOR(pg_catalog.+) 1, last_error = $2, next_attempt_at = NULL, \
+                parked_at = CASE WHEN attempts OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.>=) $3 \
+                                 THEN pg_catalog.clock_timestamp() END \
+          WHERE id OPERATOR(pg_catalog.=) ANY ($1) AND parked_at IS NULL \
+      RETURNING id, parked_at IS NOT NULL",
+        None,
+        &args,
+    )?;
+    let mut parked = Vec::new();
+    for r in table {
+        if r.get::<bool>(2)?.unwrap_or(false) {
+            parked.push(r.get::<i64>(1)?.unwrap_or_default());
+        }
+    }
+    Ok(parked)
+}
+
 /// Parks a row at once (a row that can never be published as it is).
 pub fn park(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<()> {
     let args: [DatumWithOid; 2] = [id.into(), error.into()];
@@ -193,7 +225,7 @@ pub fn load_brokers(
 ) -> SpiResult<Vec<BrokerConfig>> {
     let mut brokers: BTreeMap<i32, BrokerConfig> = BTreeMap::new();
     let hosts = client.select(
-        "SELECT broker_id, host, port, vhost, username, password FROM amqp.broker \
+        "SELECT broker_id, host, port, vhost, username, password, proof FROM amqp.broker \
           ORDER BY broker_id, host, port",
         None,
         &[],
@@ -208,10 +240,16 @@ pub fn load_brokers(
             username: r.get::<String>(5)?.unwrap_or_else(|| "guest".into()),
             password: r.get::<String>(6)?.unwrap_or_else(|| "guest".into()),
         };
+        // The first host row of a broker decides its proof mode.
+        let proof = match r.get::<String>(7)?.as_deref() {
+            Some("confirm") => ProofMode::Confirm,
+            _ => ProofMode::AckQueue,
+        };
         brokers
             .entry(broker_id)
             .or_insert_with(|| BrokerConfig {
                 broker_id,
+                proof,
                 ..template.clone()
             })
             .hosts
@@ -235,5 +273,46 @@ pub fn load_brokers(
             });
         }
     }
+    let queues = client.select(
+        "SELECT broker_id, queue, durable, auto_delete, arguments FROM amqp.queue \
+          ORDER BY broker_id, queue",
+        None,
+        &[],
+    )?;
+    for r in queues {
+        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
+        if let Some(b) = brokers.get_mut(&broker_id) {
+            b.queues.push(QueueDecl {
+                name: r.get::<String>(2)?.unwrap_or_default(),
+                durable: r.get::<bool>(3)?.unwrap_or(true),
+                auto_delete: r.get::<bool>(4)?.unwrap_or(false),
+                arguments: json_object(r.get::<JsonB>(5)?),
+            });
+        }
+    }
+    let bindings = client.select(
+        "SELECT broker_id, queue, exchange, routing_key, arguments FROM amqp.binding \
+          ORDER BY broker_id, queue, exchange, routing_key",
+        None,
+        &[],
+    )?;
+    for r in bindings {
+        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
+        if let Some(b) = brokers.get_mut(&broker_id) {
+            b.bindings.push(BindingDecl {
+                queue: r.get::<String>(2)?.unwrap_or_default(),
+                exchange: r.get::<String>(3)?.unwrap_or_default(),
+                routing_key: r.get::<String>(4)?.unwrap_or_default(),
+                arguments: json_object(r.get::<JsonB>(5)?),
+            });
+        }
+    }
     Ok(brokers.into_values().collect())
+}
+
+fn json_object(value: Option<JsonB>) -> serde_json::Map<String, serde_json::Value> {
+    match value {
+        Some(JsonB(serde_json::Value::Object(map))) => map,
+        _ => serde_json::Map::new(),
+    }
 }
