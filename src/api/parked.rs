@@ -32,7 +32,9 @@ fn run(sql: &str, args: &[DatumWithOid]) -> usize {
 /// Makes a parked message eligible again (attempts back to 0); it goes out after commit.
 #[pg_extern(volatile, parallel_unsafe)]
 fn retry(message_id: Option<i64>) -> bool {
-    let id = message_id.ok_or(OutboxError::NullArgument("message_id")).or_raise();
+    let id = message_id
+        .ok_or(OutboxError::NullArgument("message_id"))
+        .or_raise();
     if run(RETRY_SQL, &[id.into()]) == 0 {
         OutboxError::NotParked(id).raise();
     }
@@ -43,7 +45,9 @@ fn retry(message_id: Option<i64>) -> bool {
 /// Retries every parked message of a broker; returns how many.
 #[pg_extern(volatile, parallel_unsafe)]
 fn retry_all(broker_id: Option<i32>) -> i64 {
-    let broker_id = broker_id.ok_or(OutboxError::NullArgument("broker_id")).or_raise();
+    let broker_id = broker_id
+        .ok_or(OutboxError::NullArgument("broker_id"))
+        .or_raise();
     let n = run(RETRY_BROKER_SQL, &[broker_id.into()]);
     commit_wake::wake_worker_at_commit();
     n as i64
@@ -52,7 +56,9 @@ fn retry_all(broker_id: Option<i32>) -> i64 {
 /// Removes a parked message for good, recording it in `amqp.discarded` with who, when and why.
 #[pg_extern(volatile, parallel_unsafe)]
 fn discard(message_id: Option<i64>, reason: default!(Option<&str>, "NULL")) -> bool {
-    let id = message_id.ok_or(OutboxError::NullArgument("message_id")).or_raise();
+    let id = message_id
+        .ok_or(OutboxError::NullArgument("message_id"))
+        .or_raise();
     if run(DISCARD_SQL, &[id.into(), reason.into()]) == 0 {
         OutboxError::NotParked(id).raise();
     }

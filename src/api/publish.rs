@@ -169,7 +169,12 @@ impl<'a> NewMessage<'a> {
                         plan.insert(client.prepare_mut(INSERT_SQL, &oids)?.keep())
                     }
                 };
-                client.update(&*plan, None, &args)?.first().get_one::<i64>()
+                // No row back means the broker does not exist (the INSERT's WHERE EXISTS).
+                let table = client.update(&*plan, None, &args)?;
+                if table.is_empty() {
+                    return Ok(None);
+                }
+                table.first().get_one::<i64>()
             })
         });
         let id = match id {

@@ -4,6 +4,7 @@ use crate::shmem;
 use pgrx::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+#[allow(clippy::type_complexity)]
 /// The worker's process id and its counters since server start (zeros when not preloaded).
 #[pg_extern(volatile, parallel_safe, name = "_worker_status")]
 fn worker_status() -> TableIterator<
@@ -34,6 +35,7 @@ fn worker_status() -> TableIterator<
     ))
 }
 
+#[allow(clippy::type_complexity)]
 /// Each broker's connection as the worker last reported it.
 #[pg_extern(volatile, parallel_safe, name = "_broker_status")]
 fn broker_status() -> TableIterator<

@@ -64,12 +64,14 @@ fn exchange_declare(
     true
 }
 
-
 fn check_name(value: Option<&str>, what: &'static str) -> Result<(), OutboxError> {
     match value {
         None => Err(OutboxError::NullArgument(what)),
         Some("") => Err(OutboxError::EmptyName(what)),
-        Some(v) if v.len() > 255 => Err(OutboxError::TooLong { what, bytes: v.len() }),
+        Some(v) if v.len() > 255 => Err(OutboxError::TooLong {
+            what,
+            bytes: v.len(),
+        }),
         Some(_) => Ok(()),
     }
 }
@@ -84,7 +86,14 @@ fn arguments_object(arguments: Option<JsonB>) -> Result<JsonB, OutboxError> {
 
 /// Runs an upsert that returns true, or nothing when the broker does not exist.
 fn record(sql: &str, broker_id: i32, args: &[DatumWithOid]) {
-    let done = Spi::connect_mut(|client| client.update(sql, None, args)?.first().get_one::<bool>());
+    let done = Spi::connect_mut(|client| {
+        let table = client.update(sql, None, args)?;
+        // No row back means the broker does not exist (the upsert's WHERE EXISTS).
+        if table.is_empty() {
+            return Ok(None);
+        }
+        table.first().get_one::<bool>()
+    });
     match done {
         Ok(Some(true)) => {}
         Ok(_) => OutboxError::UnknownBroker(broker_id).raise(),
@@ -112,7 +121,9 @@ fn queue_declare(
     auto_delete: default!(Option<bool>, "false"),
     arguments: default!(Option<JsonB>, "NULL"),
 ) -> bool {
-    let broker_id = broker_id.ok_or(OutboxError::NullArgument("broker_id")).or_raise();
+    let broker_id = broker_id
+        .ok_or(OutboxError::NullArgument("broker_id"))
+        .or_raise();
     check_name(queue, "queue").or_raise();
     let arguments = arguments_object(arguments).or_raise();
     let args: [DatumWithOid; 5] = [
@@ -143,12 +154,18 @@ fn queue_bind(
     routing_key: default!(Option<&str>, "''"),
     arguments: default!(Option<JsonB>, "NULL"),
 ) -> bool {
-    let broker_id = broker_id.ok_or(OutboxError::NullArgument("broker_id")).or_raise();
+    let broker_id = broker_id
+        .ok_or(OutboxError::NullArgument("broker_id"))
+        .or_raise();
     check_name(queue, "queue").or_raise();
     check_name(exchange, "exchange").or_raise();
     let routing_key = routing_key.unwrap_or("");
     if routing_key.len() > 255 {
-        OutboxError::TooLong { what: "routing_key", bytes: routing_key.len() }.raise();
+        OutboxError::TooLong {
+            what: "routing_key",
+            bytes: routing_key.len(),
+        }
+        .raise();
     }
     let arguments = arguments_object(arguments).or_raise();
     let args: [DatumWithOid; 5] = [

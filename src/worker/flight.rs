@@ -237,6 +237,9 @@ impl Flight {
 
     /// Ids in flight and what is known of each, for `amqp.message_status`.
     pub fn snapshot(&self) -> Vec<(i64, bool)> {
-        self.entries.iter().map(|(id, e)| (*id, e.confirmed)).collect()
+        self.entries
+            .iter()
+            .map(|(id, e)| (*id, e.confirmed))
+            .collect()
     }
 }

@@ -7,8 +7,8 @@ use super::queries::{self, Row};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
 use amqp_outbox_broker::{
-    AckQueueConfig, BrokerConfig, BrokerHandle, Command, Event, Failure, LogLevel,
-    OutboundMessage, ProofMode,
+    AckQueueConfig, BrokerConfig, BrokerHandle, Command, Event, Failure, LogLevel, OutboundMessage,
+    ProofMode,
 };
 use pgrx::prelude::*;
 use std::collections::BTreeMap;
@@ -256,7 +256,10 @@ impl Worker {
                 "amqp_outbox: {} message(s) without proof of delivery after amqp_outbox.resend_after, publishing again",
                 expired.len()
             );
-            s.resend.push((expired, "no proof of delivery within amqp_outbox.resend_after"));
+            s.resend.push((
+                expired,
+                "no proof of delivery within amqp_outbox.resend_after",
+            ));
         }
     }
 
@@ -285,7 +288,8 @@ impl Worker {
                 self.record_rejection(client, *id, error)?;
             }
             for (ids, reason) in &settlement.resend {
-                let parked = queries::record_resend(client, ids, reason, self.settings.max_attempts)?;
+                let parked =
+                    queries::record_resend(client, ids, reason, self.settings.max_attempts)?;
                 for id in parked {
                     shmem::count(|c| &c.parked, 1);
                     warning!("amqp_outbox: message {id} parked after amqp_outbox.max_attempts attempts: {reason}");
@@ -457,7 +461,7 @@ impl Worker {
             return false;
         }
         self.published_count += 1;
-        self.published_count % n == 0
+        self.published_count.is_multiple_of(n)
     }
 
     /// Turns rows into messages; parks rows that can never be published as they are.
