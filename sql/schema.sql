@@ -122,7 +122,7 @@ COMMENT ON TABLE @extschema@.binding IS
 CREATE TABLE @extschema@.discarded (
     LIKE @extschema@.message,
     discarded_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
-    discarded_by name NOT NULL DEFAULT pg_catalog.current_user,
+    discarded_by name NOT NULL DEFAULT CURRENT_USER,
     reason text
 );
 ALTER TABLE @extschema@.discarded ADD PRIMARY KEY (id);

@@ -19,7 +19,7 @@ RETURNING id";
 const DISCARD_SQL: &str = "\
 WITH gone AS (DELETE FROM amqp.message \
                WHERE parked_at IS NOT NULL AND id OPERATOR(pg_catalog.=) $1 RETURNING *) \
-INSERT INTO amqp.discarded SELECT gone.*, pg_catalog.now(), pg_catalog.current_user, $2 FROM gone \
+INSERT INTO amqp.discarded SELECT gone.*, pg_catalog.now(), CURRENT_USER, $2 FROM gone \
 RETURNING id";
 
 fn run(sql: &str, args: &[DatumWithOid]) -> usize {
