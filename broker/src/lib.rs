@@ -5,7 +5,9 @@
 //! receives [`Event`]s. Each batch of events is announced by a byte on a socket that the main
 //! thread waits on (`WaitLatchOrSocket`), so a confirm wakes it at once without polling.
 
+mod ack;
 mod amqp_values;
+mod listener;
 mod publisher;
 mod supervisor;
 mod thread;
@@ -57,13 +59,59 @@ pub struct ExchangeDecl {
     pub auto_delete: bool,
 }
 
+/// A queue the worker declares on every (re)connection (`amqp.queue_declare()`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueueDecl {
+    pub name: String,
+    pub durable: bool,
+    pub auto_delete: bool,
+    /// Queue arguments, e.g. `{"x-queue-type": "quorum"}` or a dead-letter exchange.
+    pub arguments: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A binding the worker declares on every (re)connection (`amqp.queue_bind()`), after the
+/// exchanges and queues.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BindingDecl {
+    pub queue: String,
+    pub exchange: String,
+    pub routing_key: String,
+    pub arguments: serde_json::Map<String, serde_json::Value>,
+}
+
+/// What the worker takes as proof that a message was delivered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProofMode {
+    /// A positive publisher confirm without a return.
+    Confirm,
+    /// The confirm, and the acknowledgement record of the message seen on the acknowledgement
+    /// queue by the listener (see [`Event::Acked`] and [`Event::Lost`]).
+    AckQueue,
+}
+
+/// The broker-side acknowledgement queue of one database (`AckQueue` mode).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AckQueueConfig {
+    /// Unique per database and cluster, so two databases can share a broker.
+    pub name: String,
+    /// Declare it with `x-queue-type = quorum` instead of a classic durable queue.
+    pub quorum: bool,
+}
+
 /// Everything one broker connection needs. Sent again whenever anything changes; the
-/// supervisor reconnects only when `hosts` changed (or on [`Command::Reconnect`]).
+/// supervisor reconnects only when `hosts`, `heartbeat_secs`, or the acknowledgement setup
+/// (`proof`, `ack_queue`) changed, or on [`Command::Reconnect`]. New exchanges, queues and
+/// bindings are declared on the live connection.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BrokerConfig {
     pub broker_id: i32,
     pub hosts: Vec<Endpoint>,
     pub exchanges: Vec<ExchangeDecl>,
+    pub queues: Vec<QueueDecl>,
+    pub bindings: Vec<BindingDecl>,
+    pub proof: ProofMode,
+    /// Used when `proof` is `AckQueue`.
+    pub ack_queue: AckQueueConfig,
     pub connect_timeout: Duration,
     /// AMQP heartbeat in seconds (0 disables it).
     pub heartbeat_secs: u16,
@@ -91,6 +139,11 @@ pub struct OutboundMessage {
     pub timestamp: u64,
     /// Headers to send: the caller's (a JSON object) merged with the producer headers.
     pub headers: serde_json::Map<String, serde_json::Value>,
+    /// Fault injection for tests: behave as if this message and its acknowledgement record were
+    /// lost in transit (nothing is sent, no confirm is awaited; it is registered as published
+    /// on the current channel, so a later acknowledgement record reports it [`Event::Lost`]).
+    /// In `Confirm` mode nothing ever reports it: only the worker's own timeout does.
+    pub lose_in_transit: bool,
 }
 
 #[derive(Debug)]
@@ -103,6 +156,17 @@ pub enum Command {
     /// Every message gets exactly one answer: its id in one [`Event::Confirmed`], or one
     /// [`Event::Failed`] (at once with [`Failure::Transient`] when the broker is not connected
     /// or not configured), unless the thread reports [`Event::Fatal`].
+    ///
+    /// Exception: a message with `lose_in_transit` that reaches a live publishing channel gets
+    /// neither; in `AckQueue` mode it is reported [`Event::Lost`] once a later record of that
+    /// channel arrives, otherwise the worker's own timeout handles it. (If the channel is down
+    /// or dies before its turn, it fails `Transient` like any other.)
+    ///
+    /// In `AckQueue` mode the messages of each command (each message, with `solo`) are followed
+    /// on the same channel by one acknowledgement record to `ack_queue` (default exchange,
+    /// mandatory, persistent, `application/json`):
+    /// `{"v":1,"session":"<hex u64 per AMQP thread>","epoch":E,"seq":N,"ids":[…]}`, `seq`
+    /// numbering the records of channel `E` from 1. The record's own confirm is not reported.
     Publish {
         broker_id: i32,
         messages: Vec<OutboundMessage>,
@@ -141,6 +205,22 @@ pub enum Event {
     Disconnected { broker_id: i32, error: String },
     /// Positively confirmed with no return: these rows are on the broker.
     Confirmed {
+        broker_id: i32,
+        epoch: u64,
+        ids: Vec<i64>,
+    },
+    /// `AckQueue` mode: the listener saw the acknowledgement records of these messages, published
+    /// on channel `epoch` of this process. (Records of another process are ignored.)
+    Acked {
+        broker_id: i32,
+        epoch: u64,
+        ids: Vec<i64>,
+    },
+    /// `AckQueue` mode, the gap rule: these messages were published on channel `epoch` before a
+    /// message whose acknowledgement record has arrived, and their own record did not arrive
+    /// first. Records of one channel reach the queue in order, so they were lost in transit
+    /// (unless confirmed, which proves the message itself arrived).
+    Lost {
         broker_id: i32,
         epoch: u64,
         ids: Vec<i64>,

@@ -6,20 +6,22 @@
 //! earlier channel (delivery tags restart on each channel). Every message handed to the task is
 //! reported exactly once — Confirmed or Failed — before the task ends.
 
+use crate::ack::{self, SharedTracker};
 use crate::amqp_values::{to_field_table, truncate};
 use crate::supervisor::Redactor;
 use crate::thread::EventSink;
-use crate::{Event, Failure, OutboundMessage};
+use crate::{Event, Failure, LogLevel, OutboundMessage};
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::AMQPErrorKind;
 use lapin::types::ShortString;
+use lapin::PublisherConfirm;
 use lapin::{BasicProperties, Channel, Confirmation, ErrorKind};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 /// How long a dying channel may take to fail its outstanding confirms (lapin rejects them all at
@@ -54,6 +56,33 @@ pub(crate) struct ChannelCtx {
     pub(crate) sink: EventSink,
     pub(crate) redactor: Redactor,
     pub(crate) confirm_timeout: Duration,
+    /// True while the broker blocks the connection (resource alarm): lapin then writes nothing,
+    /// so missing confirms are not a hang.
+    pub(crate) blocked: watch::Receiver<bool>,
+    /// `AckQueue` mode: where and how acknowledgement records go.
+    pub(crate) ack: Option<AckCtx>,
+}
+
+pub(crate) struct AckCtx {
+    /// The acknowledgement queue, reached through the default exchange.
+    pub(crate) queue: ShortString,
+    pub(crate) session: String,
+    pub(crate) tracker: SharedTracker,
+}
+
+struct Queued {
+    msg: OutboundMessage,
+    solo: bool,
+    /// The last message of its Publish command: the batch's record follows it.
+    last: bool,
+}
+
+/// The result of handing one publish to lapin.
+enum Sent {
+    Ok(PublisherConfirm),
+    Stopped(String),
+    Failed(lapin::Error),
+    Hung,
 }
 
 struct Pending {
@@ -68,7 +97,7 @@ type ConfirmResult = (u64, lapin::Result<Confirmation>);
 struct Publisher {
     ctx: ChannelCtx,
     /// Received, not yet published (solo messages wait here until nothing is unsettled).
-    queue: VecDeque<(OutboundMessage, bool)>,
+    queue: VecDeque<Queued>,
     /// Published on this channel, not yet settled; keyed by publish order.
     unsettled: BTreeMap<u64, Pending>,
     confirms: FuturesUnordered<BoxFuture<'static, ConfirmResult>>,
@@ -79,6 +108,20 @@ struct Publisher {
     next_seq: u64,
     /// Unsettled solo messages (0 or 1): nothing else is published meanwhile.
     solo_unsettled: usize,
+    /// Acknowledgement records published and not yet confirmed, by publish order: their
+    /// message_id (to match a return). Their confirms are never reported to the worker.
+    records_unsettled: HashMap<u64, String>,
+    /// Ids published since the last record: the next record lists them.
+    batch_ids: Vec<i64>,
+    /// The last record number used on this channel (records are numbered 1, 2, …).
+    record_seq: u64,
+    /// A refused record was logged on this channel: one line per channel, not per batch.
+    record_warned: bool,
+    blocked: bool,
+    /// The sender of `ctx.blocked` is still there.
+    blocked_open: bool,
+    /// When the last block ended: the confirm timeout counts from here at the earliest.
+    resumed_at: Instant,
 }
 
 /// Runs until the channel dies or `stop` fires; reports every message it was given.
@@ -87,6 +130,7 @@ pub(crate) async fn run(
     mut jobs: mpsc::UnboundedReceiver<Job>,
     mut stop: oneshot::Receiver<String>,
 ) -> ChannelEnd {
+    let blocked = *ctx.blocked.borrow();
     let mut p = Publisher {
         ctx,
         queue: VecDeque::new(),
@@ -95,8 +139,18 @@ pub(crate) async fn run(
         returned: HashMap::new(),
         next_seq: 0,
         solo_unsettled: 0,
+        records_unsettled: HashMap::new(),
+        batch_ids: Vec::new(),
+        record_seq: 0,
+        record_warned: false,
+        blocked,
+        blocked_open: true,
+        resumed_at: Instant::now(),
     };
     let end = p.main(&mut jobs, &mut stop).await;
+    if let Some(a) = &p.ctx.ack {
+        ack::lock(&a.tracker).close(p.ctx.epoch);
+    }
     // Anything sent after this point fails at the sender, which then reports it itself.
     jobs.close();
     while let Ok(job) = jobs.try_recv() {
@@ -121,11 +175,15 @@ impl Publisher {
             if let Some(end) = self.publish_ready(stop).await {
                 return end;
             }
-            let deadline = self
-                .unsettled
-                .values()
-                .next()
-                .map(|p| later(p.sent_at, self.ctx.confirm_timeout));
+            // No hang check while the broker blocks us: confirms cannot come then.
+            let deadline = if self.blocked {
+                None
+            } else {
+                self.unsettled
+                    .values()
+                    .next()
+                    .map(|p| later(p.sent_at.max(self.resumed_at), self.ctx.confirm_timeout))
+            };
             // The sleep future is built even when its branch is disabled: give it some instant.
             let sleep_until =
                 deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
@@ -143,15 +201,16 @@ impl Publisher {
                     }
                 }
                 job = jobs.recv() => match job {
-                    Some(Job::Publish { messages, solo }) => {
-                        self.queue.extend(messages.into_iter().map(|m| (m, solo)));
-                    }
+                    Some(Job::Publish { messages, solo }) => self.enqueue(messages, solo),
                     Some(Job::SetConfirmTimeout(d)) => self.ctx.confirm_timeout = d,
                     None => {
                         self.fail_everything(Failure::Transient, "publisher stopped");
                         return ChannelEnd::Stopped;
                     }
                 },
+                changed = self.ctx.blocked.changed(), if self.blocked_open => {
+                    self.on_blocked_change(changed.is_ok());
+                }
                 _ = tokio::time::sleep_until(sleep_until), if deadline.is_some() => {
                     let text = self.hung_text();
                     self.fail_everything(Failure::Transient, &text);
@@ -167,94 +226,120 @@ impl Publisher {
         }
     }
 
+    fn enqueue(&mut self, messages: Vec<OutboundMessage>, solo: bool) {
+        let n = messages.len();
+        self.queue
+            .extend(messages.into_iter().enumerate().map(|(i, msg)| Queued {
+                msg,
+                solo,
+                last: i + 1 == n,
+            }));
+    }
+
+    fn on_blocked_change(&mut self, sender_alive: bool) {
+        if !sender_alive {
+            self.blocked_open = false;
+            return;
+        }
+        let blocked = *self.ctx.blocked.borrow_and_update();
+        if self.blocked && !blocked {
+            self.resumed_at = Instant::now();
+        }
+        self.blocked = blocked;
+    }
+
     /// Publishes queued messages, in order, until the queue is empty or a solo message must wait
-    /// for the ones before it to settle.
+    /// for the ones before it to settle. In `AckQueue` mode a record follows the messages of each
+    /// Publish command (each message, when solo).
     async fn publish_ready(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
-        while let Some((_, solo)) = self.queue.front() {
-            let solo = *solo;
+        while let Some(front) = self.queue.front() {
+            let solo = front.solo;
             // A solo message goes out alone: after everything before it settled, and before
             // anything after it, so a channel error can only be its own.
             if (solo && !self.unsettled.is_empty()) || self.solo_unsettled > 0 {
                 return None;
             }
-            let (msg, _) = self.queue.pop_front()?;
-            let (exchange, routing_key, properties) = match build(&msg) {
-                Ok(parts) => parts,
-                Err(e) => {
-                    self.fail(msg.id, Failure::Rejected, &e);
-                    continue;
+            let Queued { msg, solo, last } = self.queue.pop_front()?;
+            let mut published = false;
+            if msg.lose_in_transit {
+                // Test hook: as if the message and a record of its own, published just before
+                // the rest of its batch, were lost. No publish, no confirm, no event from here.
+                if let Some(a) = &self.ctx.ack {
+                    self.record_seq += 1;
+                    ack::lock(&a.tracker).register(
+                        self.ctx.broker_id,
+                        self.ctx.epoch,
+                        self.record_seq,
+                        vec![msg.id],
+                    );
                 }
-            };
-            let publish = self.ctx.channel.basic_publish(
-                exchange,
-                routing_key,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &msg.body,
-                properties,
-            );
-            // A publish that cannot even be written (the broker stopped reading: blocked or
-            // hung) counts against the confirm timeout too.
-            let oldest = self
-                .unsettled
-                .values()
-                .next()
-                .map_or_else(Instant::now, |p| p.sent_at);
-            let hang_at = later(oldest, self.ctx.confirm_timeout);
-            // basic_publish resolves once the frames are handed to the socket; the confirm comes
-            // later and is awaited concurrently with everything else.
-            tokio::select! {
-                biased;
-                reason = &mut *stop => {
-                    let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
-                    self.fail(msg.id, Failure::Transient, &reason);
-                    self.fail_everything(Failure::Transient, &reason);
-                    return Some(ChannelEnd::Stopped);
-                }
-                res = publish => match res {
-                    Ok(confirm) => {
-                        let seq = self.next_seq;
-                        self.next_seq += 1;
-                        if solo {
-                            self.solo_unsettled += 1;
+            } else {
+                match build(&msg) {
+                    Err(e) => self.fail(msg.id, Failure::Rejected, &e),
+                    Ok((exchange, routing_key, properties)) => {
+                        match self
+                            .send(exchange, routing_key, &msg.body, properties, stop)
+                            .await
+                        {
+                            Sent::Ok(confirm) => {
+                                let seq = self.next_seq;
+                                self.next_seq += 1;
+                                if solo {
+                                    self.solo_unsettled += 1;
+                                }
+                                self.unsettled.insert(
+                                    seq,
+                                    Pending {
+                                        id: msg.id,
+                                        message_id: msg.message_id.clone(),
+                                        sent_at: Instant::now(),
+                                        solo,
+                                    },
+                                );
+                                self.confirms
+                                    .push(async move { (seq, confirm.await) }.boxed());
+                                if self.ctx.ack.is_some() {
+                                    self.batch_ids.push(msg.id);
+                                }
+                                published = true;
+                            }
+                            Sent::Stopped(reason) => {
+                                self.fail(msg.id, Failure::Transient, &reason);
+                                self.fail_everything(Failure::Transient, &reason);
+                                return Some(ChannelEnd::Stopped);
+                            }
+                            Sent::Failed(e) => {
+                                // The channel is closing or closed: this one was (probably) not
+                                // sent.
+                                let text = self.describe(&e);
+                                self.fail(
+                                    msg.id,
+                                    Failure::Transient,
+                                    &format!("publishing channel closed: {text}"),
+                                );
+                                return Some(self.dying(Some(e), stop).await);
+                            }
+                            Sent::Hung => {
+                                let text = self.hung_text();
+                                self.fail(msg.id, Failure::Transient, &text);
+                                self.fail_everything(Failure::Transient, &text);
+                                return Some(ChannelEnd::Hung(text));
+                            }
                         }
-                        self.unsettled.insert(
-                            seq,
-                            Pending {
-                                id: msg.id,
-                                message_id: msg.message_id.clone(),
-                                sent_at: Instant::now(),
-                                solo,
-                            },
-                        );
-                        self.confirms.push(async move { (seq, confirm.await) }.boxed());
                     }
-                    Err(e) => {
-                        // The channel is closing or closed: this one was (probably) not sent.
-                        let text = self.describe(&e);
-                        self.fail(
-                            msg.id,
-                            Failure::Transient,
-                            &format!("publishing channel closed: {text}"),
-                        );
-                        return Some(self.dying(Some(e), stop).await);
-                    }
-                },
-                _ = tokio::time::sleep_until(hang_at) => {
-                    let text = self.hung_text();
-                    self.fail(msg.id, Failure::Transient, &text);
-                    self.fail_everything(Failure::Transient, &text);
-                    return Some(ChannelEnd::Hung(text));
                 }
             }
-            if solo {
+            if (solo || last) && !self.batch_ids.is_empty() {
+                if let Some(end) = self.publish_record(stop).await {
+                    return Some(end);
+                }
+            }
+            if solo && published {
                 return None;
             }
             // During a long batch, settle what is already confirmed now and then: it keeps the
             // hang check honest and notices a dead channel early.
-            if self.next_seq.is_multiple_of(64) {
+            if published && self.next_seq.is_multiple_of(64) {
                 if let Some(Some(first)) = self.confirms.next().now_or_never() {
                     let batch = self.ready_batch(first);
                     if let Some(err) = self.settle(batch) {
@@ -264,6 +349,137 @@ impl Publisher {
             }
         }
         None
+    }
+
+    /// Hands one publish to lapin. `basic_publish` resolves once the frames are written to the
+    /// socket; the confirm comes later and is awaited concurrently with everything else. A
+    /// publish that cannot even be written (the broker stopped reading: hung) counts against the
+    /// confirm timeout too, except while the broker blocks the connection (lapin then holds
+    /// every frame back until it is unblocked).
+    async fn send(
+        &mut self,
+        exchange: ShortString,
+        routing_key: ShortString,
+        body: &[u8],
+        properties: BasicProperties,
+        stop: &mut oneshot::Receiver<String>,
+    ) -> Sent {
+        let channel = self.ctx.channel.clone();
+        let publish = channel.basic_publish(
+            exchange,
+            routing_key,
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            body,
+            properties,
+        );
+        let mut publish = std::pin::pin!(publish);
+        let started = Instant::now();
+        loop {
+            let oldest = self
+                .unsettled
+                .values()
+                .next()
+                .map_or(started, |p| p.sent_at);
+            let hang_at = (!self.blocked)
+                .then(|| later(oldest.max(self.resumed_at), self.ctx.confirm_timeout));
+            let sleep_until = hang_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            tokio::select! {
+                biased;
+                reason = &mut *stop => {
+                    return Sent::Stopped(
+                        reason.unwrap_or_else(|_| "publisher stopped".to_string()),
+                    );
+                }
+                res = &mut publish => {
+                    return match res {
+                        Ok(confirm) => Sent::Ok(confirm),
+                        Err(e) => Sent::Failed(e),
+                    };
+                }
+                changed = self.ctx.blocked.changed(), if self.blocked_open => {
+                    self.on_blocked_change(changed.is_ok());
+                }
+                _ = tokio::time::sleep_until(sleep_until), if hang_at.is_some() => {
+                    return Sent::Hung;
+                }
+            }
+        }
+    }
+
+    /// Publishes the record of `batch_ids` to the acknowledgement queue, on this channel, after
+    /// the messages it lists. It is registered with the tracker first, so the listener can never
+    /// see a record the tracker does not know.
+    async fn publish_record(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
+        let ids = std::mem::take(&mut self.batch_ids);
+        let Some(a) = &self.ctx.ack else {
+            return None;
+        };
+        self.record_seq += 1;
+        let (epoch, seq) = (self.ctx.epoch, self.record_seq);
+        let body = ack::record_body(&a.session, epoch, seq, &ids);
+        let message_id = ack::record_message_id(&a.session, epoch, seq);
+        let queue = a.queue.clone();
+        ack::lock(&a.tracker).register(self.ctx.broker_id, epoch, seq, ids);
+        let properties = match short(&message_id, "record message_id") {
+            Ok(mid) => BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type(ShortString::from("application/json"))
+                .with_message_id(mid),
+            Err(e) => {
+                // Cannot happen (the id is short); the record is then simply missing.
+                self.warn_record(&e);
+                return None;
+            }
+        };
+        match self
+            .send(ShortString::from(""), queue, &body, properties, stop)
+            .await
+        {
+            Sent::Ok(confirm) => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.records_unsettled.insert(seq, message_id);
+                self.confirms
+                    .push(async move { (seq, confirm.await) }.boxed());
+                None
+            }
+            Sent::Stopped(reason) => {
+                self.fail_everything(Failure::Transient, &reason);
+                Some(ChannelEnd::Stopped)
+            }
+            Sent::Failed(e) => Some(self.dying(Some(e), stop).await),
+            Sent::Hung => {
+                let text = self.hung_text();
+                self.fail_everything(Failure::Transient, &text);
+                Some(ChannelEnd::Hung(text))
+            }
+        }
+    }
+
+    /// A record was refused: its messages will be reported Lost or time out. Said once per
+    /// channel, since it usually means every record is refused.
+    fn warn_record(&mut self, what: &str) {
+        if self.record_warned {
+            return;
+        }
+        self.record_warned = true;
+        let queue = self
+            .ctx
+            .ack
+            .as_ref()
+            .map(|a| a.queue.as_str().to_string())
+            .unwrap_or_default();
+        self.ctx.sink.send(Event::Log {
+            level: LogLevel::Warning,
+            message: self.ctx.redactor.clean(&format!(
+                "broker {}: acknowledgement record {what}: the acknowledgement queue \"{queue}\" \
+                 is missing or refusing messages (not repeated for this channel)",
+                self.ctx.broker_id
+            )),
+        });
     }
 
     /// `first` plus every other confirm that is already complete: confirms resolved together
@@ -302,6 +518,18 @@ impl Publisher {
         }
         let mut confirmed = Vec::new();
         for (seq, outcome) in outcomes {
+            if let Some(message_id) = self.records_unsettled.remove(&seq) {
+                // A record's confirm is ours alone; only a refusal is worth a word.
+                let returned = self.take_return(&message_id);
+                match (outcome, returned) {
+                    (Some(true), None) | (None, _) => {}
+                    (Some(true), Some((code, text))) => {
+                        self.warn_record(&format!("returned as unroutable: {code} {text}"))
+                    }
+                    (Some(false), _) => self.warn_record("nacked by broker"),
+                }
+                continue;
+            }
             let Some(p) = self.take_unsettled(seq) else {
                 continue;
             };
@@ -427,11 +655,10 @@ impl Publisher {
             self.fail(p.id, failure, &detail);
         }
         let queued = format!("publishing channel closed before the message was sent: {text}");
-        for (m, _) in std::mem::take(&mut self.queue) {
-            self.fail(m.id, Failure::Transient, &queued);
+        for q in std::mem::take(&mut self.queue) {
+            self.fail(q.msg.id, Failure::Transient, &queued);
         }
-        self.confirms.clear();
-        self.returned.clear();
+        self.clear_in_flight();
         ChannelEnd::Closed(text)
     }
 
@@ -447,11 +674,18 @@ impl Publisher {
         for (_, p) in std::mem::take(&mut self.unsettled) {
             self.fail(p.id, failure, error);
         }
-        for (m, _) in std::mem::take(&mut self.queue) {
-            self.fail(m.id, failure, error);
+        for q in std::mem::take(&mut self.queue) {
+            self.fail(q.msg.id, failure, error);
         }
+        self.clear_in_flight();
+    }
+
+    /// Forgets every confirm and record still pending (the channel is done).
+    fn clear_in_flight(&mut self) {
         self.confirms.clear();
         self.returned.clear();
+        self.records_unsettled.clear();
+        self.batch_ids.clear();
     }
 
     fn fail(&self, id: i64, failure: Failure, error: &str) {
@@ -550,6 +784,7 @@ mod tests {
             message_id: "m-1".into(),
             timestamp: 1_700_000_000,
             headers: serde_json::Map::new(),
+            lose_in_transit: false,
         }
     }
 

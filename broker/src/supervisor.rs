@@ -2,14 +2,20 @@
 //! its hosts at a time (failover in order, capped exponential backoff with jitter between full
 //! rounds), and reporting one event per state change.
 
-use crate::publisher::{self, describe_error, ChannelCtx, ChannelEnd, Job};
+use crate::ack::{self, SharedTracker};
+use crate::amqp_values::to_field_table;
+use crate::listener::{self, ListenerHandle};
+use crate::publisher::{self, describe_error, AckCtx, ChannelCtx, ChannelEnd, Job};
 use crate::thread::{panic_message, EventSink};
 use crate::{
-    BrokerConfig, Command, Endpoint, Event, ExchangeDecl, Failure, LogLevel, OutboundMessage,
+    AckQueueConfig, BindingDecl, BrokerConfig, Command, Endpoint, Event, ExchangeDecl, Failure,
+    LogLevel, OutboundMessage, ProofMode, QueueDecl,
 };
 use futures_util::future::FutureExt;
 use futures_util::stream::{Stream, StreamExt};
-use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::{
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{FieldTable, ShortString};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -21,7 +27,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 /// Channel epochs grow across every broker and every AMQP thread of the process.
@@ -118,6 +124,11 @@ struct Slot {
 
 /// Runs until `Command::Shutdown` (or until the worker drops its handle).
 pub(crate) async fn run(mut commands: mpsc::UnboundedReceiver<Command>, sink: EventSink) {
+    // One session and one record tracker per AMQP thread (see `ack`).
+    let shared = Shared {
+        session: ack::new_session(),
+        tracker: SharedTracker::default(),
+    };
     let mut brokers: HashMap<i32, Slot> = HashMap::new();
     // Removed brokers still closing; awaited (bounded) at shutdown.
     let mut retiring: Vec<JoinHandle<()>> = Vec::new();
@@ -158,7 +169,7 @@ pub(crate) async fn run(mut commands: mpsc::UnboundedReceiver<Command>, sink: Ev
                             }
                         }
                         _ => {
-                            brokers.insert(id, start_broker(config, sink.clone()));
+                            brokers.insert(id, start_broker(config, sink.clone(), shared.clone()));
                         }
                     }
                 }
@@ -207,7 +218,14 @@ pub(crate) async fn run(mut commands: mpsc::UnboundedReceiver<Command>, sink: Ev
     let _ = tokio::time::timeout(SHUTDOWN_WAIT, all).await;
 }
 
-fn start_broker(config: BrokerConfig, sink: EventSink) -> Slot {
+/// What every broker task of the thread shares.
+#[derive(Clone)]
+struct Shared {
+    session: String,
+    tracker: SharedTracker,
+}
+
+fn start_broker(config: BrokerConfig, sink: EventSink, shared: Shared) -> Slot {
     let (tx, rx) = mpsc::unbounded_channel();
     let task = BrokerTask {
         redactor: Redactor::new(&config.hosts),
@@ -216,6 +234,9 @@ fn start_broker(config: BrokerConfig, sink: EventSink) -> Slot {
         sink: sink.clone(),
         reported_down: false,
         failures: 0,
+        shared,
+        listener: None,
+        ack_invalid_warned: false,
     };
     let broker_id = config.broker_id;
     let handle = tokio::spawn(async move {
@@ -254,8 +275,59 @@ enum SessionEnd {
 struct Session {
     conn: Arc<Connection>,
     host: String,
-    /// The exchange declarations already made on this connection.
-    declared: Vec<ExchangeDecl>,
+    /// The declarations already made on this connection.
+    declared: Decls,
+}
+
+/// Everything declared on (re)connection, in this order: exchanges, queues, bindings, then the
+/// acknowledgement queue (`AckQueue` mode).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Decls {
+    exchanges: Vec<ExchangeDecl>,
+    queues: Vec<QueueDecl>,
+    bindings: Vec<BindingDecl>,
+    ack_queue: Option<AckQueueConfig>,
+}
+
+impl Decls {
+    fn of(cfg: &BrokerConfig) -> Self {
+        Decls {
+            exchanges: cfg.exchanges.clone(),
+            queues: cfg.queues.clone(),
+            bindings: cfg.bindings.clone(),
+            ack_queue: ack_queue_of(cfg).cloned(),
+        }
+    }
+
+    /// What `self` has that `done` has not.
+    fn minus(&self, done: &Decls) -> Decls {
+        fn new<T: Clone + PartialEq>(all: &[T], done: &[T]) -> Vec<T> {
+            all.iter().filter(|d| !done.contains(d)).cloned().collect()
+        }
+        Decls {
+            exchanges: new(&self.exchanges, &done.exchanges),
+            queues: new(&self.queues, &done.queues),
+            bindings: new(&self.bindings, &done.bindings),
+            ack_queue: self
+                .ack_queue
+                .clone()
+                .filter(|q| done.ack_queue.as_ref() != Some(q)),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.exchanges.is_empty()
+            && self.queues.is_empty()
+            && self.bindings.is_empty()
+            && self.ack_queue.is_none()
+    }
+}
+
+/// The acknowledgement queue, when records are to be published (`AckQueue` mode with a usable
+/// queue name).
+fn ack_queue_of(cfg: &BrokerConfig) -> Option<&AckQueueConfig> {
+    (cfg.proof == ProofMode::AckQueue && ack::valid_queue_name(&cfg.ack_queue.name))
+        .then_some(&cfg.ack_queue)
 }
 
 struct BrokerTask {
@@ -267,6 +339,11 @@ struct BrokerTask {
     reported_down: bool,
     /// Consecutive failed rounds over all hosts.
     failures: u32,
+    shared: Shared,
+    /// The acknowledgement listener, in `AckQueue` mode.
+    listener: Option<ListenerHandle>,
+    /// The invalid acknowledgement queue name of the current configuration was logged.
+    ack_invalid_warned: bool,
 }
 
 impl BrokerTask {
@@ -275,6 +352,52 @@ impl BrokerTask {
     }
 
     async fn run(mut self) {
+        self.sync_listener();
+        self.run_connections().await;
+        if let Some(l) = self.listener.take() {
+            l.stop(CLOSE_WAIT).await;
+        }
+    }
+
+    /// Starts, updates or stops the listener to match the configuration.
+    fn sync_listener(&mut self) {
+        let wanted = ack_queue_of(&self.cfg).is_some();
+        if self.cfg.proof == ProofMode::AckQueue && !wanted {
+            if !self.ack_invalid_warned {
+                self.ack_invalid_warned = true;
+                self.log(
+                    LogLevel::Warning,
+                    format!(
+                        "the acknowledgement queue name \"{}\" is empty or longer than 255 bytes: \
+                         no acknowledgement records are published",
+                        crate::amqp_values::truncate(&self.cfg.ack_queue.name, 40)
+                    ),
+                );
+            }
+        } else {
+            self.ack_invalid_warned = false;
+        }
+        match (&mut self.listener, wanted) {
+            (Some(l), true) => l.update(&self.cfg),
+            (None, true) => {
+                self.listener = Some(listener::start(
+                    self.cfg.clone(),
+                    self.shared.session.clone(),
+                    self.shared.tracker.clone(),
+                    self.sink.clone(),
+                ));
+            }
+            (Some(_), false) => {
+                // Detached: it closes its connection and ends on its own.
+                if let Some(mut l) = self.listener.take() {
+                    l.signal_stop();
+                }
+            }
+            (None, false) => {}
+        }
+    }
+
+    async fn run_connections(&mut self) {
         let mut delay: Option<Duration> = None;
         loop {
             if let Some(d) = delay.take() {
@@ -363,12 +486,16 @@ impl BrokerTask {
         }
     }
 
-    /// Stores a new configuration; true when the connection must be remade for it.
+    /// Stores a new configuration; true when the connection must be remade for it. A change of
+    /// proof mode or acknowledgement queue reconnects too: records must never be published
+    /// before their queue is declared, and a new channel starts a clean record sequence.
     fn apply_config(&mut self, cfg: BrokerConfig) -> bool {
-        let reconnect =
-            cfg.hosts != self.cfg.hosts || cfg.heartbeat_secs != self.cfg.heartbeat_secs;
+        let reconnect = cfg.hosts != self.cfg.hosts
+            || cfg.heartbeat_secs != self.cfg.heartbeat_secs
+            || ack_queue_of(&cfg) != ack_queue_of(&self.cfg);
         self.redactor = Redactor::new(&cfg.hosts);
         self.cfg = cfg;
+        self.sync_listener();
         reconnect
     }
 
@@ -382,6 +509,14 @@ impl BrokerTask {
         } = session;
         let mut conn_events: Pin<Box<dyn Stream<Item = lapin::Event> + Send>> =
             Box::pin(conn.events_listener());
+        // The broker's resource alarm: while set, missing confirms are not a hang.
+        let (blocked_tx, blocked_rx) = watch::channel(conn.status().blocked());
+        if conn.status().blocked() {
+            self.log(
+                LogLevel::Info,
+                format!("{host}: publishing paused: broker resource alarm"),
+            );
+        }
         let mut check = tokio::time::interval(CONNECTION_CHECK);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
@@ -403,7 +538,7 @@ impl BrokerTask {
                     return self.end_session(&conn, &host, interrupt).await;
                 }
             };
-            // Exchanges added while the channel was being (re)opened.
+            // Declarations added while the channel was being (re)opened.
             self.declare_changes(&conn, &mut declared);
             let epoch = EPOCH.fetch_add(1, Ordering::SeqCst) + 1;
             let (job_tx, job_rx) = mpsc::unbounded_channel();
@@ -415,6 +550,8 @@ impl BrokerTask {
                 sink: self.sink.clone(),
                 redactor: self.redactor.clone(),
                 confirm_timeout: self.cfg.confirm_timeout,
+                blocked: blocked_rx.clone(),
+                ack: self.ack_ctx(),
             };
             let mut pub_task = tokio::spawn(publisher::run(ctx, job_rx, stop_rx));
             let mut running = Running {
@@ -510,13 +647,15 @@ impl BrokerTask {
                             Some(lapin::Event::Error(e)) => (!conn.status().connected())
                                 .then(|| self.redactor.clean(&describe_error(&e))),
                             Some(lapin::Event::ConnectionBlocked(reason)) => {
-                                self.log(LogLevel::Warning, format!(
-                                    "{host}: the broker blocked publishing: {reason}"
+                                blocked_tx.send_replace(true);
+                                self.log(LogLevel::Info, format!(
+                                    "{host}: publishing paused: broker resource alarm ({reason})"
                                 ));
                                 None
                             }
                             Some(lapin::Event::ConnectionUnblocked) => {
-                                self.log(LogLevel::Info, format!("{host}: the broker unblocked publishing"));
+                                blocked_tx.send_replace(false);
+                                self.log(LogLevel::Info, format!("{host}: publishing resumed"));
                                 None
                             }
                             Some(_) => None,
@@ -545,17 +684,22 @@ impl BrokerTask {
         }
     }
 
-    /// Declares (in the background, on its own channel) the exchanges configured since the
+    /// The record settings of a new publishing channel.
+    fn ack_ctx(&self) -> Option<AckCtx> {
+        let q = ack_queue_of(&self.cfg)?;
+        Some(AckCtx {
+            queue: ShortString::try_new(q.name.as_str()).ok()?,
+            session: self.shared.session.clone(),
+            tracker: self.shared.tracker.clone(),
+        })
+    }
+
+    /// Declares (in the background, on its own channel) what was configured since the
     /// connection's declarations: a new configuration does not need a new connection for that.
-    fn declare_changes(&self, conn: &Arc<Connection>, declared: &mut Vec<ExchangeDecl>) {
-        let new: Vec<ExchangeDecl> = self
-            .cfg
-            .exchanges
-            .iter()
-            .filter(|d| !declared.contains(d))
-            .cloned()
-            .collect();
-        declared.clone_from(&self.cfg.exchanges);
+    fn declare_changes(&self, conn: &Arc<Connection>, declared: &mut Decls) {
+        let all = Decls::of(&self.cfg);
+        let new = all.minus(declared);
+        *declared = all;
         if new.is_empty() {
             return;
         }
@@ -567,11 +711,11 @@ impl BrokerTask {
             self.cfg.connect_timeout,
         );
         tokio::spawn(async move {
-            let work = declare_exchanges(&conn, &new, id, &sink, &redactor);
+            let work = declare(&conn, &new, id, &sink, &redactor);
             if tokio::time::timeout(limit, work).await.is_err() {
                 sink.send(Event::Log {
                     level: LogLevel::Warning,
-                    message: format!("broker {id}: declaring exchanges timed out"),
+                    message: format!("broker {id}: declaring exchanges and queues timed out"),
                 });
             }
         });
@@ -655,7 +799,7 @@ impl Running {
     }
 }
 
-fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
+pub(crate) fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
     // Built field by field: no URI string holding the password is ever formatted.
     AMQPUri {
         scheme: AMQPScheme::AMQP,
@@ -678,8 +822,8 @@ fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
     }
 }
 
-/// Connects to one host, declares the exchanges, and returns the connection. Bounded by the
-/// connect timeout (built here, inside the runtime).
+/// Connects to one host, declares the exchanges, queues, bindings and acknowledgement queue,
+/// and returns the connection. Bounded by the connect timeout (built here, inside the runtime).
 async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Session, String> {
     let redactor = Redactor::new(std::slice::from_ref(&ep));
     let props = ConnectionProperties::default().with_connection_name(
@@ -698,19 +842,22 @@ async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Ses
         Ok(Err(e)) => return Err(redactor.clean(&describe_error(&e))),
         Ok(Ok(c)) => Arc::new(c),
     };
+    let decls = Decls::of(&cfg);
     let declared = tokio::time::timeout(
         limit,
-        declare_exchanges(&conn, &cfg.exchanges, cfg.broker_id, &sink, &redactor),
+        declare(&conn, &decls, cfg.broker_id, &sink, &redactor),
     )
     .await;
     if declared.is_err() {
         close_connection(&conn).await;
-        return Err(format!("declaring exchanges timed out after {limit:?}"));
+        return Err(format!(
+            "declaring exchanges and queues timed out after {limit:?}"
+        ));
     }
     Ok(Session {
         conn,
         host: ep.display_name(),
-        declared: cfg.exchanges,
+        declared: decls,
     })
 }
 
@@ -724,9 +871,9 @@ async fn open_publishing_channel(conn: &Connection) -> lapin::Result<Channel> {
 
 /// Declares on a channel of their own, so a failed declaration (which closes its channel) never
 /// touches the publishing channel. A failure is a warning; the others are still declared.
-async fn declare_exchanges(
+async fn declare(
     conn: &Connection,
-    decls: &[ExchangeDecl],
+    decls: &Decls,
     broker_id: i32,
     sink: &EventSink,
     redactor: &Redactor,
@@ -738,26 +885,12 @@ async fn declare_exchanges(
         })
     };
     let mut channel: Option<Channel> = None;
-    for d in decls {
-        let Ok(name) = ShortString::try_new(d.name.as_str()) else {
-            warn(format!(
-                "exchange name longer than 255 bytes, not declared: {}...",
-                crate::amqp_values::truncate(&d.name, 40)
-            ));
+    for d in &decls.exchanges {
+        let Some(name) = short_name(&d.name, "exchange", &warn) else {
             continue;
         };
-        let ch = match channel.take() {
-            Some(ch) if ch.status().connected() => ch,
-            _ => match conn.create_channel().await {
-                Ok(ch) => ch,
-                Err(e) => {
-                    warn(format!(
-                        "cannot open a channel to declare exchanges: {}",
-                        describe_error(&e)
-                    ));
-                    return;
-                }
-            },
+        let Some(ch) = usable_channel(conn, &mut channel, &warn).await else {
+            return;
         };
         let options = ExchangeDeclareOptions {
             passive: d.passive,
@@ -780,8 +913,123 @@ async fn declare_exchanges(
             )),
         }
     }
+    let ack_queue = decls.ack_queue.as_ref().map(|q| QueueDecl {
+        name: q.name.clone(),
+        durable: true,
+        auto_delete: false,
+        arguments: ack::ack_queue_arguments(q),
+    });
+    for (d, what) in decls
+        .queues
+        .iter()
+        .map(|d| (d, "queue"))
+        .chain(ack_queue.iter().map(|d| (d, "acknowledgement queue")))
+    {
+        let Some(name) = short_name(&d.name, what, &warn) else {
+            continue;
+        };
+        let args = match to_field_table(&d.arguments) {
+            Ok(a) => a,
+            Err(e) => {
+                warn(format!(
+                    "{what} \"{}\" not declared: arguments: {e}",
+                    d.name
+                ));
+                continue;
+            }
+        };
+        let Some(ch) = usable_channel(conn, &mut channel, &warn).await else {
+            return;
+        };
+        let options = QueueDeclareOptions {
+            passive: false,
+            durable: d.durable,
+            exclusive: false,
+            auto_delete: d.auto_delete,
+            nowait: false,
+        };
+        match ch.queue_declare(name, options, args).await {
+            Ok(_) => channel = Some(ch),
+            Err(e) => warn(format!(
+                "cannot declare {what} \"{}\": {}",
+                d.name,
+                describe_error(&e)
+            )),
+        }
+    }
+    for b in &decls.bindings {
+        let (Some(queue), Some(exchange), Some(key)) = (
+            short_name(&b.queue, "binding queue", &warn),
+            short_name(&b.exchange, "binding exchange", &warn),
+            short_name(&b.routing_key, "binding routing key", &warn),
+        ) else {
+            continue;
+        };
+        let args = match to_field_table(&b.arguments) {
+            Ok(a) => a,
+            Err(e) => {
+                warn(format!(
+                    "binding of queue \"{}\" to exchange \"{}\" not declared: arguments: {e}",
+                    b.queue, b.exchange
+                ));
+                continue;
+            }
+        };
+        let Some(ch) = usable_channel(conn, &mut channel, &warn).await else {
+            return;
+        };
+        match ch
+            .queue_bind(queue, exchange, key, QueueBindOptions::default(), args)
+            .await
+        {
+            Ok(()) => channel = Some(ch),
+            Err(e) => warn(format!(
+                "cannot bind queue \"{}\" to exchange \"{}\" with key \"{}\": {}",
+                b.queue,
+                b.exchange,
+                b.routing_key,
+                describe_error(&e)
+            )),
+        }
+    }
     if let Some(ch) = channel {
         let _ = ch.close(200, "declared".into()).await;
+    }
+}
+
+/// The name as a ShortString, or a warning when it is longer than 255 bytes.
+fn short_name(name: &str, what: &str, warn: &impl Fn(String)) -> Option<ShortString> {
+    match ShortString::try_new(name) {
+        Ok(s) => Some(s),
+        Err(_) => {
+            warn(format!(
+                "{what} name longer than 255 bytes, not declared: {}...",
+                crate::amqp_values::truncate(name, 40)
+            ));
+            None
+        }
+    }
+}
+
+/// The declaration channel: the open one, or a new one after a failed declaration closed it.
+/// None (after a warning) when no channel can be opened.
+async fn usable_channel(
+    conn: &Connection,
+    channel: &mut Option<Channel>,
+    warn: &impl Fn(String),
+) -> Option<Channel> {
+    match channel.take() {
+        Some(ch) if ch.status().connected() => Some(ch),
+        _ => match conn.create_channel().await {
+            Ok(ch) => Some(ch),
+            Err(e) => {
+                warn(format!(
+                    "cannot open a channel to declare exchanges and queues: {}",
+                    describe_error(&e)
+                ));
+                None
+            }
+        },
     }
 }
 
@@ -796,7 +1044,7 @@ fn exchange_kind(kind: &str) -> ExchangeKind {
 }
 
 /// A clean close when the broker answers, bounded when it does not.
-async fn close_connection(conn: &Connection) {
+pub(crate) async fn close_connection(conn: &Connection) {
     if conn.status().connected() {
         let _ = tokio::time::timeout(CLOSE_WAIT, conn.close(200, "OK".into())).await;
     }
@@ -864,6 +1112,13 @@ mod tests {
                 broker_id: 1,
                 hosts: vec![e.clone()],
                 exchanges: vec![],
+                queues: vec![],
+                bindings: vec![],
+                proof: crate::ProofMode::Confirm,
+                ack_queue: crate::AckQueueConfig {
+                    name: "acks".into(),
+                    quorum: false,
+                },
                 connect_timeout: Duration::from_secs(3),
                 heartbeat_secs: 7,
                 confirm_timeout: Duration::from_secs(3),

@@ -5,7 +5,8 @@
 #![allow(dead_code)]
 
 use amqp_outbox_broker::{
-    BrokerConfig, BrokerHandle, Command, Endpoint, Event, ExchangeDecl, OutboundMessage,
+    AckQueueConfig, BrokerConfig, BrokerHandle, Command, Endpoint, Event, ExchangeDecl,
+    OutboundMessage, ProofMode,
 };
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -41,11 +42,19 @@ pub fn local_endpoint() -> Endpoint {
     }
 }
 
+/// `Confirm` mode: the publisher confirm is the proof; no acknowledgement queue.
 pub fn config(broker_id: i32, hosts: Vec<Endpoint>, exchanges: Vec<ExchangeDecl>) -> BrokerConfig {
     BrokerConfig {
         broker_id,
         hosts,
         exchanges,
+        queues: vec![],
+        bindings: vec![],
+        proof: ProofMode::Confirm,
+        ack_queue: AckQueueConfig {
+            name: unique("unused_acks"),
+            quorum: false,
+        },
         connect_timeout: Duration::from_secs(5),
         heartbeat_secs: 10,
         confirm_timeout: Duration::from_secs(30),
@@ -75,7 +84,25 @@ pub fn message(id: i64, exchange: &str, routing_key: &str) -> OutboundMessage {
         message_id: format!("sysid-{id}"),
         timestamp: 1_700_000_000 + id as u64,
         headers,
+        lose_in_transit: false,
     }
+}
+
+/// `AckQueue` mode with the acknowledgement queue `ack_queue` (declared by the broker side).
+pub fn ack_config(
+    broker_id: i32,
+    hosts: Vec<Endpoint>,
+    exchanges: Vec<ExchangeDecl>,
+    ack_queue: &str,
+    quorum: bool,
+) -> BrokerConfig {
+    let mut c = config(broker_id, hosts, exchanges);
+    c.proof = ProofMode::AckQueue;
+    c.ack_queue = AckQueueConfig {
+        name: ack_queue.into(),
+        quorum,
+    };
+    c
 }
 
 /// The worker's side: sends commands, waits on the wake fd, keeps every event seen.
@@ -232,6 +259,107 @@ impl Admin {
                 .unwrap();
         });
         self.queues.push(name.to_string());
+    }
+
+    /// Deletes `queue` (made by someone else) when this Admin is dropped.
+    pub fn cleanup_queue(&mut self, queue: &str) {
+        self.queues.push(queue.to_string());
+    }
+
+    /// Deletes `exchange` (made by someone else) when this Admin is dropped.
+    pub fn cleanup_exchange(&mut self, exchange: &str) {
+        self.exchanges.push(exchange.to_string());
+    }
+
+    /// A queue bound to `exchange` with `key` and binding `arguments`.
+    pub fn queue_with_binding_args(
+        &mut self,
+        name: &str,
+        exchange: &str,
+        key: &str,
+        arguments: FieldTable,
+    ) {
+        self.rt.block_on(async {
+            self.ch
+                .queue_declare(
+                    name.into(),
+                    QueueDeclareOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            self.ch
+                .queue_bind(
+                    name.into(),
+                    exchange.into(),
+                    key.into(),
+                    QueueBindOptions::default(),
+                    arguments,
+                )
+                .await
+                .unwrap();
+        });
+        self.queues.push(name.to_string());
+    }
+
+    /// Publishes a raw message to `queue` through the default exchange (with confirms off).
+    pub fn publish_raw(&self, queue: &str, body: &[u8]) {
+        self.rt
+            .block_on(self.ch.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                body,
+                lapin::BasicProperties::default(),
+            ))
+            .unwrap();
+    }
+
+    /// Whether `queue` exists (a passive declare on a throwaway channel: a 404 closes it).
+    pub fn queue_exists(&self, queue: &str) -> bool {
+        self.rt.block_on(async {
+            let ch = self.conn.create_channel().await.unwrap();
+            let ok = ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .is_ok();
+            if ok {
+                let _ = ch.close(200, "ok".into()).await;
+            }
+            ok
+        })
+    }
+
+    /// Declares `queue` durable with `arguments` on a throwaway channel; the broker's error text
+    /// when it refuses (e.g. 406 for inequivalent arguments).
+    pub fn try_declare_durable(&self, queue: &str, arguments: FieldTable) -> Result<(), String> {
+        self.rt.block_on(async {
+            let ch = self.conn.create_channel().await.unwrap();
+            let res = ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    arguments,
+                )
+                .await;
+            match res {
+                Ok(_) => {
+                    let _ = ch.close(200, "ok".into()).await;
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        })
     }
 
     /// Consumes `n` messages from `queue` (fails after `timeout`).
