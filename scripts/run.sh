@@ -93,12 +93,9 @@ value "SELECT amqp.exchange_declare($BROKER_ID, '$EXCHANGE', 'fanout', false, tr
 note "exchange $EXCHANGE (fanout) recorded; the worker declares it when it connects"
 
 # ---------------------------------------------------------------------------------------------------
-# HOOK: declare the demo queue, bind it to the exchange, and show what arrived.
-#   demo_queue declare   -> before publishing
-#   demo_queue show      -> after the worker drained the outbox
-# TODO(lead): call the project's demo consumer here once it exists (declare + bind + print the
-# bodies). Until then: scripts/amqp_demo.py (python3 standard library only) does it when python3 is
-# present, else the queue depth is shown with rabbitmqctl when the queue exists.
+# The demo queue: declared through the extension (amqp.queue_declare / amqp.queue_bind record it,
+# the worker declares it on its connection); what arrived is read back with rabbitmqctl and
+# scripts/amqp_demo.py (python3 standard library only).
 # ---------------------------------------------------------------------------------------------------
 rabbitmqctl_() {
     if is_root; then rabbitmqctl "$@"; elif command -v sudo >/dev/null 2>&1; then sudo -n rabbitmqctl "$@"; else return 1; fi
@@ -107,15 +104,9 @@ demo_queue() {
     local py="$ROOT/scripts/amqp_demo.py"
     case "$1" in
     declare)
-        if command -v python3 >/dev/null 2>&1; then
-            if python3 "$py" declare "$EXCHANGE" "$QUEUE"; then
-                note "queue $QUEUE declared and bound to $EXCHANGE"
-            else
-                warn "could not declare queue $QUEUE (messages to $EXCHANGE have no queue to go to)"
-            fi
-        else
-            note "python3 not found: queue $QUEUE not declared; bind a queue to exchange $EXCHANGE to see the messages"
-        fi
+        value "SELECT amqp.queue_declare($BROKER_ID, '$QUEUE')" >/dev/null
+        value "SELECT amqp.queue_bind($BROKER_ID, '$QUEUE', '$EXCHANGE')" >/dev/null
+        note "queue $QUEUE bound to $EXCHANGE, recorded; the worker declares both when it connects"
         ;;
     show)
         local depth
