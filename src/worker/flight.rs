@@ -235,6 +235,10 @@ impl Flight {
             .collect()
     }
 
+    pub fn snapshot_len(&self) -> usize {
+        self.entries.len()
+    }
+
     /// Ids in flight and what is known of each, for `amqp.message_status`.
     pub fn snapshot(&self) -> Vec<(i64, bool)> {
         self.entries

@@ -14,6 +14,9 @@ use pgrx::prelude::*;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+/// The status views are refreshed at most this often while messages flow.
+const STATUS_EVERY: Duration = Duration::from_millis(100);
+
 /// How often the worker looks for messages in flight past `amqp_outbox.resend_after`.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
@@ -43,6 +46,7 @@ pub struct Worker {
     /// A connection changed state: publish the broker table to shared memory.
     status_changed: bool,
     status_reported_at: Option<std::time::Instant>,
+    reported_in_flight: usize,
 }
 
 impl Worker {
@@ -60,6 +64,7 @@ impl Worker {
             more_work: false,
             status_changed: true,
             status_reported_at: None,
+            reported_in_flight: 0,
         }
     }
 
@@ -96,9 +101,11 @@ impl Worker {
                     error!("amqp_outbox: the AMQP thread has stopped");
                 }
             }
-            self.report_status();
+            let reported = self.report_status();
             let timeout = if self.more_work {
                 Duration::ZERO
+            } else if !reported {
+                STATUS_EVERY.min(self.settings.naptime)
             } else {
                 self.settings.naptime
             };
@@ -110,13 +117,19 @@ impl Worker {
 
     /// Connection states at once when they change; in-flight counts and messages at most every
     /// 100 ms.
-    fn report_status(&mut self) {
+    /// Returns false when a change is left to report later (throttled).
+    fn report_status(&mut self) -> bool {
+        let in_flight = self.flight.snapshot_len();
+        if !self.status_changed && in_flight == self.reported_in_flight {
+            return true;
+        }
         let due = self
             .status_reported_at
-            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100));
+            .is_none_or(|t| t.elapsed() >= STATUS_EVERY);
         if !self.status_changed && !due {
-            return;
+            return false;
         }
+        self.reported_in_flight = in_flight;
         let mut reports: Vec<shmem::BrokerReport<'_>> = self
             .flight
             .brokers()
@@ -134,6 +147,7 @@ impl Worker {
         shmem::report_in_flight(&self.flight.snapshot());
         self.status_changed = false;
         self.status_reported_at = Some(std::time::Instant::now());
+        true
     }
 
     fn handle_disconnect_requests(&mut self, which: Option<Vec<i32>>) {
