@@ -54,3 +54,44 @@ COMMENT ON VIEW @extschema@.message_status IS
 GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema@.outbox_summary,
                 @extschema@.message_status TO pg_monitor;
 GRANT USAGE ON SCHEMA @extschema@ TO pg_monitor;
+
+-- Privileges. PUBLIC gets nothing. Two roles, created when missing (roles belong to the
+-- cluster, so DROP EXTENSION leaves them):
+--   amqp_outbox_publisher  may publish (without any right on the tables)
+--   amqp_outbox_admin      may also manage brokers, declarations and parked messages, and read
+--                          everything, broker passwords included
+-- pg_monitor may read the status views.
+DO $roles$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname OPERATOR(pg_catalog.=) 'amqp_outbox_publisher') THEN
+        CREATE ROLE amqp_outbox_publisher NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname OPERATOR(pg_catalog.=) 'amqp_outbox_admin') THEN
+        CREATE ROLE amqp_outbox_admin NOLOGIN;
+    END IF;
+END
+$roles$;
+GRANT amqp_outbox_publisher TO amqp_outbox_admin;
+
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA @extschema@ FROM PUBLIC;
+GRANT USAGE ON SCHEMA @extschema@ TO amqp_outbox_publisher, amqp_outbox_admin;
+
+GRANT EXECUTE ON FUNCTION
+    @extschema@.publish(integer, text, text, text, integer, text, text, text),
+    @extschema@.publish_message(integer, text, text, text, jsonb, integer, text, text, text),
+    @extschema@.publish_bytes(integer, text, text, bytea, jsonb, integer, text, text, text),
+    @extschema@.last_message_id(),
+    @extschema@.autonomous_publish(integer, text, text, text, integer, text, text, text)
+    TO amqp_outbox_publisher;
+
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA @extschema@ TO amqp_outbox_admin;
+GRANT SELECT, INSERT, UPDATE, DELETE ON @extschema@.broker, @extschema@.exchange,
+    @extschema@.queue, @extschema@.binding TO amqp_outbox_admin;
+GRANT SELECT, UPDATE, DELETE ON @extschema@.message TO amqp_outbox_admin;
+GRANT SELECT ON @extschema@.discarded TO amqp_outbox_admin;
+GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema@.outbox_summary,
+    @extschema@.message_status TO amqp_outbox_admin;
+
+-- The views call these; callers of a view need EXECUTE on the functions it calls.
+GRANT EXECUTE ON FUNCTION @extschema@._worker_status(), @extschema@._broker_status(),
+    @extschema@._in_flight() TO pg_monitor;

@@ -12,7 +12,15 @@ CREATE TABLE @extschema@.broker (
     -- What proves delivery: 'ack_queue' (confirm + the acknowledgement record seen on the
     -- acknowledgement queue) or 'confirm' (a positive confirm without a return).
     proof text NOT NULL DEFAULT 'ack_queue',
+    -- TLS (amqps): the server's certificate and host name are always verified; no fallback to
+    -- plaintext. Files are PEM, read by the server's worker process.
+    tls boolean NOT NULL DEFAULT false,
+    tls_ca_file text,
+    tls_cert_file text,
+    tls_key_file text,
+    tls_server_name text,
     PRIMARY KEY (broker_id, host, port),
+    CONSTRAINT broker_tls_client_pair CHECK ((tls_cert_file IS NULL) = (tls_key_file IS NULL)),
     CONSTRAINT broker_proof_valid CHECK (proof IN ('ack_queue', 'confirm')),
     CONSTRAINT broker_port_range CHECK (port BETWEEN 1 AND 65535),
     CONSTRAINT broker_host_not_empty CHECK (host <> '')

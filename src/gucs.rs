@@ -20,6 +20,7 @@ pub static RETRY_BACKOFF_MIN: GucSetting<i32> = GucSetting::<i32>::new(200);
 pub static RETRY_BACKOFF_MAX: GucSetting<i32> = GucSetting::<i32>::new(60000);
 pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(30000);
 pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(false);
+pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(0);
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 pub fn init() {
@@ -158,6 +159,16 @@ pub fn init() {
         GucFlags::default(),
     );
     GucRegistry::define_int_guc(
+        c"amqp_outbox.max_pending",
+        c"Messages a broker may have waiting before amqp.publish() refuses more (0 = no limit).",
+        c"Checked against the worker's count, refreshed about once a second: approximate by design.",
+        &MAX_PENDING,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
         c"amqp_outbox.test_lose_one_in",
         c"Fault injection for tests: pretend one first publish in N is lost in transit (0 = never).",
         c"Never set this in production: it exists to prove that lost messages are detected and resent.",
@@ -191,6 +202,7 @@ pub struct WorkerSettings {
     pub resend_after: Duration,
     pub ack_queue_quorum: bool,
     pub lose_one_in: u32,
+    pub max_pending: i32,
 }
 
 impl WorkerSettings {
@@ -210,6 +222,7 @@ impl WorkerSettings {
             resend_after: ms(&RESEND_AFTER),
             ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
             lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
+            max_pending: MAX_PENDING.get(),
         }
     }
 }

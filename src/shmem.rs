@@ -87,6 +87,8 @@ pub struct BrokerSlot {
     /// When the state last changed (PostgreSQL timestamp).
     pub since: i64,
     pub in_flight: u32,
+    /// Rows waiting, as last counted (only while `amqp_outbox.max_pending` is set).
+    pub pending: i64,
     host: [u8; HOST_LEN],
     host_len: usize,
     error: [u8; ERROR_LEN],
@@ -101,6 +103,7 @@ impl BrokerSlot {
         epoch: 0,
         since: 0,
         in_flight: 0,
+        pending: 0,
         host: [0; HOST_LEN],
         host_len: 0,
         error: [0; ERROR_LEN],
@@ -148,6 +151,7 @@ pub struct BrokerReport<'a> {
     pub epoch: u64,
     pub error: Option<&'a str>,
     pub in_flight: usize,
+    pub pending: i64,
 }
 unsafe impl PGRXSharedMemory for Counters {}
 
@@ -288,6 +292,7 @@ pub fn report_brokers(reports: &[BrokerReport<'_>]) {
         slot.connected = r.connected;
         slot.epoch = r.epoch;
         slot.in_flight = r.in_flight.min(u32::MAX as usize) as u32;
+        slot.pending = r.pending;
         slot.since = match previous {
             Some(p) if p.connected == r.connected && p.epoch == r.epoch => p.since,
             _ => now,
@@ -305,4 +310,17 @@ pub fn broker_states() -> Vec<BrokerSlot> {
     }
     let states = BROKER_STATES.share();
     states.slots.iter().filter(|s| s.used).copied().collect()
+}
+
+/// The broker's backlog as the worker last counted it.
+pub fn pending(broker_id: i32) -> Option<i64> {
+    if !ready() {
+        return None;
+    }
+    let states = BROKER_STATES.share();
+    states
+        .slots
+        .iter()
+        .find(|s| s.used && s.broker_id == broker_id)
+        .map(|s| s.pending)
 }

@@ -11,6 +11,7 @@ mod listener;
 mod publisher;
 mod supervisor;
 mod thread;
+mod tls;
 mod wake;
 
 pub use thread::spawn;
@@ -26,6 +27,22 @@ pub struct Endpoint {
     pub vhost: String,
     pub username: String,
     pub password: String,
+    /// `Some`: connect with TLS (`amqps`), verifying the server's certificate and host name.
+    /// Never falls back to plaintext.
+    pub tls: Option<TlsOptions>,
+}
+
+/// TLS settings of one host (columns `tls_*` of `amqp.broker`). Files are PEM, read by the
+/// worker when it connects.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct TlsOptions {
+    /// CA certificates to trust; `None`: the system's trust store.
+    pub ca_file: Option<String>,
+    /// Client certificate chain and its private key, for brokers that require one.
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
+    /// The name the certificate must carry, when it differs from `host`.
+    pub server_name: Option<String>,
 }
 
 /// Never prints the password.

@@ -14,9 +14,15 @@ use std::cell::{Cell, RefCell};
 /// AMQP short strings (exchange, routing key, properties) are at most 255 bytes.
 const SHORTSTR_MAX: usize = 255;
 
+/// The INSERT, planned once per session and kept across transactions, and the role it runs as.
+struct Insert {
+    plan: OwnedPreparedStatement,
+    /// The extension's owner: callers need EXECUTE on the function, not rights on the tables.
+    owner: pg_sys::Oid,
+}
+
 thread_local! {
-    /// The INSERT, planned once per session and kept across transactions.
-    static INSERT_PLAN: RefCell<Option<OwnedPreparedStatement>> = const { RefCell::new(None) };
+    static INSERT: RefCell<Option<Insert>> = const { RefCell::new(None) };
     static LAST_ID: Cell<Option<i64>> = const { Cell::new(None) };
 }
 
@@ -160,17 +166,37 @@ impl<'a> NewMessage<'a> {
             self.correlation_id.into(),
             self.headers.into(),
         ];
+        if let Some(cap) = pending_cap_exceeded(self.broker_id) {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+                format!(
+                    "amqp_outbox: broker {} has {} messages waiting, amqp_outbox.max_pending is {cap}",
+                    self.broker_id,
+                    shmem::pending(self.broker_id).unwrap_or_default()
+                ),
+                "amqp_outbox",
+            )
+            .set_hint("The broker is not taking messages fast enough (see amqp.broker_status); retry later.")
+            .report(PgLogLevel::ERROR);
+        }
         let id = Spi::connect_mut(|client| {
-            INSERT_PLAN.with_borrow_mut(|plan| {
-                let plan = match plan {
-                    Some(plan) => plan,
+            INSERT.with_borrow_mut(|insert| {
+                let insert = match insert {
+                    Some(insert) => insert,
                     None => {
+                        let owner = Spi::get_one::<pg_sys::Oid>(
+                            "SELECT extowner FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'amqp_outbox'",
+                        )?
+                        .unwrap_or(pg_sys::BOOTSTRAP_SUPERUSERID.into());
                         let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
-                        plan.insert(client.prepare_mut(INSERT_SQL, &oids)?.keep())
+                        let plan = client.prepare_mut(INSERT_SQL, &oids)?.keep();
+                        insert.insert(Insert { plan, owner })
                     }
                 };
+                // Only this fixed, fully qualified statement runs as the owner.
+                let _as_owner = RunAs::new(insert.owner);
                 // No row back means the broker does not exist (the INSERT's WHERE EXISTS).
-                let table = client.update(&*plan, None, &args)?;
+                let table = client.update(&insert.plan, None, &args)?;
                 if table.is_empty() {
                     return Ok(None);
                 }
@@ -182,7 +208,7 @@ impl<'a> NewMessage<'a> {
             Ok(None) => OutboxError::UnknownBroker(self.broker_id).raise(),
             Err(e) => {
                 // A stale plan (extension dropped and re-created) must not stay cached.
-                INSERT_PLAN.with_borrow_mut(|p| *p = None);
+                INSERT.with_borrow_mut(|p| *p = None);
                 ErrorReport::new(
                     PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
                     format!("amqp_outbox: could not insert into amqp.message: {e}"),
@@ -196,6 +222,48 @@ impl<'a> NewMessage<'a> {
         commit_wake::wake_worker_at_commit();
         id
     }
+}
+
+/// Runs as another role until dropped, as SECURITY DEFINER would, but only around one statement
+/// and without a `search_path` switch per call. Restricted: the statement may not run code that
+/// assumes the caller's rights. An error in between is cleaned up by PostgreSQL's abort, which
+/// restores the user id too.
+struct RunAs {
+    user: pg_sys::Oid,
+    context: i32,
+}
+
+impl RunAs {
+    fn new(role: pg_sys::Oid) -> Self {
+        let mut user = pg_sys::InvalidOid;
+        let mut context = 0;
+        unsafe {
+            pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+            pg_sys::SetUserIdAndSecContext(
+                role,
+                context
+                    | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
+                    | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
+            );
+        }
+        RunAs { user, context }
+    }
+}
+
+impl Drop for RunAs {
+    fn drop(&mut self) {
+        unsafe { pg_sys::SetUserIdAndSecContext(self.user, self.context) };
+    }
+}
+
+/// `Some(cap)` when `amqp_outbox.max_pending` is set and the broker's backlog (as the worker last
+/// counted it, about once a second) has reached it.
+fn pending_cap_exceeded(broker_id: i32) -> Option<i32> {
+    let cap = crate::gucs::MAX_PENDING.get();
+    if cap <= 0 {
+        return None;
+    }
+    (shmem::pending(broker_id)? >= cap as i64).then_some(cap)
 }
 
 /// pg_amqp's signature: existing callers work unchanged.

@@ -47,6 +47,7 @@ fn broker_status() -> TableIterator<
         name!(channel, i64),
         name!(since, TimestampWithTimeZone),
         name!(in_flight, i32),
+        name!(pending, Option<i64>),
         name!(last_error, Option<String>),
     ),
 > {
@@ -62,6 +63,7 @@ fn broker_status() -> TableIterator<
                 TimestampWithTimeZone::try_from(s.since)
                     .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity()),
                 s.in_flight.min(i32::MAX as u32) as i32,
+                (crate::gucs::MAX_PENDING.get() > 0).then_some(s.pending),
                 text(s.error()),
             )
         })

@@ -47,6 +47,9 @@ pub struct Worker {
     status_changed: bool,
     status_reported_at: Option<std::time::Instant>,
     reported_in_flight: usize,
+    /// Backlog per broker, counted about once a second while `max_pending` is set.
+    pending: std::collections::HashMap<i32, i64>,
+    pending_counted_at: Option<Instant>,
 }
 
 impl Worker {
@@ -65,6 +68,8 @@ impl Worker {
             status_changed: true,
             status_reported_at: None,
             reported_in_flight: 0,
+            pending: Default::default(),
+            pending_counted_at: None,
         }
     }
 
@@ -140,6 +145,7 @@ impl Worker {
                 epoch: b.epoch,
                 error: b.error.as_deref(),
                 in_flight: b.in_flight,
+                pending: self.pending.get(id).copied().unwrap_or(0),
             })
             .collect();
         reports.sort_by_key(|r| r.broker_id);
@@ -317,6 +323,7 @@ impl Worker {
                 self.need_reload = false;
                 self.configure(brokers);
             }
+            self.count_pending(client)?;
             if !self.settings.enabled {
                 self.more_work = false;
                 return Ok(Vec::new());
@@ -327,6 +334,26 @@ impl Worker {
             Ok(commands) => commands,
             Err(e) => error!("amqp_outbox: worker query failed: {e}"),
         }
+    }
+
+    fn count_pending(&mut self, client: &pgrx::spi::SpiClient<'_>) -> pgrx::spi::SpiResult<()> {
+        if self.settings.max_pending <= 0 {
+            if !self.pending.is_empty() {
+                self.pending.clear();
+                self.status_changed = true;
+            }
+            return Ok(());
+        }
+        if self
+            .pending_counted_at
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return Ok(());
+        }
+        self.pending = queries::count_pending(client)?;
+        self.pending_counted_at = Some(Instant::now());
+        self.status_changed = true;
+        Ok(())
     }
 
     fn record_rejection(

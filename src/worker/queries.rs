@@ -1,7 +1,9 @@
 //! Every SQL statement the worker runs. Each runs inside a short transaction opened by the
 //! caller ([`super::pg::transaction`]); none waits on the broker.
 
-use amqp_outbox_broker::{BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl};
+use amqp_outbox_broker::{
+    BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl, TlsOptions,
+};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -225,8 +227,9 @@ pub fn load_brokers(
 ) -> SpiResult<Vec<BrokerConfig>> {
     let mut brokers: BTreeMap<i32, BrokerConfig> = BTreeMap::new();
     let hosts = client.select(
-        "SELECT broker_id, host, port, vhost, username, password, proof FROM amqp.broker \
-          ORDER BY broker_id, host, port",
+        "SELECT broker_id, host, port, vhost, username, password, proof, \
+                tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name \
+           FROM amqp.broker ORDER BY broker_id, host, port",
         None,
         &[],
     )?;
@@ -239,6 +242,16 @@ pub fn load_brokers(
             vhost: r.get::<String>(4)?.unwrap_or_else(|| "/".into()),
             username: r.get::<String>(5)?.unwrap_or_else(|| "guest".into()),
             password: r.get::<String>(6)?.unwrap_or_else(|| "guest".into()),
+            tls: if r.get::<bool>(8)?.unwrap_or(false) {
+                Some(TlsOptions {
+                    ca_file: r.get::<String>(9)?,
+                    cert_file: r.get::<String>(10)?,
+                    key_file: r.get::<String>(11)?,
+                    server_name: r.get::<String>(12)?,
+                })
+            } else {
+                None
+            },
         };
         // The first host row of a broker decides its proof mode.
         let proof = match r.get::<String>(7)?.as_deref() {
@@ -315,4 +328,22 @@ fn json_object(value: Option<JsonB>) -> serde_json::Map<String, serde_json::Valu
         Some(JsonB(serde_json::Value::Object(map))) => map,
         _ => serde_json::Map::new(),
     }
+}
+
+/// Rows waiting (not parked) per broker, for `amqp_outbox.max_pending`.
+pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::HashMap<i32, i64>> {
+    let table = client.select(
+        "SELECT broker_id, pg_catalog.count(*) FROM amqp.message WHERE parked_at IS NULL \
+          GROUP BY broker_id",
+        None,
+        &[],
+    )?;
+    let mut counts = std::collections::HashMap::new();
+    for r in table {
+        counts.insert(
+            r.get::<i32>(1)?.unwrap_or_default(),
+            r.get::<i64>(2)?.unwrap_or_default(),
+        );
+    }
+    Ok(counts)
 }

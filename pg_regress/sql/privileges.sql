@@ -1,0 +1,80 @@
+-- Least privilege: PUBLIC gets nothing; amqp_outbox_publisher may publish without any right on
+-- the tables; amqp_outbox_admin manages brokers and reads passwords; pg_monitor reads the views.
+-- And a search_path hijack changes nothing.
+\set VERBOSITY terse
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS amqp_outbox;
+RESET client_min_messages;
+CREATE ROLE regress_amqp_nobody;
+CREATE ROLE regress_amqp_app IN ROLE amqp_outbox_publisher;
+CREATE ROLE regress_amqp_dba IN ROLE amqp_outbox_admin;
+CREATE ROLE regress_amqp_monitor IN ROLE pg_monitor;
+INSERT INTO amqp.broker (broker_id, host, username, password) VALUES (8, '127.0.0.1', 'app', 's3cret-pw');
+\set VERBOSITY sqlstate
+\set ON_ERROR_ROLLBACK on
+BEGIN;
+-- A role without grants: nothing.
+SET LOCAL ROLE regress_amqp_nobody;
+SELECT amqp.publish(8, 'ex', 'rk', 'denied');
+SELECT count(*) FROM amqp.broker;
+SELECT count(*) FROM amqp.message;
+SELECT count(*) FROM amqp.worker_status;
+RESET ROLE;
+-- The publisher: publishes, and nothing else.
+SET LOCAL ROLE regress_amqp_app;
+SELECT amqp.publish(8, 'ex', 'rk', 'from the app');
+SELECT amqp.publish_message(8, 'ex', 'rk', 'with headers', '{"a": 1}') > 0 AS published;
+SELECT amqp.last_message_id() > 0 AS has_id;
+SELECT password FROM amqp.broker;
+SELECT count(*) FROM amqp.message;
+UPDATE amqp.broker SET host = 'attacker.example';
+SELECT amqp.exchange_declare(8, 'x', 'direct', false, true);
+SELECT amqp.retry_all(8);
+RESET ROLE;
+SELECT convert_from(body, 'UTF8') AS body, producer_pid = pg_backend_pid() AS own_pid
+  FROM amqp.message ORDER BY id;
+-- pg_monitor: the views, which show no password; not the tables.
+SET LOCAL ROLE regress_amqp_monitor;
+SELECT published >= 0 AS readable FROM amqp.worker_status;
+SELECT count(*) >= 0 AS readable FROM amqp.broker_status;
+SELECT pending FROM amqp.outbox_summary;
+SELECT state FROM amqp.message_status ORDER BY id;
+SELECT password FROM amqp.broker;
+RESET ROLE;
+-- The administrator: brokers, passwords, declarations, parked messages.
+SET LOCAL ROLE regress_amqp_dba;
+SELECT password FROM amqp.broker WHERE broker_id = 8;
+UPDATE amqp.broker SET port = 5671 WHERE broker_id = 8;
+SELECT amqp.exchange_declare(8, 'x', 'direct', false, true);
+SELECT amqp.retry_all(8);
+RESET ROLE;
+ROLLBACK;
+\set ON_ERROR_ROLLBACK off
+\set VERBOSITY terse
+-- No setting carries a broker password.
+SELECT count(*) FROM pg_settings WHERE setting LIKE '%s3cret%';
+-- A search_path hijack: public objects that shadow built-ins, first on the path.
+CREATE FUNCTION public.octet_length(text) RETURNS integer LANGUAGE sql AS 'SELECT 0';
+CREATE FUNCTION public.pg_backend_pid() RETURNS integer LANGUAGE sql AS 'SELECT 42';
+CREATE FUNCTION public.always(integer, integer) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+CREATE OPERATOR public.= (LEFTARG = integer, RIGHTARG = integer, FUNCTION = public.always);
+BEGIN;
+SET LOCAL search_path = public, pg_catalog;
+\set VERBOSITY sqlstate
+\set ON_ERROR_ROLLBACK on
+-- Still an unknown broker (the lookup is not fooled by public.=) and still too long.
+SELECT amqp.publish(999, 'ex', 'rk', 'x');
+SELECT amqp.publish(8, repeat('e', 256), 'rk', 'x');
+INSERT INTO amqp.message (broker_id, exchange, routing_key, body) VALUES (8, repeat('e', 256), 'rk', 'x');
+\set ON_ERROR_ROLLBACK off
+\set VERBOSITY terse
+SELECT amqp.publish(8, 'ex', 'rk', 'hijack-proof');
+SELECT producer_pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() AS real_pid
+  FROM amqp.message WHERE body OPERATOR(pg_catalog.=) 'hijack-proof'::bytea;
+ROLLBACK;
+DROP OPERATOR public.= (integer, integer);
+DROP FUNCTION public.always(integer, integer);
+DROP FUNCTION public.pg_backend_pid();
+DROP FUNCTION public.octet_length(text);
+DELETE FROM amqp.broker WHERE broker_id = 8;
+DROP ROLE regress_amqp_nobody, regress_amqp_app, regress_amqp_dba, regress_amqp_monitor;
