@@ -24,7 +24,7 @@ CARGO ?= cargo
 # servers — never `cp` over a loaded .so).
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
-.PHONY: all build install installcheck test test-broker test-e2e fmt lint run stop clean
+.PHONY: all build install installcheck test test-unit test-broker test-e2e fmt lint run stop clean
 
 all: build
 
@@ -37,6 +37,10 @@ install:
 installcheck:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck.sh
 
+# The extension's pure-Rust logic (no server needed).
+test-unit:
+	$(CARGO) test -p amqp_outbox --lib
+
 test-broker:
 	$(CARGO) test -p amqp_outbox_broker
 
@@ -44,7 +48,7 @@ test-e2e:
 	$(CARGO) test -p amqp_outbox_e2e
 
 # Runs every tier and reports each (with its duration); a failed install skips the rest.
-TEST_TIERS := installcheck test-broker test-e2e
+TEST_TIERS := test-unit installcheck test-broker test-e2e
 test:
 	@passed=; failed=; skipped=; installed=; \
 	for t in install $(TEST_TIERS); do \

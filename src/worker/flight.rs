@@ -247,3 +247,111 @@ impl Flight {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flight(proof: ProofMode) -> Flight {
+        let mut f = Flight::default();
+        let b = f.broker(1);
+        b.proof = proof;
+        b.connected = true;
+        f
+    }
+
+    #[test]
+    fn confirm_mode_delivers_on_the_confirm() {
+        let mut f = flight(ProofMode::Confirm);
+        f.mark_sent(1, 10);
+        assert_eq!(f.confirmed(10), Verdict::Delivered);
+        assert!(!f.is_in_flight(10));
+        assert_eq!(f.broker(1).in_flight, 0);
+    }
+
+    #[test]
+    fn ack_queue_mode_needs_confirm_and_record_in_either_order() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10);
+        f.mark_sent(1, 11);
+        assert_eq!(f.confirmed(10), Verdict::Wait);
+        assert_eq!(f.acked(10), Verdict::Delivered);
+        assert_eq!(f.acked(11), Verdict::Wait);
+        assert_eq!(f.confirmed(11), Verdict::Delivered);
+        assert_eq!(f.snapshot_len(), 0);
+    }
+
+    #[test]
+    fn lost_without_confirm_is_resent_and_with_confirm_is_delivered() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10);
+        f.mark_sent(1, 11);
+        f.confirmed(11);
+        assert_eq!(f.lost(10), Verdict::Resend);
+        assert_eq!(f.lost(11), Verdict::Delivered);
+        assert_eq!(f.lost(12), Verdict::Unknown);
+        assert_eq!(f.broker(1).in_flight, 0);
+    }
+
+    #[test]
+    fn events_for_unknown_ids_change_nothing() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10);
+        assert_eq!(f.confirmed(99), Verdict::Unknown);
+        assert_eq!(f.acked(99), Verdict::Unknown);
+        f.settle(99);
+        assert_eq!(f.broker(1).in_flight, 1);
+    }
+
+    #[test]
+    fn a_lost_connection_forgets_only_unconfirmed_messages() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10);
+        f.mark_sent(1, 11);
+        f.confirmed(11);
+        f.forget_unconfirmed(1);
+        assert!(!f.is_in_flight(10));
+        assert!(f.is_in_flight(11), "confirmed, still awaiting its record");
+        assert_eq!(f.broker(1).in_flight, 1);
+    }
+
+    #[test]
+    fn expire_takes_back_what_waited_too_long() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10);
+        assert!(f.expire(Duration::from_secs(3600)).is_empty());
+        assert_eq!(f.expire(Duration::ZERO), vec![10]);
+        assert!(!f.is_in_flight(10));
+    }
+
+    #[test]
+    fn the_window_and_isolation_close_a_broker() {
+        let mut f = flight(ProofMode::Confirm);
+        f.mark_sent(1, 10);
+        assert_eq!(f.open_brokers(2), vec![(1, 1)]);
+        f.mark_sent(1, 11);
+        assert!(f.open_brokers(2).is_empty(), "window full");
+        f.confirmed(10);
+        f.confirmed(11);
+        f.broker(1).suspects.insert(12);
+        assert!(
+            f.open_brokers(2).is_empty(),
+            "suspects are published alone first"
+        );
+        assert_eq!(f.isolation_ready(), vec![(1, vec![12])]);
+        f.mark_sent(1, 12);
+        assert!(f.isolation_ready().is_empty(), "one suspect at a time");
+    }
+
+    #[test]
+    fn removed_brokers_drop_their_messages() {
+        let mut f = flight(ProofMode::Confirm);
+        f.broker(2).connected = true;
+        f.mark_sent(1, 10);
+        f.mark_sent(2, 20);
+        f.retain_brokers(&[2]);
+        assert!(!f.is_in_flight(10));
+        assert!(f.is_in_flight(20));
+        assert_eq!(f.in_flight_of(&[1, 2]), 1);
+    }
+}

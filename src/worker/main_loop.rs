@@ -562,3 +562,56 @@ fn to_message(prefix: &str, row: Row) -> OutboundMessage {
         lose_in_transit: false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(headers: Option<serde_json::Value>, delivery_mode: i16) -> Row {
+        Row {
+            id: 42,
+            broker_id: 1,
+            exchange: "orders".into(),
+            routing_key: "order.created".into(),
+            body: b"{}".to_vec(),
+            delivery_mode,
+            content_type: Some("application/json".into()),
+            reply_to: None,
+            correlation_id: Some("c-1".into()),
+            headers,
+            producer_pid: 1234,
+            producer_started_at: 1_700_000_000_123_456,
+            created_at: 1_700_000_100_999_999,
+            attempts: 0,
+        }
+    }
+
+    #[test]
+    fn a_message_carries_its_stable_id_producer_headers_and_properties() {
+        let m = to_message(
+            "abc-4000-5000",
+            row(Some(serde_json::json!({"tenant": "acme"})), 2),
+        );
+        assert_eq!(m.message_id, "abc-4000-5000-42");
+        assert_eq!(m.delivery_mode, 2);
+        assert_eq!(m.timestamp, 1_700_000_100);
+        assert_eq!(m.headers["tenant"], "acme");
+        assert_eq!(m.headers[HEADER_PRODUCER_PID], 1234);
+        assert_eq!(m.headers[HEADER_PRODUCER_START], 1_700_000_000_123_456i64);
+        assert_eq!(m.headers[HEADER_SEQUENCE], 42);
+        assert_eq!(m.correlation_id.as_deref(), Some("c-1"));
+        assert!(!m.lose_in_transit);
+    }
+
+    #[test]
+    fn producer_headers_win_over_the_callers_and_transient_is_kept() {
+        let m = to_message(
+            "p",
+            row(Some(serde_json::json!({HEADER_SEQUENCE: "forged"})), 1),
+        );
+        assert_eq!(m.headers[HEADER_SEQUENCE], 42);
+        assert_eq!(m.delivery_mode, 1);
+        let m = to_message("p", row(None, 2));
+        assert_eq!(m.headers.len(), 3);
+    }
+}
