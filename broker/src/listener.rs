@@ -12,7 +12,7 @@
 use crate::ack::{self, SharedTracker};
 use crate::amqp_values::to_field_table;
 use crate::publisher::describe_error;
-use crate::supervisor::{backoff, close_connection, uri_for, Redactor};
+use crate::supervisor::{backoff, close_connection, Redactor};
 use crate::thread::{panic_message, EventSink};
 use crate::{BrokerConfig, Endpoint, Event, LogLevel};
 use futures_util::future::FutureExt;
@@ -392,11 +392,9 @@ async fn connect(
         .into(),
     );
     let limit = cfg.connect_timeout;
-    let conn = match tokio::time::timeout(limit, Connection::connect_uri(uri_for(&ep, &cfg), props))
-        .await
-    {
+    let conn = match tokio::time::timeout(limit, crate::tls::connect(&ep, &cfg, props)).await {
         Err(_) => return Err(format!("connection timed out after {limit:?}")),
-        Ok(Err(e)) => return Err(redactor.clean(&describe_error(&e))),
+        Ok(Err(e)) => return Err(redactor.clean(&e)),
         Ok(Ok(c)) => c,
     };
     match tokio::time::timeout(limit, declare_and_consume(&conn, &cfg, &sink, &redactor)).await {

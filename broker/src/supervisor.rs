@@ -17,7 +17,7 @@ use lapin::options::{
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, ShortString};
-use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
+use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPUri, AMQPUserInfo};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use rand::Rng;
 use std::collections::HashMap;
@@ -802,7 +802,7 @@ impl Running {
 pub(crate) fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
     // Built field by field: no URI string holding the password is ever formatted.
     AMQPUri {
-        scheme: AMQPScheme::AMQP,
+        scheme: crate::tls::scheme_of(ep),
         authority: AMQPAuthority {
             userinfo: AMQPUserInfo {
                 username: ep.username.clone(),
@@ -835,11 +835,9 @@ async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Ses
         .into(),
     );
     let limit = cfg.connect_timeout;
-    let conn = match tokio::time::timeout(limit, Connection::connect_uri(uri_for(&ep, &cfg), props))
-        .await
-    {
+    let conn = match tokio::time::timeout(limit, crate::tls::connect(&ep, &cfg, props)).await {
         Err(_) => return Err(format!("connection timed out after {limit:?}")),
-        Ok(Err(e)) => return Err(redactor.clean(&describe_error(&e))),
+        Ok(Err(e)) => return Err(redactor.clean(&e)),
         Ok(Ok(c)) => Arc::new(c),
     };
     let decls = Decls::of(&cfg);
@@ -1061,6 +1059,7 @@ mod tests {
             vhost: "/".into(),
             username: "u".into(),
             password: password.into(),
+            tls: None,
         }
     }
 
@@ -1126,6 +1125,7 @@ mod tests {
                 reconnect_max: Duration::from_secs(2),
             },
         );
+        assert_eq!(uri.scheme, lapin::uri::AMQPScheme::AMQP);
         assert_eq!(uri.query.heartbeat, Some(7));
         assert_eq!(uri.query.connection_timeout, Some(3000));
         assert_eq!(uri.vhost, "/");

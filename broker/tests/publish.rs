@@ -273,6 +273,7 @@ fn unreachable_broker_reports_disconnected_without_password_and_fails_publishes_
         vhost: "/".into(),
         username: "someone".into(),
         password: password.into(),
+        tls: None,
     };
     bridge.send(Command::Configure(vec![config(B, vec![ep], vec![])]));
     let error = bridge.wait_for(Duration::from_secs(20), |e| match e {

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod node;
+
 use amqp_outbox_broker::{
     AckQueueConfig, BrokerConfig, BrokerHandle, Command, Endpoint, Event, ExchangeDecl,
     OutboundMessage, ProofMode,
@@ -39,6 +41,7 @@ pub fn local_endpoint() -> Endpoint {
         vhost: "/".into(),
         username: "guest".into(),
         password: "guest".into(),
+        tls: None,
     }
 }
 
