@@ -77,10 +77,10 @@ value() { psql_ -d "$DB" -At -c "$1"; }
 
 # --- 3. database, extension, broker, exchange --------------------------------------------------------
 say "Database $DB with the extension"
-if [ "$(psql_ -d postgres -At -c "SELECT count(*) FROM pg_database WHERE datname = '$DB'")" = 0 ]; then
-    psql_ -d postgres -c "CREATE DATABASE $DB"
-    note "created database $DB"
-fi
+# A fresh demo database each run, so it always has the extension as just built.
+psql_ -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)"
+psql_ -d postgres -c "CREATE DATABASE $DB"
+note "created database $DB (anew on every run)"
 sql -c "SET client_min_messages = warning; CREATE EXTENSION IF NOT EXISTS amqp_outbox"
 sql <<'EOF'
 INSERT INTO amqp.broker (host, port, vhost, username, password)
