@@ -22,14 +22,14 @@ pub fn sbin(tool: &str) -> PathBuf {
     }
 }
 
-/// Whether `rabbitmq-server` can be run here at all.
+/// Whether `rabbitmq-server` is installed. (Only looked up: running it, even with `--help`,
+/// boots a default node, which fails beside the shared one and leaves an `erl_crash.dump`.)
 pub fn rabbitmq_installed() -> bool {
-    std::process::Command::new(sbin("rabbitmq-server"))
-        .arg("--help")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok()
+    let path = sbin("rabbitmq-server");
+    path.is_file()
+        || std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join("rabbitmq-server").is_file()))
+            .unwrap_or(false)
 }
 
 /// Ports used from `base`: AMQP, Erlang distribution, 11 CLI ports, and a TLS listener.
