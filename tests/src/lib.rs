@@ -20,10 +20,10 @@ pub mod private_rabbit;
 pub mod rabbit;
 
 pub use ledger::{Ledger, MessageKey, Outcome, Report};
-pub use outbox::{Outbox, Producer, ProducerConfig, ProducerStats};
+pub use outbox::{MessageStatus, Outbox, Producer, ProducerConfig, ProducerStats, WorkerStatus};
 pub use pg::{PgCluster, PgConfig, StopMode};
 pub use private_rabbit::PrivateRabbit;
-pub use rabbit::{AmqpEndpoint, Collector, Rabbit, Received, Route};
+pub use rabbit::{AmqpEndpoint, Collector, QueueCounts, Rabbit, Received, Route};
 
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};

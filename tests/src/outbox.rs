@@ -69,10 +69,127 @@ impl Outbox {
     }
 }
 
+/// One row of `amqp.worker_status`: the worker's pid and its counters since the server started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStatus {
+    pub worker_pid: Option<i32>,
+    pub published: i64,
+    pub confirmed: i64,
+    pub acknowledged: i64,
+    pub resent_lost: i64,
+    pub resent_timeout: i64,
+    pub failed: i64,
+    pub parked: i64,
+}
+
+/// One row of `amqp.message_status`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MessageStatus {
+    pub id: i64,
+    /// pending, in_flight, awaiting_ack, retry_wait or parked.
+    pub state: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+}
+
+impl Outbox {
+    /// `SELECT * FROM amqp.worker_status`.
+    pub fn worker_status(client: &mut Client) -> Result<WorkerStatus, String> {
+        let row = client
+            .query_one(
+                "SELECT worker_pid, published, confirmed, acknowledged, resent_lost, \
+                        resent_timeout, failed, parked FROM amqp.worker_status",
+                &[],
+            )
+            .map_err(|e| format!("amqp.worker_status: {e}"))?;
+        Ok(WorkerStatus {
+            worker_pid: row.get(0),
+            published: row.get(1),
+            confirmed: row.get(2),
+            acknowledged: row.get(3),
+            resent_lost: row.get(4),
+            resent_timeout: row.get(5),
+            failed: row.get(6),
+            parked: row.get(7),
+        })
+    }
+
+    /// The row of `amqp.message_status` for this message id, if it is still in the outbox.
+    pub fn message_status(client: &mut Client, id: i64) -> Result<Option<MessageStatus>, String> {
+        let row = client
+            .query_opt(
+                "SELECT id, state, attempts, last_error FROM amqp.message_status WHERE id = $1",
+                &[&id],
+            )
+            .map_err(|e| format!("amqp.message_status: {e}"))?;
+        Ok(row.map(|r| MessageStatus {
+            id: r.get(0),
+            state: r.get(1),
+            attempts: r.get(2),
+            last_error: r.get(3),
+        }))
+    }
+
+    /// Every row of `amqp.message_status`, by id.
+    pub fn message_statuses(client: &mut Client) -> Result<Vec<MessageStatus>, String> {
+        let rows = client
+            .query(
+                "SELECT id, state, attempts, last_error FROM amqp.message_status ORDER BY id",
+                &[],
+            )
+            .map_err(|e| format!("amqp.message_status: {e}"))?;
+        Ok(rows
+            .iter()
+            .map(|r| MessageStatus {
+                id: r.get(0),
+                state: r.get(1),
+                attempts: r.get(2),
+                last_error: r.get(3),
+            })
+            .collect())
+    }
+
+    /// The name of this database's acknowledgement queue on the broker:
+    /// `amqp_outbox.ack.<system identifier, hex>.<database oid, hex>`.
+    pub fn ack_queue_name(client: &mut Client) -> String {
+        client
+            .query_one(
+                "SELECT 'amqp_outbox.ack.' || to_hex(s.system_identifier) || '.' || \
+                        to_hex(d.oid::bigint) \
+                   FROM pg_catalog.pg_control_system() s, pg_catalog.pg_database d \
+                  WHERE d.datname = pg_catalog.current_database()",
+                &[],
+            )
+            .map(|r| r.get(0))
+            .unwrap_or_else(|e| panic!("computing the acknowledgement queue name: {e}"))
+    }
+}
+
 pub fn create_extension(client: &mut Client) {
     client
         .batch_execute("CREATE EXTENSION amqp_outbox")
         .unwrap_or_else(|e| panic!("CREATE EXTENSION amqp_outbox: {e}"));
+}
+
+/// Inserts an `amqp.broker` row with this `proof` ('ack_queue' or 'confirm'); returns its
+/// broker_id.
+pub fn add_broker_with_proof(client: &mut Client, endpoint: &AmqpEndpoint, proof: &str) -> i32 {
+    let port = i32::from(endpoint.port);
+    client
+        .query_one(
+            "INSERT INTO amqp.broker (host, port, vhost, username, password, proof) \
+             VALUES ($1, $2, $3, $4, $5, $6) RETURNING broker_id",
+            &[
+                &endpoint.host,
+                &port,
+                &endpoint.vhost,
+                &endpoint.username,
+                &endpoint.password,
+                &proof,
+            ],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("INSERT INTO amqp.broker (proof {proof}): {e}"))
 }
 
 /// Inserts an `amqp.broker` row; returns its broker_id.

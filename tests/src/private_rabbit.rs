@@ -211,7 +211,54 @@ impl PrivateRabbit {
 
     /// Runs `rabbitmqctl -n NODE args…`; returns its output, or an error with its output.
     pub fn ctl(&self, args: &[&str]) -> Result<String, String> {
-        let mut cmd = Command::new(self.sbin.join("rabbitmqctl"));
+        self.cli("rabbitmqctl", args)
+    }
+
+    /// Runs `rabbitmq-diagnostics -n NODE args…` (e.g. `alarms`).
+    pub fn diagnostics(&self, args: &[&str]) -> Result<String, String> {
+        self.cli("rabbitmq-diagnostics", args)
+    }
+
+    /// The node's AMQP connections: (Erlang pid, client properties as rabbitmqctl prints them;
+    /// they include the `connection_name` a client gave). RabbitMQ 3.10's `list_connections`
+    /// has no `user_provided_name` column.
+    pub fn connections(&self) -> Result<Vec<(String, String)>, String> {
+        let out = self.ctl(&[
+            "list_connections",
+            "pid",
+            "client_properties",
+            "--quiet",
+            "--no-table-headers",
+        ])?;
+        Ok(out
+            .lines()
+            .filter(|l| l.trim_start().starts_with('<'))
+            .map(|l| {
+                let (pid, name) = l.split_once('\t').unwrap_or((l, ""));
+                (pid.trim().to_string(), name.trim().to_string())
+            })
+            .collect())
+    }
+
+    /// `rabbitmqctl close_connection PID REASON`.
+    pub fn close_connection(&self, pid: &str, reason: &str) -> Result<(), String> {
+        self.ctl(&["close_connection", pid, reason]).map(drop)
+    }
+
+    /// `rabbitmqctl set_disk_free_limit LIMIT`: `100000GB` raises the disk alarm (every
+    /// publishing connection is blocked), `50MB` (the default) clears it.
+    pub fn set_disk_free_limit(&self, limit: &str) {
+        self.ctl_or_panic(&["set_disk_free_limit", limit]);
+    }
+
+    /// True when `rabbitmq-diagnostics alarms` reports a resource alarm on the node.
+    pub fn has_alarm(&self) -> Result<bool, String> {
+        let out = self.diagnostics(&["alarms"])?;
+        Ok(!out.contains("no alarms") && (out.contains("disk") || out.contains("memory")))
+    }
+
+    fn cli(&self, program: &str, args: &[&str]) -> Result<String, String> {
+        let mut cmd = Command::new(self.sbin.join(program));
         self.env(&mut cmd);
         let out = cmd
             .arg("-n")
@@ -219,7 +266,7 @@ impl PrivateRabbit {
             .args(args)
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| format!("cannot run rabbitmqctl: {e}"))?;
+            .map_err(|e| format!("cannot run {program}: {e}"))?;
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
@@ -229,7 +276,7 @@ impl PrivateRabbit {
             Ok(text)
         } else {
             Err(format!(
-                "rabbitmqctl {} failed ({}): {}",
+                "{program} {} failed ({}): {}",
                 args.join(" "),
                 out.status,
                 tail(&text, 8)

@@ -225,6 +225,114 @@ impl Rabbit {
     pub fn consume(&self, route: &Route) -> Collector {
         Collector::start(self.endpoint.clone(), route.queue.clone())
     }
+
+    /// A uniquely named durable queue and no exchange (the [`Route`] names the default
+    /// exchange `""` and routes by the queue's name). Deleted when the route is dropped.
+    pub fn declare_queue(&self, prefix: &str) -> Route {
+        let queue = format!("{}.q", unique_name(prefix));
+        let r = runtime().block_on(async {
+            self.channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("queue.declare {queue}: {e}"))
+        });
+        if let Err(e) = r {
+            panic!("cannot declare a test queue on {:?}: {e}", self.endpoint);
+        }
+        Route {
+            endpoint: self.endpoint.clone(),
+            exchange: String::new(),
+            routing_key: queue.clone(),
+            queue,
+            delete_on_drop: true,
+        }
+    }
+
+    /// A passive `queue.declare` on a channel of its own: `Some(counts)` when the queue exists,
+    /// `None` when the broker answers 404. `messages` counts ready messages only (not those
+    /// delivered to a consumer and not yet acknowledged).
+    pub fn queue_counts(&self, queue: &str) -> Result<Option<QueueCounts>, String> {
+        runtime().block_on(async {
+            let ch = self
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| format!("cannot open a channel: {e}"))?;
+            let r = ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            match r {
+                Ok(q) => {
+                    let _ = ch.close(200, "done".into()).await;
+                    Ok(Some(QueueCounts {
+                        messages: q.message_count(),
+                        consumers: q.consumer_count(),
+                    }))
+                }
+                Err(e) if e.to_string().contains("NOT_FOUND") || e.to_string().contains("404") => {
+                    Ok(None)
+                }
+                Err(e) => Err(format!("passive queue.declare {queue}: {e}")),
+            }
+        })
+    }
+
+    /// Binds an existing queue to an existing exchange with `binding_key`.
+    pub fn bind_queue(&self, queue: &str, exchange: &str, binding_key: &str) {
+        let r = runtime().block_on(async {
+            self.channel
+                .queue_bind(
+                    queue.into(),
+                    exchange.into(),
+                    binding_key.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("queue.bind {queue} to {exchange} ({binding_key}): {e}"))
+        });
+        if let Err(e) = r {
+            panic!("{e}");
+        }
+    }
+
+    /// Deletes a queue (if it exists) on a channel of its own.
+    pub fn delete_queue(&self, queue: &str) -> Result<(), String> {
+        runtime().block_on(async {
+            let ch = self
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| format!("cannot open a channel: {e}"))?;
+            ch.queue_delete(queue.into(), QueueDeleteOptions::default())
+                .await
+                .map_err(|e| format!("queue.delete {queue}: {e}"))?;
+            let _ = ch.close(200, "done".into()).await;
+            Ok(())
+        })
+    }
+}
+
+/// What a passive `queue.declare` tells about a queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Messages ready for delivery.
+    pub messages: u32,
+    pub consumers: u32,
 }
 
 impl Drop for Rabbit {
@@ -238,7 +346,7 @@ impl Drop for Rabbit {
 }
 
 /// A uniquely named durable exchange and queue, bound with `routing_key`. Both are deleted
-/// (best effort) on drop.
+/// (best effort) on drop. An empty `exchange` is the default exchange (never deleted).
 #[derive(Debug)]
 pub struct Route {
     pub endpoint: AmqpEndpoint,
@@ -264,9 +372,12 @@ impl Drop for Route {
                 let _ = ch
                     .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                     .await;
-                let _ = ch
-                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-                    .await;
+                // The default exchange (a queue-only route) cannot be deleted.
+                if !exchange.is_empty() {
+                    let _ = ch
+                        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                        .await;
+                }
                 let _ = conn.close(200, "bye".into()).await;
                 Ok::<(), String>(())
             })
@@ -436,6 +547,14 @@ impl Collector {
                     )
                 })
         })
+    }
+
+    /// True when a delivery with this body has arrived.
+    pub fn has_body(&self, body: &str) -> bool {
+        self.lock()
+            .deliveries
+            .iter()
+            .any(|d| d.body == body.as_bytes())
     }
 
     /// Waits until at least `n` deliveries arrived.
