@@ -20,6 +20,7 @@ pub static RETRY_BACKOFF_MIN: GucSetting<i32> = GucSetting::<i32>::new(200);
 pub static RETRY_BACKOFF_MAX: GucSetting<i32> = GucSetting::<i32>::new(60000);
 pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(30000);
 pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(false);
+pub static RANDOMIZE_HOSTS: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(0);
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
@@ -158,6 +159,14 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    GucRegistry::define_bool_guc(
+        c"amqp_outbox.randomize_hosts",
+        c"Try a broker's hosts in random order instead of in (host, port) order.",
+        c"Spreads the connections over a cluster's nodes, like randomize in a failover URL.",
+        &RANDOMIZE_HOSTS,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     GucRegistry::define_int_guc(
         c"amqp_outbox.max_pending",
         c"Messages a broker may have waiting before amqp.publish() refuses more (0 = no limit).",
@@ -203,6 +212,7 @@ pub struct WorkerSettings {
     pub ack_queue_quorum: bool,
     pub lose_one_in: u32,
     pub max_pending: i32,
+    pub randomize_hosts: bool,
 }
 
 impl WorkerSettings {
@@ -223,6 +233,7 @@ impl WorkerSettings {
             ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
             lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
             max_pending: MAX_PENDING.get(),
+            randomize_hosts: RANDOMIZE_HOSTS.get(),
         }
     }
 }

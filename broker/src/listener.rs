@@ -149,7 +149,7 @@ impl Listener {
             let mut errors = Vec::new();
             let mut connected = None;
             let mut restart = false;
-            for ep in self.cfg.hosts.clone() {
+            for ep in crate::host_order(&self.cfg) {
                 let attempt = connect(ep.clone(), self.cfg.clone(), self.sink.clone());
                 match self.waiting(attempt).await {
                     Ok(Ok(c)) => {

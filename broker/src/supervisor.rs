@@ -416,7 +416,7 @@ impl BrokerTask {
             let mut errors = Vec::new();
             let mut session = None;
             let mut restart = false;
-            for ep in self.cfg.hosts.clone() {
+            for ep in crate::host_order(&self.cfg) {
                 let attempt = connect(ep.clone(), self.cfg.clone(), self.sink.clone());
                 match self.waiting(attempt).await {
                     Ok(Ok(s)) => {
@@ -1110,6 +1110,7 @@ mod tests {
             &BrokerConfig {
                 broker_id: 1,
                 hosts: vec![e.clone()],
+                randomize_hosts: false,
                 exchanges: vec![],
                 queues: vec![],
                 bindings: vec![],

@@ -393,6 +393,7 @@ impl Worker {
         BrokerConfig {
             broker_id: 0,
             hosts: Vec::new(),
+            randomize_hosts: s.randomize_hosts,
             exchanges: Vec::new(),
             queues: Vec::new(),
             bindings: Vec::new(),
