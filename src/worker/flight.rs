@@ -65,6 +65,8 @@ pub enum Verdict {
 pub struct Flight {
     brokers: HashMap<i32, BrokerFlight>,
     entries: HashMap<i64, Entry>,
+    /// Grows with every change of an entry, so the status views know when to refresh.
+    changes: u64,
 }
 
 impl Flight {
@@ -105,6 +107,7 @@ impl Flight {
             confirmed: false,
             acked: false,
         };
+        self.changes += 1;
         if self.entries.insert(id, entry).is_none() {
             self.broker(broker_id).in_flight += 1;
         }
@@ -113,6 +116,7 @@ impl Flight {
     /// The row leaves the worker's hands (delivered, refused, or to be claimed again).
     pub fn settle(&mut self, id: i64) {
         if let Some(e) = self.entries.remove(&id) {
+            self.changes += 1;
             if let Some(b) = self.brokers.get_mut(&e.broker_id) {
                 b.in_flight = b.in_flight.saturating_sub(1);
             }
@@ -135,6 +139,7 @@ impl Flight {
             return Verdict::Unknown;
         };
         e.confirmed = true;
+        self.changes += 1;
         let done = e.acked || proof_mode == ProofMode::Confirm;
         if done {
             self.settle(id);
@@ -150,6 +155,7 @@ impl Flight {
             return Verdict::Unknown;
         };
         e.acked = true;
+        self.changes += 1;
         if e.confirmed {
             self.settle(id);
             Verdict::Delivered
@@ -235,8 +241,8 @@ impl Flight {
             .collect()
     }
 
-    pub fn snapshot_len(&self) -> usize {
-        self.entries.len()
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Ids in flight and what is known of each, for `amqp.message_status`.
@@ -278,7 +284,7 @@ mod tests {
         assert_eq!(f.acked(10), Verdict::Delivered);
         assert_eq!(f.acked(11), Verdict::Wait);
         assert_eq!(f.confirmed(11), Verdict::Delivered);
-        assert_eq!(f.snapshot_len(), 0);
+        assert!(f.snapshot().is_empty());
     }
 
     #[test]
@@ -291,6 +297,18 @@ mod tests {
         assert_eq!(f.lost(11), Verdict::Delivered);
         assert_eq!(f.lost(12), Verdict::Unknown);
         assert_eq!(f.broker(1).in_flight, 0);
+    }
+
+    #[test]
+    fn every_state_change_is_counted_for_the_views() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10);
+        let before = f.changes();
+        f.confirmed(10);
+        assert!(
+            f.changes() > before,
+            "in_flight -> awaiting_ack must refresh the view"
+        );
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub struct Worker {
     /// A connection changed state: publish the broker table to shared memory.
     status_changed: bool,
     status_reported_at: Option<std::time::Instant>,
-    reported_in_flight: usize,
+    reported_changes: u64,
     /// Backlog per broker, counted about once a second while `max_pending` is set.
     pending: std::collections::HashMap<i32, i64>,
     pending_counted_at: Option<Instant>,
@@ -67,7 +67,7 @@ impl Worker {
             more_work: false,
             status_changed: true,
             status_reported_at: None,
-            reported_in_flight: 0,
+            reported_changes: 0,
             pending: Default::default(),
             pending_counted_at: None,
         }
@@ -124,8 +124,8 @@ impl Worker {
     /// 100 ms.
     /// Returns false when a change is left to report later (throttled).
     fn report_status(&mut self) -> bool {
-        let in_flight = self.flight.snapshot_len();
-        if !self.status_changed && in_flight == self.reported_in_flight {
+        let changes = self.flight.changes();
+        if !self.status_changed && changes == self.reported_changes {
             return true;
         }
         let due = self
@@ -134,7 +134,7 @@ impl Worker {
         if !self.status_changed && !due {
             return false;
         }
-        self.reported_in_flight = in_flight;
+        self.reported_changes = changes;
         let mut reports: Vec<shmem::BrokerReport<'_>> = self
             .flight
             .brokers()
