@@ -4,8 +4,13 @@
 #   make install         install it into the PostgreSQL that PG_CONFIG names
 #   make installcheck    SQL contract tests (pg_regress, private temporary instance)
 #   make test            every tier: install, installcheck, broker unit tests, end-to-end tests
+#                        (including the fast fault-injection cases of tests/tests/faults.rs)
+#   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
+#                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt lint        cargo fmt --check, cargo clippy -D warnings
 #   make run / stop      demo: private cluster on port 54329 publishing to local RabbitMQ
+#   make bench           benchmarks, quick sizes (under 20 minutes); bench/results/latest.{md,json}
+#   make bench-full      benchmarks, full sizes (1,000,000-message backlog, longer runs)
 #
 # PGXS habits: PG_CONFIG selects the PostgreSQL (make install PG_CONFIG=/path/to/pg_config).
 
@@ -47,6 +52,26 @@ test-broker:
 test-e2e:
 	$(CARGO) test -p amqp_outbox_e2e
 
+# The fault-injection suite (FAULTS.md): every case, slow ones included, one at a time, with
+# AMQP_OUTBOX_CHAOS_SCALE times the volumes (case 10: 100k x scale backlog). Each test appends a
+# row to target/chaos/results.tsv; the table is printed even when a case fails.
+AMQP_OUTBOX_CHAOS_SCALE ?= 10
+CHAOS_RESULTS := target/chaos/results.tsv
+chaos:
+	@mkdir -p $(dir $(CHAOS_RESULTS)); rm -f $(CHAOS_RESULTS); start=$$(date +%s); \
+	AMQP_OUTBOX_CHAOS_SCALE=$(AMQP_OUTBOX_CHAOS_SCALE) AMQP_OUTBOX_CHAOS_RESULTS=$(CURDIR)/$(CHAOS_RESULTS) \
+		$(CARGO) test -p amqp_outbox_e2e --test faults -- --include-ignored --test-threads=1; rc=$$?; \
+	$(MAKE) --no-print-directory chaos-table; \
+	echo "make chaos: $$(( $$(date +%s) - start ))s, scale $(AMQP_OUTBOX_CHAOS_SCALE), exit $$rc"; exit $$rc
+
+chaos-table:
+	@echo; echo "Fault-injection results ($(CHAOS_RESULTS)):"; \
+	fmt='%-30s %9s %9s %5s %7s %6s %6s %7s %9s %5s %-8s %s\n'; \
+	printf "$$fmt" case messages committed lost phantom dups order heal peak-mem left status note; \
+	if [ -f $(CHAOS_RESULTS) ]; then \
+		awk -F'\t' -v fmt="$$fmt" '{ printf fmt, $$1, $$2, $$3, $$4, $$5, $$6, $$7, $$8, $$9, $$10, $$11, substr($$12, 1, 240) }' $(CHAOS_RESULTS); \
+	else echo "(no results)"; fi
+
 # Runs every tier and reports each (with its duration); a failed install skips the rest.
 TEST_TIERS := test-unit installcheck test-broker test-e2e
 test:
@@ -70,6 +95,28 @@ fmt:
 
 lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# Benchmarks (bench/): a private PostgreSQL cluster with the library preloaded and the local
+# RabbitMQ at 127.0.0.1:5672. PgQ is the baseline of the publish cost: installed if missing.
+PG_MAJOR := $(shell $(PG_CONFIG_REAL) --version 2>/dev/null | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
+PG_SHAREDIR := $(shell $(PG_CONFIG_REAL) --sharedir 2>/dev/null)
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+bench-deps:
+	@if [ ! -f "$(PG_SHAREDIR)/extension/pgq.control" ]; then \
+		echo "==> installing PgQ (postgresql-$(PG_MAJOR)-pgq3) for the publish-cost baseline"; \
+		$(SUDO) apt-get install -y postgresql-$(PG_MAJOR)-pgq3 || \
+		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y postgresql-$(PG_MAJOR)-pgq3; }; \
+	fi
+	@command -v perf >/dev/null || echo "note: perf not found: the profile section is skipped"
+
+bench: install bench-deps
+	$(CARGO) build --release -p amqp_outbox_bench
+	BENCH_QUICK=$${BENCH_QUICK:-1} PG_CONFIG=$(PG_CONFIG_REAL) $(CARGO) run --release -q -p amqp_outbox_bench
+
+bench-full: install bench-deps
+	$(CARGO) build --release -p amqp_outbox_bench
+	BENCH_QUICK=0 PG_CONFIG=$(PG_CONFIG_REAL) $(CARGO) run --release -q -p amqp_outbox_bench
 
 run:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/run.sh

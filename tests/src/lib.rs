@@ -13,6 +13,7 @@
 //! Assumes the extension is installed into the PostgreSQL that `pg_config` names
 //! (`make install` / `cargo pgrx install` runs before these tests).
 
+pub mod chaos;
 pub mod ledger;
 pub mod outbox;
 pub mod pg;
