@@ -19,12 +19,14 @@ pub mod outbox;
 pub mod pg;
 pub mod private_rabbit;
 pub mod rabbit;
+pub mod rabbit_cluster;
 
 pub use ledger::{Ledger, MessageKey, Outcome, Report};
 pub use outbox::{MessageStatus, Outbox, Producer, ProducerConfig, ProducerStats, WorkerStatus};
 pub use pg::{PgCluster, PgConfig, StopMode};
 pub use private_rabbit::PrivateRabbit;
 pub use rabbit::{AmqpEndpoint, Collector, QueueCounts, Rabbit, Received, Route};
+pub use rabbit_cluster::{ClusterCollector, QuorumState, RabbitCluster};
 
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};

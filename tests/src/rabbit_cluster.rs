@@ -1,0 +1,794 @@
+//! A RabbitMQ cluster of private nodes on this machine, for the high-availability tests
+//! (`tests/ha.rs`): node failover, quorum queue leader loss, a majority down. The shared broker
+//! (5672) is never touched.
+//!
+//! Each node is set up like a [`PrivateRabbit`](crate::PrivateRabbit) (own node name
+//! `ha<port>@localhost`, AMQP port, Erlang distribution port, CLI distribution port range,
+//! mnesia, logs, config, plugins file, pid file, own process group), but all nodes share ONE
+//! `HOME`, so they and our `rabbitmqctl` calls share one `.erlang.cookie`, which is what lets
+//! them form a cluster. Node 1 boots alone; every other node boots, then `stop_app`,
+//! `join_cluster <node 1>`, `start_app`.
+//!
+//! Faults: [`kill`](RabbitCluster::kill) (SIGKILL of the node's `beam.smp` and its process
+//! group: the abrupt death of a machine, no goodbye to clients or peers) and
+//! [`boot`](RabbitCluster::boot) (the node restarts from its data directory and rejoins).
+//! Dropping the cluster kills every node's process group and removes the directories.
+//!
+//! [`ClusterCollector`] is a consumer that fails over between the nodes, like a real client of
+//! a cluster would.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+
+use crate::rabbit::{runtime, table_to_json, AmqpEndpoint, Rabbit, Received};
+use crate::{pick_ports, tail, try_eventually};
+
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One node of a [`RabbitCluster`].
+pub struct ClusterNode {
+    name: String,
+    port: u16,
+    dist_port: u16,
+    ctl_port_min: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl ClusterNode {
+    /// `ha<port>@localhost`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its AMQP port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// 127.0.0.1:port, guest/guest.
+    pub fn endpoint(&self) -> AmqpEndpoint {
+        AmqpEndpoint::local(self.port)
+    }
+
+    /// True while the node's process runs (started by us and not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// The node's log file (for failure messages).
+    pub fn log(&self) -> String {
+        read_lossy(&self.dir.join("log").join(format!("{}.log", self.name)))
+    }
+
+    fn server_output(&self) -> String {
+        read_lossy(&self.dir.join("server.out"))
+    }
+
+    /// The pid of the node's `beam.smp`.
+    pub fn beam_pid(&self) -> Option<i32> {
+        fs::read_to_string(self.dir.join("rabbitmq.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+    }
+}
+
+/// Several private RabbitMQ nodes clustered together. Dropping it kills every node and removes
+/// the files (kept with `AMQP_OUTBOX_E2E_KEEP=1`).
+pub struct RabbitCluster {
+    dir: Option<tempfile::TempDir>,
+    nodes: Vec<ClusterNode>,
+    sbin: PathBuf,
+}
+
+impl RabbitCluster {
+    /// Starts `n` nodes and clusters them; returns once every node accepts AMQP connections and
+    /// reports all `n` nodes running.
+    pub fn start(n: usize) -> RabbitCluster {
+        RabbitCluster::try_start(n)
+            .unwrap_or_else(|e| panic!("cannot start a RabbitMQ cluster: {e}"))
+    }
+
+    pub fn try_start(n: usize) -> Result<RabbitCluster, String> {
+        assert!(n >= 1, "a cluster needs at least one node");
+        let dir = tempfile::Builder::new()
+            .prefix("amqp_outbox_e2e_ha.")
+            .tempdir()
+            .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+        let home = dir.path().join("home");
+        fs::create_dir_all(&home).map_err(|e| format!("cannot create {}: {e}", home.display()))?;
+        // One cookie for every node and every CLI call, written before any node starts (a node
+        // that finds none would create its own, racing with the others).
+        let cookie: String = (0..20)
+            .map(|_| char::from(b'A' + rand::random::<u8>() % 26))
+            .collect();
+        let cookie_path = home.join(".erlang.cookie");
+        fs::write(&cookie_path, &cookie).map_err(|e| format!("cannot write the cookie: {e}"))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&cookie_path, fs::Permissions::from_mode(0o400))
+                .map_err(|e| format!("cannot chmod the cookie: {e}"))?;
+        }
+        let mut nodes = Vec::with_capacity(n);
+        for i in 0..n {
+            // AMQP port, Erlang distribution port, and 11 ports for the CLI: 13 consecutive.
+            let base = pick_ports(40000, 54900, 13);
+            let d = dir.path().join(format!("node{}", i + 1));
+            for sub in ["mnesia", "log"] {
+                fs::create_dir_all(d.join(sub))
+                    .map_err(|e| format!("cannot create {}: {e}", d.join(sub).display()))?;
+            }
+            fs::write(
+                d.join("rabbitmq.conf"),
+                "loopback_users = none\n\
+                 log.console = false\n\
+                 log.file.level = info\n\
+                 cluster_partition_handling = ignore\n",
+            )
+            .map_err(|e| format!("cannot write rabbitmq.conf: {e}"))?;
+            fs::write(d.join("enabled_plugins"), "[].\n")
+                .map_err(|e| format!("cannot write enabled_plugins: {e}"))?;
+            nodes.push(ClusterNode {
+                name: format!("ha{base}@localhost"),
+                port: base,
+                dist_port: base + 1,
+                ctl_port_min: base + 2,
+                dir: d,
+                child: None,
+            });
+        }
+        let mut cluster = RabbitCluster {
+            dir: Some(dir),
+            nodes,
+            sbin: find_sbin()?,
+        };
+        // Boot every node at once (they are independent until they join), then wait for each.
+        for i in 0..n {
+            cluster.spawn(i)?;
+        }
+        for i in 0..n {
+            cluster.await_up(i)?;
+        }
+        let first = cluster.nodes[0].name.clone();
+        for i in 1..n {
+            cluster.ctl(i, &["stop_app"])?;
+            cluster.ctl(i, &["join_cluster", &first])?;
+            cluster.ctl(i, &["start_app"])?;
+            cluster.await_amqp(i)?;
+        }
+        let all: Vec<usize> = (0..n).collect();
+        try_eventually(STARTUP_TIMEOUT, || cluster.check_running_nodes(0, &all))
+            .map_err(|e| format!("the nodes did not form one cluster: {e}"))?;
+        Ok(cluster)
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    pub fn node(&self, i: usize) -> &ClusterNode {
+        &self.nodes[i]
+    }
+
+    pub fn nodes(&self) -> &[ClusterNode] {
+        &self.nodes
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.as_ref().expect("cluster directory").path()
+    }
+
+    /// Every node's endpoint, in node order.
+    pub fn endpoints(&self) -> Vec<AmqpEndpoint> {
+        self.nodes.iter().map(ClusterNode::endpoint).collect()
+    }
+
+    /// The node listening on this AMQP port.
+    pub fn index_of_port(&self, port: u16) -> Option<usize> {
+        self.nodes.iter().position(|n| n.port == port)
+    }
+
+    /// The node with this Erlang node name.
+    pub fn index_of_name(&self, name: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.name == name)
+    }
+
+    /// The nodes whose process runs.
+    pub fn running(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].is_running())
+            .collect()
+    }
+
+    /// A client connection to node `i`, for declaring topology.
+    pub fn rabbit(&self, i: usize) -> Rabbit {
+        Rabbit::connect(self.nodes[i].endpoint()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn env(&self, i: usize, cmd: &mut Command) {
+        let n = &self.nodes[i];
+        let d = &n.dir;
+        cmd.env("HOME", self.dir().join("home"))
+            .env("RABBITMQ_NODENAME", &n.name)
+            .env("RABBITMQ_NODE_PORT", n.port.to_string())
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_DIST_PORT", n.dist_port.to_string())
+            .env("RABBITMQ_CTL_DIST_PORT_MIN", n.ctl_port_min.to_string())
+            .env(
+                "RABBITMQ_CTL_DIST_PORT_MAX",
+                (n.ctl_port_min + 10).to_string(),
+            )
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_PID_FILE", d.join("rabbitmq.pid"))
+            // Three nodes share two cores with other tests: schedulers that sleep instead of
+            // spinning when idle.
+            .env(
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+                "+sbwt none +sbwtdcpu none +sbwtdio none",
+            )
+            .current_dir(d);
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<(), String> {
+        if self.nodes[i].child.is_some() {
+            return Err(format!("node {} already started", self.nodes[i].name));
+        }
+        let d = self.nodes[i].dir.clone();
+        // A stale pid file would name a dead (or reused) pid.
+        let _ = fs::remove_file(d.join("rabbitmq.pid"));
+        let out = fs::File::create(d.join("server.out")).map_err(|e| e.to_string())?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(self.sbin.join("rabbitmq-server"));
+        self.env(i, &mut cmd);
+        {
+            use std::os::unix::process::CommandExt;
+            cmd.process_group(0);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("cannot run rabbitmq-server: {e}"))?;
+        self.nodes[i].child = Some(child);
+        Ok(())
+    }
+
+    /// Waits until node `i` has booted (`await_startup`) and accepts AMQP connections.
+    fn await_up(&mut self, i: usize) -> Result<(), String> {
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        // `await_startup` fails at once until the node has registered with epmd: repeat it.
+        let r = try_eventually(STARTUP_TIMEOUT, || {
+            if let Some(status) = self.child_exited(i) {
+                return Ok(Err(format!(
+                    "rabbitmq-server exited ({status}): {}",
+                    tail(&self.nodes[i].server_output(), 20)
+                )));
+            }
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .as_secs()
+                .max(1);
+            self.ctl(i, &["await_startup", "--timeout", &left.to_string()])
+                .map(Ok)
+        });
+        let name = self.nodes[i].name.clone();
+        match r {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                self.nodes[i].child = None;
+                return Err(format!("{name}: {e}"));
+            }
+            Err(e) => {
+                self.kill(i);
+                return Err(format!(
+                    "{name} not up after {STARTUP_TIMEOUT:?}: {e}\n{}",
+                    tail(&self.nodes[i].server_output(), 20)
+                ));
+            }
+        }
+        self.await_amqp(i)
+    }
+
+    fn await_amqp(&self, i: usize) -> Result<(), String> {
+        let n = &self.nodes[i];
+        try_eventually(Duration::from_secs(60), || {
+            Rabbit::connect(n.endpoint()).map(drop)
+        })
+        .map_err(|e| format!("{} up but AMQP port {} not usable: {e}", n.name, n.port))
+    }
+
+    fn child_exited(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        self.nodes[i]
+            .child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// SIGKILL of node `i`'s `beam.smp`, then of its whole process group; waits until the
+    /// processes are gone and the AMQP port is free. A machine dying: no connection is closed
+    /// politely, the peers see the distribution link drop.
+    pub fn kill(&mut self, i: usize) {
+        self.kill_many(&[i]);
+    }
+
+    /// [`kill`](Self::kill) of several nodes at (nearly) the same instant: every beam gets its
+    /// SIGKILL before any is waited for.
+    pub fn kill_many(&mut self, which: &[usize]) {
+        let mut children = Vec::new();
+        for &i in which {
+            let beam = self.nodes[i].beam_pid();
+            let Some(child) = self.nodes[i].child.take() else {
+                continue;
+            };
+            if let Some(pid) = beam.filter(|&p| p > 1) {
+                // SAFETY: kill(2) of the beam our rabbitmq-server started (in its group).
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+            }
+            kill_group(child.id());
+            children.push((i, child));
+        }
+        for (i, mut child) in children {
+            let _ = child.wait();
+            let port = self.nodes[i].port;
+            let _ = try_eventually(Duration::from_secs(20), || {
+                if crate::port_is_free(port) {
+                    Ok(())
+                } else {
+                    Err("port still bound".into())
+                }
+            });
+        }
+    }
+
+    /// Starts node `i` again (from its data: it rejoins the cluster) and waits until it accepts
+    /// AMQP connections and sees every running node.
+    pub fn boot(&mut self, i: usize) {
+        self.boot_many(&[i]);
+    }
+
+    /// [`boot`](Self::boot) of several nodes at once.
+    pub fn boot_many(&mut self, which: &[usize]) {
+        if let Err(e) = self.try_boot_many(which) {
+            panic!("cannot restart RabbitMQ nodes {which:?}: {e}");
+        }
+    }
+
+    pub fn try_boot_many(&mut self, which: &[usize]) -> Result<(), String> {
+        self.start_nodes(which)?;
+        self.await_nodes(which)
+    }
+
+    /// Starts the processes of `which` and returns at once (with [`await_nodes`](Self::await_nodes)
+    /// to wait for them), so a test can watch what happens while they boot.
+    pub fn start_nodes(&mut self, which: &[usize]) -> Result<(), String> {
+        for &i in which {
+            self.spawn(i)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every node of `which` (started by [`start_nodes`](Self::start_nodes)) has
+    /// booted, accepts AMQP connections and sees every running node.
+    pub fn await_nodes(&mut self, which: &[usize]) -> Result<(), String> {
+        for &i in which {
+            self.await_up(i)?;
+        }
+        let running = self.running();
+        for &i in which {
+            try_eventually(STARTUP_TIMEOUT, || self.check_running_nodes(i, &running))
+                .map_err(|e| format!("{} did not rejoin: {e}", self.nodes[i].name))?;
+        }
+        Ok(())
+    }
+
+    /// True when node `i`'s AMQP port accepts a TCP connection now (cheap; no login).
+    pub fn port_open(&self, i: usize) -> bool {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.nodes[i].port));
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+    }
+
+    /// Ok when node `at` reports exactly the nodes `expected` as running cluster members.
+    fn check_running_nodes(&self, at: usize, expected: &[usize]) -> Result<(), String> {
+        let seen = self.running_nodes(at)?;
+        let want: Vec<&str> = expected.iter().map(|&i| self.nodes[i].name()).collect();
+        if want.iter().all(|w| seen.iter().any(|s| s == w)) && seen.len() == want.len() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} sees running {seen:?}, want {want:?}",
+                self.nodes[at].name
+            ))
+        }
+    }
+
+    /// The cluster's running nodes as node `at` sees them (`cluster_status`).
+    pub fn running_nodes(&self, at: usize) -> Result<Vec<String>, String> {
+        let out = self.ctl(at, &["cluster_status", "--formatter", "json"])?;
+        let json_start = out.find('{').ok_or_else(|| format!("no JSON in {out:?}"))?;
+        let v: serde_json::Value = serde_json::from_str(&out[json_start..])
+            .map_err(|e| format!("cluster_status JSON: {e}: {out}"))?;
+        Ok(v["running_nodes"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| n.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    /// Runs `rabbitmqctl -n <node i> args…` (with node i's CLI port range).
+    pub fn ctl(&self, i: usize, args: &[&str]) -> Result<String, String> {
+        self.cli(i, "rabbitmqctl", args)
+    }
+
+    /// Runs `rabbitmq-queues -n <node i> args…`.
+    pub fn queues_cli(&self, i: usize, args: &[&str]) -> Result<String, String> {
+        self.cli(i, "rabbitmq-queues", args)
+    }
+
+    fn cli(&self, i: usize, program: &str, args: &[&str]) -> Result<String, String> {
+        let mut cmd = Command::new(self.sbin.join(program));
+        self.env(i, &mut cmd);
+        let out = cmd
+            .arg("-n")
+            .arg(&self.nodes[i].name)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {program}: {e}"))?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if out.status.success() {
+            Ok(text)
+        } else {
+            Err(format!(
+                "{program} -n {} {} failed ({}): {}",
+                self.nodes[i].name,
+                args.join(" "),
+                out.status,
+                tail(&text, 8)
+            ))
+        }
+    }
+
+    /// The quorum queue's leader and the members the cluster reports online, asked of the
+    /// first running node that answers (`rabbitmqctl list_queues name leader online`).
+    pub fn quorum_queue_state(&self, queue: &str) -> Result<QuorumState, String> {
+        let mut last = String::from("no node running");
+        for i in self.running() {
+            match self.ctl(
+                i,
+                &[
+                    "list_queues",
+                    "name",
+                    "leader",
+                    "online",
+                    "--quiet",
+                    "--formatter",
+                    "json",
+                ],
+            ) {
+                Ok(out) => return self.parse_queue_state(queue, &out),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    fn parse_queue_state(&self, queue: &str, out: &str) -> Result<QuorumState, String> {
+        let start = out.find('[').ok_or_else(|| format!("no JSON in {out:?}"))?;
+        let v: serde_json::Value = serde_json::from_str(&out[start..])
+            .map_err(|e| format!("list_queues JSON: {e}: {out}"))?;
+        let row = v
+            .as_array()
+            .and_then(|a| a.iter().find(|r| r["name"] == queue))
+            .ok_or_else(|| format!("queue {queue} not listed: {out}"))?;
+        let leader = row["leader"].as_str().and_then(|l| self.index_of_name(l));
+        let online = row["online"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| n.as_str().and_then(|n| self.index_of_name(n)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(QuorumState { leader, online })
+    }
+
+    /// Waits until the quorum queue has a leader and `members` members online.
+    pub fn wait_quorum_queue(&self, queue: &str, members: usize, timeout: Duration) -> QuorumState {
+        crate::eventually(
+            timeout,
+            &format!("quorum queue {queue} with a leader and {members} members online"),
+            || {
+                let st = self.quorum_queue_state(queue)?;
+                if st.leader.is_some() && st.online.len() >= members {
+                    Ok(st)
+                } else {
+                    Err(format!("{st:?}"))
+                }
+            },
+        )
+    }
+}
+
+/// A quorum queue's Raft state as `list_queues` reports it: node indexes of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuorumState {
+    pub leader: Option<usize>,
+    pub online: Vec<usize>,
+}
+
+impl Drop for RabbitCluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        if let Some(dir) = self.dir.take() {
+            if std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some() {
+                eprintln!("keeping RabbitMQ cluster files in {}", dir.keep().display());
+            } else {
+                let _ = dir.close();
+            }
+        }
+    }
+}
+
+fn read_lossy(path: &Path) -> String {
+    fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}
+
+/// SIGKILL to the process group led by `pid` (each node runs in its own group).
+fn kill_group(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        if pid > 1 {
+            // SAFETY: killpg(2) on the group we created for the node.
+            unsafe {
+                libc::killpg(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// RabbitMQ's own scripts (not the /usr/sbin wrappers, which switch users), or `$RABBITMQ_SBIN`.
+fn find_sbin() -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("RABBITMQ_SBIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    for dir in ["/usr/lib/rabbitmq/bin", "/usr/local/sbin", "/usr/sbin"] {
+        if Path::new(dir).join("rabbitmq-server").exists() {
+            return Ok(PathBuf::from(dir));
+        }
+    }
+    Err("rabbitmq-server not found (set RABBITMQ_SBIN to the directory of its scripts)".into())
+}
+
+#[derive(Default)]
+struct CollectorState {
+    deliveries: Vec<Received>,
+    connections: u64,
+    /// The AMQP port of the node the consumer is connected to now.
+    connected_to: Option<u16>,
+    last_error: Option<String>,
+}
+
+/// A consumer on one queue of a cluster that fails over between the nodes: on a lost
+/// connection it tries the next node (round robin) every 200 ms. Records every delivery in
+/// arrival order (recorded, then acknowledged); a delivery unacknowledged when its connection
+/// broke comes again (redelivered), so it is recorded twice.
+pub struct ClusterCollector {
+    queue: String,
+    state: Arc<Mutex<CollectorState>>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl ClusterCollector {
+    /// Starts consuming `queue` through the first of `endpoints` that answers.
+    pub fn start(endpoints: Vec<AmqpEndpoint>, queue: &str) -> ClusterCollector {
+        let state = Arc::new(Mutex::new(CollectorState::default()));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let task = runtime().spawn(collect(
+            endpoints,
+            queue.to_string(),
+            state.clone(),
+            stop_rx,
+        ));
+        ClusterCollector {
+            queue: queue.to_string(),
+            state,
+            stop: Some(stop_tx),
+            task: Some(task),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CollectorState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// Every delivery so far, in arrival order.
+    pub fn deliveries(&self) -> Vec<Received> {
+        self.lock().deliveries.clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().deliveries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How many times the consumer has connected.
+    pub fn connections(&self) -> u64 {
+        self.lock().connections
+    }
+
+    /// The AMQP port of the node it consumes from now (None while reconnecting).
+    pub fn connected_to(&self) -> Option<u16> {
+        self.lock().connected_to
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.lock().last_error.clone()
+    }
+
+    /// Deliveries from index `from` on that satisfy `pred` (cheap polling of a growing log).
+    pub fn find_from(&self, from: usize, pred: impl Fn(&Received) -> bool) -> Option<Received> {
+        let st = self.lock();
+        st.deliveries.iter().skip(from).find(|d| pred(d)).cloned()
+    }
+}
+
+impl Drop for ClusterCollector {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(task) = self.task.take() {
+            let _ = runtime()
+                .block_on(async { tokio::time::timeout(Duration::from_secs(2), task).await });
+        }
+    }
+}
+
+async fn collect(
+    endpoints: Vec<AmqpEndpoint>,
+    queue: String,
+    state: Arc<Mutex<CollectorState>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut next = 0usize;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let ep = &endpoints[next % endpoints.len()];
+        next += 1;
+        match consume_once(ep, &queue, &state, &mut stop).await {
+            Ok(()) => return,
+            Err(e) => {
+                let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+                st.connected_to = None;
+                st.last_error = Some(e);
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}
+
+/// One connection's worth of consuming. `Ok` only when asked to stop.
+async fn consume_once(
+    endpoint: &AmqpEndpoint,
+    queue: &str,
+    state: &Arc<Mutex<CollectorState>>,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<(), String> {
+    let conn = match tokio::time::timeout(
+        Duration::from_secs(10),
+        Connection::connect(&endpoint.uri(), ConnectionProperties::default()),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return Err(format!("cannot connect to port {}: {e}", endpoint.port)),
+        Err(_) => return Err(format!("connecting to port {} timed out", endpoint.port)),
+    };
+    let result = async {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(|e| format!("channel: {e}"))?;
+        ch.basic_qos(500, BasicQosOptions::default())
+            .await
+            .map_err(|e| format!("basic.qos: {e}"))?;
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("basic.consume {queue} on port {}: {e}", endpoint.port))?;
+        let connection_no = {
+            let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+            st.connections += 1;
+            st.connected_to = Some(endpoint.port);
+            st.connections - 1
+        };
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return Ok(()),
+                next = consumer.next() => match next {
+                    Some(Ok(d)) => {
+                        let p = &d.properties;
+                        let received = Received {
+                            body: d.data.clone(),
+                            exchange: d.exchange.as_str().to_string(),
+                            routing_key: d.routing_key.as_str().to_string(),
+                            redelivered: d.redelivered,
+                            message_id: p.message_id().as_ref().map(|s| s.as_str().to_string()),
+                            delivery_mode: *p.delivery_mode(),
+                            content_type: p.content_type().as_ref().map(|s| s.as_str().to_string()),
+                            reply_to: p.reply_to().as_ref().map(|s| s.as_str().to_string()),
+                            correlation_id: p
+                                .correlation_id()
+                                .as_ref()
+                                .map(|s| s.as_str().to_string()),
+                            timestamp: *p.timestamp(),
+                            headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
+                            connection_no,
+                            received_at: Instant::now(),
+                        };
+                        state
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .deliveries
+                            .push(received);
+                        d.acker
+                            .ack(BasicAckOptions::default())
+                            .await
+                            .map_err(|e| format!("basic.ack: {e}"))?;
+                    }
+                    Some(Err(e)) => return Err(format!("consumer on {queue}: {e}")),
+                    None => return Err(format!("consumer on {queue} was cancelled")),
+                },
+            }
+        }
+    }
+    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "bye".into())).await;
+    result
+}
