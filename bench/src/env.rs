@@ -1,0 +1,538 @@
+//! The benchmark's environment: a private PostgreSQL cluster with the library preloaded, the
+//! shared RabbitMQ on 127.0.0.1:5672 (only queues and exchanges named `amqp_outbox_bench.*` are
+//! declared, purged and deleted; the broker itself is never restarted or reconfigured), and
+//! helpers to switch the worker on and off, build backlogs and watch the outbox.
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use amqp_outbox_e2e::{PgCluster, PgConfig};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use postgres::Client;
+
+/// The database the worker serves.
+pub const DATABASE: &str = "bench";
+/// Every AMQP object the benchmark declares starts with this.
+pub const PREFIX: &str = "amqp_outbox_bench";
+
+/// A fanout exchange bound to one queue (`<exchange>.q`).
+#[derive(Clone, Debug)]
+pub struct Route {
+    pub exchange: String,
+    pub queue: String,
+    pub quorum: bool,
+}
+
+impl Route {
+    fn new(name: &str, quorum: bool) -> Route {
+        let exchange = format!("{PREFIX}.{name}");
+        Route {
+            queue: format!("{exchange}.q"),
+            exchange,
+            quorum,
+        }
+    }
+}
+
+/// The routes the phases publish to.
+pub struct Routes {
+    /// Publish-cost runs (pgbench with the worker on).
+    pub publish: Route,
+    /// Drain runs, classic durable queue.
+    pub classic: Route,
+    /// Drain runs, quorum queue.
+    pub quorum: Route,
+    /// Latency runs (a consumer is attached).
+    pub latency: Route,
+}
+
+pub struct Env {
+    pub cluster: PgCluster,
+    pub admin: Client,
+    pub rt: tokio::runtime::Runtime,
+    #[allow(dead_code)] // kept open for `channel`
+    pub amqp: Connection,
+    pub channel: Channel,
+    pub broker_id: i32,
+    pub bindir: PathBuf,
+    pub routes: Routes,
+    pub amqp_host: String,
+    pub amqp_port: u16,
+    /// Where this run writes its files (scripts, profiles, results).
+    pub out_dir: PathBuf,
+    enabled: bool,
+}
+
+/// A payload of `size` bytes of random lowercase hex (pglz cannot compress it much, so large
+/// bodies are stored as they would be with real data).
+pub fn payload(size: usize) -> String {
+    let mut s = String::with_capacity(size + 16);
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ size as u64;
+    while s.len() < size {
+        // xorshift64*
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        s.push_str(&format!("{v:016x}"));
+    }
+    s.truncate(size);
+    s
+}
+
+impl Env {
+    pub fn start(out_dir: PathBuf) -> Result<Env, String> {
+        let config = PgConfig {
+            database: DATABASE.to_string(),
+            naptime_ms: 1000,
+            ..PgConfig::default()
+        }
+        // fsync on (the harness turns it off for tests). Commits do not wait for their WAL
+        // flush by default: on this shared machine a flush costs 0.1 to 5 ms depending on what
+        // the neighbours write, which would drown the CPU cost being compared in disk noise.
+        // BENCH_SYNC_COMMIT=on measures with flushes.
+        .setting("fsync", "on")
+        .setting("full_page_writes", "on")
+        .setting("synchronous_commit", sync_commit())
+        .setting("shared_buffers", "'256MB'")
+        .setting("max_wal_size", "'2GB'")
+        .setting("max_connections", "120")
+        .setting("log_min_messages", "warning")
+        .setting("amqp_outbox.enabled", "on");
+        let cluster = PgCluster::try_new(config)?;
+        let mut admin = cluster.try_client()?;
+        cluster.wait_for_worker(&mut admin, Duration::from_secs(30));
+        let bindir = pg_bindir()?;
+
+        let amqp_port: u16 = std::env::var("AMQP_OUTBOX_E2E_AMQP_PORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(5672);
+        let amqp_host = "127.0.0.1".to_string();
+        admin
+            .batch_execute(
+                "CREATE EXTENSION amqp_outbox;
+                 CREATE EXTENSION pgq;
+                 SELECT pgq.create_queue('bench');
+                 CREATE TABLE public.plain (LIKE amqp.message INCLUDING ALL);",
+            )
+            .map_err(|e| format!("setting up the bench database: {e}"))?;
+        let port = i32::from(amqp_port);
+        let broker_id: i32 = admin
+            .query_one(
+                "INSERT INTO amqp.broker (host, port) VALUES ($1, $2) RETURNING broker_id",
+                &[&amqp_host, &port],
+            )
+            .map_err(|e| format!("INSERT INTO amqp.broker: {e}"))?
+            .get(0);
+
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("bench-amqp")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("tokio runtime: {e}"))?;
+        let uri = format!("amqp://guest:guest@{amqp_host}:{amqp_port}/%2f?heartbeat=30");
+        let (amqp, channel) = rt.block_on(async {
+            let c = tokio::time::timeout(
+                Duration::from_secs(10),
+                Connection::connect(&uri, ConnectionProperties::default()),
+            )
+            .await
+            .map_err(|_| format!("connecting to RabbitMQ at {uri} timed out"))?
+            .map_err(|e| format!("cannot connect to RabbitMQ at {uri}: {e}"))?;
+            let ch = c
+                .create_channel()
+                .await
+                .map_err(|e| format!("channel: {e}"))?;
+            Ok::<_, String>((c, ch))
+        })?;
+        let routes = Routes {
+            publish: Route::new("publish", false),
+            classic: Route::new("classic", false),
+            quorum: Route::new("quorum", true),
+            latency: Route::new("latency", false),
+        };
+        let env = Env {
+            cluster,
+            admin,
+            rt,
+            amqp,
+            channel,
+            broker_id,
+            bindir,
+            routes,
+            amqp_host,
+            amqp_port,
+            out_dir,
+            enabled: true,
+        };
+        for r in env.all_routes() {
+            env.declare(&r)?;
+        }
+        Ok(env)
+    }
+
+    pub fn all_routes(&self) -> Vec<Route> {
+        vec![
+            self.routes.publish.clone(),
+            self.routes.classic.clone(),
+            self.routes.quorum.clone(),
+            self.routes.latency.clone(),
+        ]
+    }
+
+    pub fn amqp_uri(&self) -> String {
+        format!(
+            "amqp://guest:guest@{}:{}/%2f?heartbeat=30",
+            self.amqp_host, self.amqp_port
+        )
+    }
+
+    fn declare(&self, r: &Route) -> Result<(), String> {
+        self.rt.block_on(async {
+            // A leftover of an interrupted run may have other arguments: start afresh.
+            let _ = self
+                .channel
+                .queue_delete(r.queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+            self.channel
+                .exchange_declare(
+                    r.exchange.as_str().into(),
+                    ExchangeKind::Fanout,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("exchange.declare {}: {e}", r.exchange))?;
+            let mut args = FieldTable::default();
+            if r.quorum {
+                args.insert(
+                    "x-queue-type".into(),
+                    AMQPValue::LongString("quorum".into()),
+                );
+            }
+            self.channel
+                .queue_declare(
+                    r.queue.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    args,
+                )
+                .await
+                .map_err(|e| format!("queue.declare {}: {e}", r.queue))?;
+            self.channel
+                .queue_bind(
+                    r.queue.as_str().into(),
+                    r.exchange.as_str().into(),
+                    "".into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| format!("queue.bind {}: {e}", r.queue))?;
+            Ok(())
+        })
+    }
+
+    /// Deletes the benchmark's queues and exchanges.
+    pub fn cleanup_broker(&self) {
+        for r in self.all_routes() {
+            let _ = self.rt.block_on(async {
+                let _ = self
+                    .channel
+                    .queue_delete(r.queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                self.channel
+                    .exchange_delete(r.exchange.as_str().into(), ExchangeDeleteOptions::default())
+                    .await
+            });
+        }
+    }
+
+    pub fn purge(&self, queue: &str) -> Result<(), String> {
+        self.rt
+            .block_on(
+                self.channel
+                    .queue_purge(queue.into(), QueuePurgeOptions::default()),
+            )
+            .map(|_| ())
+            .map_err(|e| format!("queue.purge {queue}: {e}"))
+    }
+
+    /// Ready messages in `queue`.
+    pub fn queue_len(&self, queue: &str) -> Result<u64, String> {
+        self.rt
+            .block_on(self.channel.queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            ))
+            .map(|q| u64::from(q.message_count()))
+            .map_err(|e| format!("passive queue.declare {queue}: {e}"))
+    }
+
+    /// Waits (bounded) until `queue` holds at least `n` messages; returns what it holds.
+    pub fn wait_queue_len(&self, queue: &str, n: u64, timeout: Duration) -> Result<u64, String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let len = self.queue_len(queue)?;
+            if len >= n || Instant::now() >= deadline {
+                return Ok(len);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `amqp_outbox.enabled` through the cluster's configuration file and a reload (custom
+    /// settings cannot be set with ALTER SYSTEM before the library is loaded).
+    pub fn set_enabled(&mut self, on: bool) -> Result<(), String> {
+        if self.enabled == on {
+            return Ok(());
+        }
+        self.cluster
+            .set_setting("amqp_outbox.enabled", if on { "on" } else { "off" });
+        self.admin
+            .batch_execute("SELECT pg_catalog.pg_reload_conf()")
+            .map_err(|e| format!("pg_reload_conf: {e}"))?;
+        self.enabled = on;
+        if on {
+            let _ = self.admin.batch_execute("SELECT amqp.wake()");
+        } else {
+            // Let the worker see the new setting before the caller relies on it.
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        Ok(())
+    }
+
+    pub fn set_proof(&mut self, proof: &str) -> Result<(), String> {
+        self.admin
+            .execute(
+                "UPDATE amqp.broker SET proof = $1 WHERE broker_id = $2 AND proof <> $1",
+                &[&proof, &self.broker_id],
+            )
+            .map(|_| ())
+            .map_err(|e| format!("UPDATE amqp.broker SET proof = {proof}: {e}"))
+    }
+
+    pub fn sql(&mut self, sql: &str) -> Result<(), String> {
+        self.admin
+            .batch_execute(sql)
+            .map_err(|e| format!("{sql}: {e}"))
+    }
+
+    pub fn outbox_rows(&mut self) -> Result<i64, String> {
+        self.admin
+            .query_one("SELECT count(*) FROM amqp.message", &[])
+            .map(|r| r.get(0))
+            .map_err(|e| format!("count amqp.message: {e}"))
+    }
+
+    /// True when `amqp.message` has a row (an index probe, cheap enough to poll).
+    pub fn outbox_nonempty(client: &mut Client) -> Result<bool, String> {
+        client
+            .query_opt("SELECT id FROM amqp.message ORDER BY id LIMIT 1", &[])
+            .map(|r| r.is_some())
+            .map_err(|e| format!("probing amqp.message: {e}"))
+    }
+
+    /// Polls every 50 ms until `amqp.message` is empty; returns when it first was, or an error
+    /// after `timeout`.
+    pub fn wait_outbox_empty(&mut self, timeout: Duration) -> Result<Instant, String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if !Env::outbox_nonempty(&mut self.admin)? {
+                return Ok(Instant::now());
+            }
+            if Instant::now() >= deadline {
+                let n = self.outbox_rows()?;
+                return Err(format!(
+                    "amqp.message not empty after {timeout:?}: {n} rows"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Makes `amqp.message` empty with the worker off (a leftover of a run that was cut short).
+    pub fn clear_outbox(&mut self) -> Result<(), String> {
+        self.set_enabled(false)?;
+        self.sql("TRUNCATE amqp.message")
+    }
+
+    /// Builds a backlog of `n` committed messages of `body` to `exchange`, in transactions of
+    /// 50,000 rows through `amqp.publish()`.
+    pub fn build_backlog(&mut self, exchange: &str, body: &str, n: u64) -> Result<(), String> {
+        let chunk: u64 = 50_000;
+        let mut left = n;
+        let stmt = self
+            .admin
+            .prepare(
+                "SELECT count(amqp.publish($1, $2, '', $3)) FROM generate_series(1, $4::int) g",
+            )
+            .map_err(|e| format!("prepare backlog statement: {e}"))?;
+        while left > 0 {
+            let k = left.min(chunk) as i32;
+            self.admin
+                .query_one(&stmt, &[&self.broker_id, &exchange, &body, &k])
+                .map_err(|e| format!("building the backlog: {e}"))?;
+            left -= k as u64;
+        }
+        Ok(())
+    }
+
+    pub fn worker_pid(&mut self) -> Result<Option<i32>, String> {
+        self.cluster.worker_pid(&mut self.admin)
+    }
+
+    /// `amqp.worker_status.confirmed`.
+    pub fn confirmed(&mut self) -> Result<i64, String> {
+        self.admin
+            .query_one("SELECT confirmed FROM amqp.worker_status", &[])
+            .map(|r| r.get(0))
+            .map_err(|e| format!("amqp.worker_status: {e}"))
+    }
+
+    /// (total, heap, indexes) bytes of `amqp.message`.
+    pub fn outbox_size(&mut self) -> Result<(i64, i64, i64), String> {
+        let r = self
+            .admin
+            .query_one(
+                "SELECT pg_total_relation_size('amqp.message'), pg_relation_size('amqp.message'),
+                        pg_indexes_size('amqp.message')",
+                &[],
+            )
+            .map_err(|e| format!("size of amqp.message: {e}"))?;
+        Ok((r.get(0), r.get(1), r.get(2)))
+    }
+
+    pub fn write_file(&self, name: &str, text: &str) -> Result<PathBuf, String> {
+        let p = self.out_dir.join(name);
+        fs::write(&p, text).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+        Ok(p)
+    }
+}
+
+/// `synchronous_commit` of the cluster: `BENCH_SYNC_COMMIT` (default `off`).
+pub fn sync_commit() -> String {
+    match std::env::var("BENCH_SYNC_COMMIT").as_deref() {
+        Ok("on") | Ok("1") => "on".to_string(),
+        _ => "off".to_string(),
+    }
+}
+
+fn pg_bindir() -> Result<PathBuf, String> {
+    let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "pg_config".to_string());
+    let out = Command::new(&pg_config)
+        .arg("--bindir")
+        .output()
+        .map_err(|e| format!("cannot run {pg_config}: {e}"))?;
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// From /proc/<pid>/status: (VmRSS, VmHWM) in KiB.
+pub fn proc_mem_kib(pid: i32) -> Option<(u64, u64)> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        s.lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// From /proc/<pid>/status: (VmRSS, VmHWM, RssAnon, RssShmem) in KiB. VmRSS counts the pages
+/// of PostgreSQL's shared buffers the process touched (RssShmem); RssAnon is its own memory.
+pub fn proc_mem_detail_kib(pid: i32) -> Option<[u64; 4]> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        s.lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    Some([
+        field("VmRSS:")?,
+        field("VmHWM:")?,
+        field("RssAnon:")?,
+        field("RssShmem:")?,
+    ])
+}
+
+/// Samples a process's memory every 100 ms in a thread; keeps the peaks.
+pub struct MemSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<[u64; 4]>>,
+}
+
+impl MemSampler {
+    pub fn start(pid: i32) -> MemSampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut peak = [0u64; 4];
+            loop {
+                if let Some(m) = proc_mem_detail_kib(pid) {
+                    for i in 0..4 {
+                        peak[i] = peak[i].max(m[i]);
+                    }
+                }
+                if s2.load(std::sync::atomic::Ordering::Relaxed) {
+                    return peak;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        MemSampler {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Peaks in KiB: [VmRSS, VmHWM, RssAnon, RssShmem].
+    pub fn finish(mut self) -> [u64; 4] {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or([0; 4])
+    }
+}
+
+/// Resets VmHWM of `pid` (needs permission on /proc/<pid>/clear_refs: root or the owner).
+pub fn reset_hwm(pid: i32) -> bool {
+    fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
+}
+
+/// CPU seconds (user + system) `pid` has used so far.
+pub fn proc_cpu_secs(pid: i32) -> Option<f64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command (which is in parentheses and may contain spaces).
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some((utime + stime) / hz)
+}

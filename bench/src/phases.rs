@@ -1,0 +1,1173 @@
+//! The five measurements (and the profile), each interleaved with its baseline.
+
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::env::{self, payload, Env, Route};
+use crate::pgbench::{self, Load, System};
+use crate::raw::{self, LatencyConsumer, Samples};
+use crate::report::{percentile, Figure, Target};
+use crate::{log, Opts, Run};
+
+const BODY_SIZE: usize = 100;
+const RAW_WINDOW: usize = 1000;
+
+/// Rotates `items` left by `k` (interleaving: each repetition starts with another system).
+fn rotated<T: Clone>(items: &[T], k: usize) -> Vec<T> {
+    let n = items.len();
+    (0..n).map(|i| items[(i + k) % n].clone()).collect()
+}
+
+/// Extra measurements of a pgbench run with the worker on.
+#[derive(Default, Clone, Copy)]
+struct WorkerDuring {
+    /// Messages confirmed per second during the run.
+    delivered_per_sec: f64,
+    /// The worker's CPU use during the run, in cores.
+    cpu_cores: f64,
+    /// Seconds after the run until the outbox was empty.
+    catch_up_secs: f64,
+}
+
+/// One pgbench run of `system`, leaving the outbox, the plain table and PgQ's tables empty.
+fn pgbench_once(
+    env: &mut Env,
+    system: System,
+    load: &Load,
+    body: &str,
+) -> Result<(pgbench::Outcome, Option<WorkerDuring>), String> {
+    match system {
+        System::Publish => {
+            env.set_enabled(true)?;
+            env.purge(&env.routes.publish.queue.clone())?;
+            let pid = env.worker_pid()?;
+            let cpu0 = pid.and_then(env::proc_cpu_secs);
+            let c0 = env.confirmed()?;
+            let t0 = Instant::now();
+            let out = pgbench::run(env, system, load, body)?;
+            let secs = t0.elapsed().as_secs_f64();
+            let c1 = env.confirmed()?;
+            let cpu1 = pid.and_then(env::proc_cpu_secs);
+            let t1 = Instant::now();
+            let empty = env.wait_outbox_empty(Duration::from_secs(240));
+            let catch_up = t1.elapsed().as_secs_f64();
+            if let Err(e) = empty {
+                env.clear_outbox()?;
+                return Err(e);
+            }
+            env.purge(&env.routes.publish.queue.clone())?;
+            let w = WorkerDuring {
+                delivered_per_sec: (c1 - c0) as f64 / secs,
+                cpu_cores: match (cpu0, cpu1) {
+                    (Some(a), Some(b)) => (b - a) / secs,
+                    _ => f64::NAN,
+                },
+                catch_up_secs: catch_up,
+            };
+            Ok((out, Some(w)))
+        }
+        System::PublishOff => {
+            env.set_enabled(false)?;
+            let pid = env.worker_pid()?;
+            let cpu0 = pid.and_then(env::proc_cpu_secs);
+            let t0 = Instant::now();
+            let out = pgbench::run(env, system, load, body)?;
+            if let (Some(a), Some(b)) = (cpu0, pid.and_then(env::proc_cpu_secs)) {
+                log(format!(
+                    "    (worker off: it still used {:.2} cores meanwhile)",
+                    (b - a) / t0.elapsed().as_secs_f64()
+                ));
+            }
+            env.sql("TRUNCATE amqp.message")?;
+            Ok((out, None))
+        }
+        System::Insert => {
+            let out = pgbench::run(env, system, load, body)?;
+            env.sql("TRUNCATE public.plain")?;
+            Ok((out, None))
+        }
+        System::Pgq => {
+            let out = pgbench::run(env, system, load, body)?;
+            env.sql(
+                "DO $$ DECLARE t text; BEGIN
+                   FOR t IN SELECT format('%s_%s', q.queue_data_pfx, i)
+                              FROM pgq.queue q, generate_series(0, q.queue_ntables - 1) i
+                             WHERE q.queue_name = 'bench'
+                   LOOP EXECUTE 'TRUNCATE ' || t; END LOOP; END $$",
+            )?;
+            Ok((out, None))
+        }
+    }
+}
+
+fn config_label(load: &Load) -> String {
+    let c = if load.clients == 1 {
+        "1 client".to_string()
+    } else {
+        format!("{} clients", load.clients)
+    };
+    let size = match load.size {
+        s if s >= 1024 => format!("{} KiB", s / 1024),
+        s => format!("{s} B"),
+    };
+    format!("{c}, {}/txn, {size}", load.per_txn)
+}
+
+type Series = std::collections::BTreeMap<&'static str, Vec<f64>>;
+
+/// Runs `systems` × `reps` at `load`, interleaved; returns rows/s per system and the worker's
+/// figures during the `Publish` runs.
+fn pgbench_series(
+    env: &mut Env,
+    systems: &[System],
+    load: &Load,
+    reps: usize,
+    rep_offset: usize,
+) -> Result<(Series, Vec<WorkerDuring>), String> {
+    let body = payload(load.size);
+    let mut series = Series::new();
+    let mut during = Vec::new();
+    for rep in 0..reps {
+        for system in rotated(systems, rep + rep_offset) {
+            let (out, w) = pgbench_once(env, system, load, &body)?;
+            log(format!(
+                "  {} {}: {:.0} rows/s (latency {:.2} ms){}",
+                config_label(load),
+                system.label(),
+                out.rows_per_sec,
+                out.latency_ms,
+                w.map(|w| format!(
+                    "; worker delivered {:.0}/s using {:.2} cores, caught up {:.1}s later",
+                    w.delivered_per_sec, w.cpu_cores, w.catch_up_secs
+                ))
+                .unwrap_or_default()
+            ));
+            series
+                .entry(system.key())
+                .or_default()
+                .push(out.rows_per_sec);
+            if let Some(w) = w {
+                during.push(w);
+            }
+        }
+    }
+    Ok((series, during))
+}
+
+/// 1. Publish cost.
+pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let systems = [
+        System::Insert,
+        System::Pgq,
+        System::Publish,
+        System::PublishOff,
+    ];
+    let mut details = Vec::new();
+    for (i, (clients, per_txn)) in [(1, 1), (8, 1), (1, 10), (8, 10)].into_iter().enumerate() {
+        let load = Load {
+            clients,
+            per_txn,
+            size: BODY_SIZE,
+            secs: opts.secs,
+        };
+        let (s, during) = pgbench_series(env, &systems, &load, opts.reps, i)?;
+        let cfg = config_label(&load);
+        let get = |k: &str| s.get(k).cloned().unwrap_or_default();
+        let sec = "1 publish cost";
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish, worker on / plain INSERT",
+                &cfg,
+                "rows/s",
+            )
+            .samples(get("publish_on"))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        run.fig(
+            Figure::new(sec, "amqp.publish, worker on / PgQ", &cfg, "rows/s")
+                .samples(get("publish_on"))
+                .baseline("PgQ", get("pgq"))
+                .target(Target::RatioAbove(1.0)),
+        );
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish, worker off / plain INSERT",
+                &cfg,
+                "rows/s",
+            )
+            .samples(get("publish_off"))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        run.fig(
+            Figure::new(sec, "amqp.publish, worker off / PgQ", &cfg, "rows/s")
+                .samples(get("publish_off"))
+                .baseline("PgQ", get("pgq"))
+                .target(Target::RatioAbove(1.0)),
+        );
+        run.fig(
+            Figure::new(sec, "PgQ / plain INSERT (reference)", &cfg, "rows/s")
+                .samples(get("pgq"))
+                .baseline("INSERT", get("insert")),
+        );
+        let cpu: Vec<f64> = during.iter().map(|w| w.cpu_cores).collect();
+        let rate: Vec<f64> = during.iter().map(|w| w.delivered_per_sec).collect();
+        run.fig(
+            Figure::new(
+                sec,
+                "worker CPU while publishing (worker on)",
+                &cfg,
+                "cores",
+            )
+            .samples(cpu.clone())
+            .note(format!(
+                "delivered {:.0} msg/s meanwhile",
+                crate::report::median(&rate)
+            )),
+        );
+        details.push(json!({
+            "config": cfg, "rows_per_sec": s,
+            "worker_delivered_per_sec": rate, "worker_cpu_cores": cpu,
+            "catch_up_secs": during.iter().map(|w| w.catch_up_secs).collect::<Vec<_>>(),
+        }));
+    }
+    run.detail("publish_cost", json!(details));
+    Ok(())
+}
+
+/// Outcome of one drain through the worker.
+#[derive(Clone, Copy, Debug)]
+struct Drained {
+    rate: f64,
+    cpu_us_per_msg: f64,
+    hwm_kib: u64,
+    /// Peak RssAnon (the worker's private memory) sampled during the drain.
+    anon_kib: u64,
+    delivered: u64,
+    build_secs: f64,
+    /// Heap tuples read by sequential scans of amqp.message per message drained
+    /// (pg_stat_user_tables, all sessions; the worker is the only reader during a drain).
+    seq_tup_per_msg: f64,
+    idx_fetch_per_msg: f64,
+}
+
+/// (seq_scan, seq_tup_read, idx_scan, idx_tup_fetch) of amqp.message.
+fn table_stats(env: &mut Env) -> Result<[i64; 4], String> {
+    env.sql("SELECT pg_catalog.pg_stat_clear_snapshot()")?;
+    let r = env
+        .admin
+        .query_one(
+            "SELECT seq_scan, seq_tup_read, coalesce(idx_scan, 0), coalesce(idx_tup_fetch, 0)
+               FROM pg_stat_user_tables WHERE relid = 'amqp.message'::regclass",
+            &[],
+        )
+        .map_err(|e| format!("pg_stat_user_tables: {e}"))?;
+    Ok([r.get(0), r.get(1), r.get(2), r.get(3)])
+}
+
+/// The plan PostgreSQL picks now for a query shaped like the worker's claim (a copy of its
+/// shape, for the report; the worker's own text lives in src/worker/queries.rs).
+fn claim_plan(env: &mut Env) -> String {
+    env.admin
+        .query(
+            "EXPLAIN SELECT id, broker_id, exchange, routing_key, body FROM amqp.message
+              WHERE broker_id = ANY ('{1}'::int[]) AND parked_at IS NULL
+                AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+              ORDER BY id LIMIT 2500",
+            &[],
+        )
+        .map(|rows| {
+            rows.iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_else(|e| format!("EXPLAIN failed: {e}"))
+}
+
+/// Builds a backlog of `n` messages with the worker off, switches it on (configuration file +
+/// reload) and measures until `amqp.message` is empty.
+fn drain_once(
+    env: &mut Env,
+    proof: &str,
+    route: &Route,
+    body: &str,
+    n: u64,
+) -> Result<Drained, String> {
+    env.set_enabled(false)?;
+    env.set_proof(proof)?;
+    if env.outbox_rows()? > 0 {
+        env.sql("TRUNCATE amqp.message")?;
+    }
+    env.purge(&route.queue)?;
+    let tb = Instant::now();
+    env.build_backlog(&route.exchange, body, n)?;
+    let build_secs = tb.elapsed().as_secs_f64();
+    env.sql("CHECKPOINT")?;
+    let pid = env
+        .worker_pid()?
+        .ok_or("the amqp_outbox worker is not running")?;
+    env::reset_hwm(pid);
+    let cpu0 = env::proc_cpu_secs(pid);
+    let mem = env::MemSampler::start(pid);
+    // Let the stats of the backlog's own statements arrive first.
+    std::thread::sleep(Duration::from_millis(600));
+    let st0 = table_stats(env)?;
+    let t0 = Instant::now();
+    env.set_enabled(true)?;
+    let timeout = Duration::from_secs((n / 500).max(300));
+    let done = env.wait_outbox_empty(timeout)?;
+    let secs = (done - t0).as_secs_f64();
+    let cpu1 = env::proc_cpu_secs(pid);
+    let peaks = mem.finish();
+    let delivered = env.wait_queue_len(&route.queue, n, Duration::from_secs(60))?;
+    env.purge(&route.queue)?;
+    // The worker reports its table statistics at most once a second.
+    std::thread::sleep(Duration::from_millis(1100));
+    let st1 = table_stats(env)?;
+    if delivered < n {
+        return Err(format!(
+            "{proof} drain: the outbox is empty but {} holds {delivered} of {n} messages",
+            route.queue
+        ));
+    }
+    Ok(Drained {
+        rate: n as f64 / secs,
+        cpu_us_per_msg: match (cpu0, cpu1) {
+            (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
+            _ => f64::NAN,
+        },
+        hwm_kib: peaks[1],
+        anon_kib: peaks[2],
+        delivered,
+        build_secs,
+        seq_tup_per_msg: (st1[1] - st0[1]) as f64 / n as f64,
+        idx_fetch_per_msg: (st1[3] - st0[3]) as f64 / n as f64,
+    })
+}
+
+fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<f64, String> {
+    env.purge(&route.queue)?;
+    let rate = raw::pipelined(
+        &env.rt,
+        &env.amqp_uri(),
+        &route.exchange,
+        body.as_bytes(),
+        n,
+        RAW_WINDOW,
+    )?;
+    let got = env.wait_queue_len(&route.queue, n, Duration::from_secs(60))?;
+    env.purge(&route.queue)?;
+    if got < n {
+        return Err(format!("raw publisher: {} holds {got} of {n}", route.queue));
+    }
+    Ok(rate)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum DrainKind {
+    Raw,
+    Confirm,
+    AckQueue,
+}
+
+/// 2. Drain rate.
+pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let body = payload(BODY_SIZE);
+    let n = opts.drain_n;
+    let kinds = [DrainKind::Raw, DrainKind::Confirm, DrainKind::AckQueue];
+    let mut details = Vec::new();
+    {
+        env.set_enabled(false)?;
+        env.clear_outbox()?;
+        env.build_backlog(&env.routes.classic.exchange.clone(), &body, n)?;
+        let before = claim_plan(env);
+        env.sql("ANALYZE amqp.message")?;
+        let after = claim_plan(env);
+        env.sql("TRUNCATE amqp.message")?;
+        log(format!("  claim-shaped query plan with {n} rows, before ANALYZE:\n{before}\n  after ANALYZE:\n{after}"));
+        run.detail(
+            "claim_plan",
+            json!({"rows": n, "before_analyze": before, "after_analyze": after}),
+        );
+    }
+    for route in [env.routes.classic.clone(), env.routes.quorum.clone()] {
+        let qt = if route.quorum {
+            "quorum"
+        } else {
+            "classic durable"
+        };
+        let mut raw_r = Vec::new();
+        let mut conf: Vec<Drained> = Vec::new();
+        let mut ackq: Vec<Drained> = Vec::new();
+        for rep in 0..opts.drain_reps {
+            for kind in rotated(&kinds, rep) {
+                match kind {
+                    DrainKind::Raw => {
+                        let r = raw_once(env, &route, &body, n)?;
+                        log(format!("  {qt}: raw lapin {r:.0} msg/s"));
+                        raw_r.push(r);
+                    }
+                    DrainKind::Confirm | DrainKind::AckQueue => {
+                        let proof = if kind == DrainKind::Confirm {
+                            "confirm"
+                        } else {
+                            "ack_queue"
+                        };
+                        let d = drain_once(env, proof, &route, &body, n)?;
+                        log(format!(
+                            "  {qt}: worker ({proof}) {:.0} msg/s, {:.1} µs CPU/msg, VmHWM {} KiB, RssAnon {} KiB, {} delivered (backlog built in {:.1}s); per message: {:.1} tuples read by seq scans, {:.1} by index",
+                            d.rate, d.cpu_us_per_msg, d.hwm_kib, d.anon_kib, d.delivered, d.build_secs, d.seq_tup_per_msg, d.idx_fetch_per_msg
+                        ));
+                        if kind == DrainKind::Confirm {
+                            conf.push(d)
+                        } else {
+                            ackq.push(d)
+                        }
+                    }
+                }
+            }
+        }
+        env.set_proof("ack_queue")?;
+        let cfg = format!("{n} × {BODY_SIZE} B, {qt} queue");
+        let sec = "2 drain rate";
+        let rates = |v: &[Drained]| v.iter().map(|d| d.rate).collect::<Vec<_>>();
+        let cpu = |v: &[Drained]| v.iter().map(|d| d.cpu_us_per_msg).collect::<Vec<_>>();
+        run.fig(
+            Figure::new(
+                sec,
+                "worker, confirm mode / raw lapin (1,000 unconfirmed)",
+                &cfg,
+                "msg/s",
+            )
+            .samples(rates(&conf))
+            .baseline("raw", raw_r.clone())
+            .target(Target::RatioAtLeast(0.9))
+            .note(format!(
+                "worker {:.1} µs CPU/msg",
+                crate::report::median(&cpu(&conf))
+            )),
+        );
+        run.fig(
+            Figure::new(
+                sec,
+                "worker, ack_queue mode / raw lapin (1,000 unconfirmed)",
+                &cfg,
+                "msg/s",
+            )
+            .samples(rates(&ackq))
+            .baseline("raw", raw_r.clone())
+            .target(Target::RatioAtLeast(0.6))
+            .note(format!(
+                "worker {:.1} µs CPU/msg, {:.0} tuples seq-scanned/msg",
+                crate::report::median(&cpu(&ackq)),
+                crate::report::median(&ackq.iter().map(|d| d.seq_tup_per_msg).collect::<Vec<_>>())
+            )),
+        );
+        run.shared.insert(
+            format!("raw_{}", if route.quorum { "quorum" } else { "classic" }),
+            crate::report::median(&raw_r),
+        );
+        if !route.quorum {
+            run.shared.insert(
+                "ack_queue_classic".into(),
+                crate::report::median(&rates(&ackq)),
+            );
+        }
+        details.push(json!({
+            "queue": qt, "n": n, "raw_msg_per_sec": raw_r,
+            "confirm": conf.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
+            "ack_queue": ackq.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
+        }));
+    }
+    run.detail("drain", json!(details));
+    Ok(())
+}
+
+/// Publishes through `amqp.publish()` at a steady `rate` from as many sessions as needed
+/// (about 400/s each), one message per transaction, each body starting with
+/// `clock_timestamp()` in Unix µs. Returns the number of measured messages.
+fn outbox_paced(
+    env: &Env,
+    rate: f64,
+    warmup: Duration,
+    secs: Duration,
+    pad: &str,
+) -> Result<u64, String> {
+    let sessions = ((rate / 400.0).ceil() as usize).max(1);
+    let sent = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now() + Duration::from_millis(300);
+    let total = warmup + secs;
+    let mut handles = Vec::new();
+    for k in 0..sessions {
+        let mut client = env.cluster.try_client()?;
+        let (sent, failed) = (sent.clone(), failed.clone());
+        let exchange = env.routes.latency.exchange.clone();
+        let broker = env.broker_id;
+        let pad_m = format!(" m {pad}");
+        let pad_w = format!(" w {pad}");
+        handles.push(std::thread::spawn(move || {
+            let stmt = match client.prepare(
+                "SELECT amqp.publish($1, $2, '', \
+                 ((extract(epoch FROM clock_timestamp()) * 1000000)::bigint)::text || $3)",
+            ) {
+                Ok(s) => s,
+                Err(_) => {
+                    failed.store(true, Ordering::Relaxed);
+                    return;
+                }
+            };
+            let mut i = 0u64;
+            loop {
+                let slot = i * sessions as u64 + k as u64;
+                let due = t0 + Duration::from_secs_f64(slot as f64 / rate);
+                if due >= t0 + total || failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                let measured = due >= t0 + warmup;
+                let pad = if measured { &pad_m } else { &pad_w };
+                if client.execute(&stmt, &[&broker, &exchange, pad]).is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                    break;
+                }
+                if measured {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+                i += 1;
+            }
+        }));
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    if failed.load(Ordering::Relaxed) {
+        return Err("a latency publisher session failed".into());
+    }
+    Ok(sent.load(Ordering::Relaxed))
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Pcts {
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+fn pcts(s: &Samples) -> Pcts {
+    let mut v = s.us.clone();
+    v.sort_unstable();
+    Pcts {
+        p50: percentile(&v, 50.0) / 1000.0,
+        p99: percentile(&v, 99.0) / 1000.0,
+        max: v.last().map(|x| *x as f64 / 1000.0).unwrap_or(f64::NAN),
+    }
+}
+
+/// 3. Latency.
+pub fn latency(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    env.set_enabled(true)?;
+    env.set_proof("ack_queue")?;
+    let route = env.routes.latency.clone();
+    env.purge(&route.queue)?;
+    let consumer = LatencyConsumer::start(&env.rt, &env.amqp_uri(), &route.queue)?;
+    // Bodies of about 100 bytes: "<16 digits> m " + pad.
+    let pad = payload(BODY_SIZE - 19);
+    let warmup = Duration::from_secs(1);
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    enum Who {
+        AckQueue,
+        Confirm,
+        Raw,
+    }
+    let mut details = Vec::new();
+    for (rate, secs) in [(200.0, opts.lat_secs_low), (2000.0, opts.lat_secs_high)] {
+        let secs = Duration::from_secs_f64(secs);
+        let mut got: std::collections::BTreeMap<&str, Vec<Pcts>> = Default::default();
+        let mut confirm_lat: Vec<Pcts> = Vec::new();
+        let mut lost = 0u64;
+        for rep in 0..opts.lat_reps {
+            for who in rotated(&[Who::AckQueue, Who::Confirm, Who::Raw], rep) {
+                consumer.reset();
+                let (sent, conf) = match who {
+                    Who::Raw => {
+                        let (sent, c) = raw::paced(
+                            &env.rt,
+                            &env.amqp_uri(),
+                            &route.exchange,
+                            &pad,
+                            rate,
+                            warmup,
+                            secs,
+                        )?;
+                        (sent, Some(c))
+                    }
+                    Who::AckQueue | Who::Confirm => {
+                        env.set_proof(if who == Who::Confirm {
+                            "confirm"
+                        } else {
+                            "ack_queue"
+                        })?;
+                        (outbox_paced(env, rate, warmup, secs, &pad)?, None)
+                    }
+                };
+                let samples = consumer.wait_for(sent, Duration::from_secs(30));
+                lost += sent.saturating_sub(samples.us.len() as u64);
+                let p = pcts(&samples);
+                log(format!(
+                    "  {rate}/s {who:?}: {} of {sent} received, p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms{}",
+                    samples.us.len(),
+                    p.p50,
+                    p.p99,
+                    p.max,
+                    conf.as_ref()
+                        .map(|c| {
+                            let c = pcts(c);
+                            format!("; confirm p50 {:.2} ms p99 {:.2} ms", c.p50, c.p99)
+                        })
+                        .unwrap_or_default()
+                ));
+                let key = match who {
+                    Who::AckQueue => "ack_queue",
+                    Who::Confirm => "confirm",
+                    Who::Raw => "raw",
+                };
+                got.entry(key).or_default().push(p);
+                if let Some(c) = conf {
+                    confirm_lat.push(pcts(&c));
+                }
+                env.purge(&route.queue)?;
+            }
+        }
+        env.set_proof("ack_queue")?;
+        let cfg = format!("{rate:.0} msg/s, 1 msg/txn");
+        let sec = "3 latency";
+        let pick = |v: &[Pcts], f: fn(&Pcts) -> f64| v.iter().map(f).collect::<Vec<_>>();
+        let raw_v = got.get("raw").cloned().unwrap_or_default();
+        for (mode, label) in [("ack_queue", "ack_queue mode"), ("confirm", "confirm mode")] {
+            let v = got.get(mode).cloned().unwrap_or_default();
+            let low = rate < 500.0 && mode == "ack_queue";
+            for (what, f, target) in [
+                ("p50", (|p: &Pcts| p.p50) as fn(&Pcts) -> f64, 2.0),
+                ("p99", |p: &Pcts| p.p99, 10.0),
+                ("max", |p: &Pcts| p.max, f64::NAN),
+            ] {
+                let mut fig = Figure::new(
+                    sec,
+                    &format!("commit→consumer {what}, {label} / raw publish→consumer"),
+                    &cfg,
+                    "ms",
+                )
+                .samples(pick(&v, f))
+                .baseline("raw", pick(&raw_v, f));
+                if low && target.is_finite() {
+                    fig = fig.target(Target::AtMost(target));
+                }
+                run.fig(fig);
+            }
+        }
+        run.fig(
+            Figure::new(
+                sec,
+                "raw publisher confirm latency p50 (reference)",
+                &cfg,
+                "ms",
+            )
+            .samples(pick(&confirm_lat, |p| p.p50)),
+        );
+        run.fig(
+            Figure::new(
+                sec,
+                "raw publisher confirm latency p99 (reference)",
+                &cfg,
+                "ms",
+            )
+            .samples(pick(&confirm_lat, |p| p.p99)),
+        );
+        if lost > 0 {
+            run.notes.push(format!(
+                "latency at {rate:.0}/s: {lost} measured messages did not reach the consumer within 30 s"
+            ));
+        }
+        let j = |v: &[Pcts]| {
+            v.iter()
+                .map(|p| json!({"p50_ms": p.p50, "p99_ms": p.p99, "max_ms": p.max}))
+                .collect::<Vec<_>>()
+        };
+        details.push(json!({
+            "rate": rate,
+            "ack_queue": j(got.get("ack_queue").map(|v| v.as_slice()).unwrap_or(&[])),
+            "confirm": j(got.get("confirm").map(|v| v.as_slice()).unwrap_or(&[])),
+            "raw_end_to_end": j(&raw_v),
+            "raw_confirm": j(&confirm_lat),
+            "lost": lost,
+        }));
+    }
+    drop(consumer);
+    run.detail("latency", json!(details));
+    Ok(())
+}
+
+/// The raw publisher's median rate into the classic queue: from the drain phase, or measured now.
+fn raw_classic(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<f64, String> {
+    if let Some(r) = run.shared.get("raw_classic") {
+        return Ok(*r);
+    }
+    let route = env.routes.classic.clone();
+    let r = raw_once(env, &route, &payload(BODY_SIZE), opts.drain_n)?;
+    run.shared.insert("raw_classic".into(), r);
+    Ok(r)
+}
+
+/// 4. Scale: a large backlog built with `amqp_outbox.enabled = off`, then drained.
+pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let n = opts.scale_n;
+    let route = env.routes.classic.clone();
+    let body = payload(BODY_SIZE);
+    let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
+    env.set_enabled(false)?;
+    env.set_proof("ack_queue")?;
+    env.sql("TRUNCATE amqp.message")?;
+    env.sql("VACUUM amqp.message")?;
+    env.purge(&route.queue)?;
+    let before = env.outbox_size()?;
+    let pid = env.worker_pid()?.ok_or("the worker is not running")?;
+    let hwm_reset = env::reset_hwm(pid);
+    let sampler = env::MemSampler::start(pid);
+    let t = Instant::now();
+    env.build_backlog(&route.exchange, &body, n)?;
+    let build_secs = t.elapsed().as_secs_f64();
+    let peak = env.outbox_size()?;
+    env.sql("CHECKPOINT")?;
+    log(format!(
+        "  backlog of {n} built in {build_secs:.1}s ({:.0} rows/s); amqp.message {:.1} MiB",
+        n as f64 / build_secs,
+        mib(peak.0)
+    ));
+    let cpu0 = env::proc_cpu_secs(pid);
+    let t0 = Instant::now();
+    env.set_enabled(true)?;
+    let mut max_size = peak.0;
+    let deadline = t0 + Duration::from_secs((n / 500).max(300));
+    let mut last_size = Instant::now();
+    let done = loop {
+        if !Env::outbox_nonempty(&mut env.admin)? {
+            break Instant::now();
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "scale: {} rows left after {:?}",
+                env.outbox_rows()?,
+                deadline - t0
+            ));
+        }
+        if last_size.elapsed() >= Duration::from_secs(2) {
+            max_size = max_size.max(env.outbox_size()?.0);
+            last_size = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let secs = (done - t0).as_secs_f64();
+    let cpu1 = env::proc_cpu_secs(pid);
+    let peaks = sampler.finish();
+    let mem = env::proc_mem_kib(pid).unwrap_or((0, 0));
+    let pid_after = env.worker_pid()?;
+    let after = env.outbox_size()?;
+    env.sql("VACUUM amqp.message")?;
+    let vacuumed = env.outbox_size()?;
+    let delivered = env.wait_queue_len(&route.queue, n, Duration::from_secs(60))?;
+    env.purge(&route.queue)?;
+    let rate = n as f64 / secs;
+    log(format!(
+        "  drained {n} in {secs:.1}s ({rate:.0} msg/s); worker VmHWM {} KiB, peak VmRSS {} KiB; \
+         sizes: before {:.2} MiB, peak {:.1} MiB, after {:.1} MiB, after VACUUM {:.2} MiB; {delivered} delivered",
+        mem.1,
+        peaks[0],
+        mib(before.0),
+        mib(max_size),
+        mib(after.0),
+        mib(vacuumed.0)
+    ));
+    if pid_after != Some(pid) {
+        run.notes.push(format!(
+            "scale: the worker's pid changed during the drain ({pid} → {pid_after:?}): it restarted"
+        ));
+    }
+    let raw = raw_classic(env, opts, run)?;
+    let cfg = format!("{n} × {BODY_SIZE} B backlog, built with amqp_outbox.enabled = off, ack_queue mode, classic queue");
+    let sec = "4 scale";
+    run.fig(
+        Figure::new(
+            sec,
+            "drain rate / raw lapin (1,000 unconfirmed)",
+            &cfg,
+            "msg/s",
+        )
+        .samples(vec![rate])
+        .baseline("raw", vec![raw])
+        .note(format!(
+            "worker {:.1} µs CPU/msg",
+            match (cpu0, cpu1) {
+                (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
+                _ => f64::NAN,
+            }
+        )),
+    );
+    if let Some(r200) = run.shared.get("ack_queue_classic").copied() {
+        run.fig(
+            Figure::new(
+                sec,
+                "drain rate / same drain of the 200k backlog",
+                &cfg,
+                "msg/s",
+            )
+            .samples(vec![rate])
+            .baseline(&format!("{} backlog", opts.drain_n), vec![r200]),
+        );
+    }
+    run.fig(
+        Figure::new(sec, "worker peak resident memory (VmHWM)", &cfg, "MiB")
+            .samples(vec![mem.1 as f64 / 1024.0])
+            .target(Target::AtMost(64.0))
+            .note(format!(
+                "{}; counts the shared buffers it touched: peak RssShmem {:.1} MiB",
+                if hwm_reset {
+                    "reset before the backlog"
+                } else {
+                    "could not be reset: since the worker started"
+                },
+                peaks[3] as f64 / 1024.0
+            )),
+    );
+    run.fig(
+        Figure::new(
+            sec,
+            "worker peak private memory (RssAnon, sampled)",
+            &cfg,
+            "MiB",
+        )
+        .samples(vec![peaks[2] as f64 / 1024.0])
+        .target(Target::AtMost(64.0)),
+    );
+    for (label, v) in [
+        ("amqp.message size before (empty, vacuumed)", before),
+        ("amqp.message size at peak (backlog built)", peak),
+        ("amqp.message size after the drain", after),
+        ("amqp.message size after the drain + VACUUM", vacuumed),
+    ] {
+        run.fig(
+            Figure::new(sec, label, &cfg, "MiB")
+                .samples(vec![mib(v.0)])
+                .note(format!(
+                    "heap {:.1} MiB, indexes {:.1} MiB",
+                    mib(v.1),
+                    mib(v.2)
+                )),
+        );
+    }
+    run.detail(
+        "scale",
+        json!({
+            "n": n, "built_with": "amqp_outbox.enabled = off",
+            "build_secs": build_secs, "drain_secs": secs, "msg_per_sec": rate,
+            "raw_classic_msg_per_sec": raw,
+            "worker_vmhwm_kib": mem.1, "worker_vmrss_end_kib": mem.0,
+            "worker_peak_vmrss_sampled_kib": peaks[0],
+            "worker_peak_rss_anon_sampled_kib": peaks[2],
+            "worker_peak_rss_shmem_sampled_kib": peaks[3],
+            "vmhwm_reset_before": hwm_reset,
+            "size_bytes": {"before": before, "peak": peak, "max_during_drain": max_size, "after_drain": after, "after_vacuum": vacuumed},
+            "delivered": delivered,
+        }),
+    );
+    Ok(())
+}
+
+/// 5. Cost growth: concurrency and message size.
+pub fn growth(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let sec = "5 growth";
+    let raw = raw_classic(env, opts, run)?;
+    let mut details = Vec::new();
+    for (i, clients) in [1u32, 4, 16, 64].into_iter().enumerate() {
+        let load = Load {
+            clients,
+            per_txn: 1,
+            size: BODY_SIZE,
+            secs: opts.secs,
+        };
+        let (s, during) = pgbench_series(
+            env,
+            &[System::Insert, System::Publish, System::PublishOff],
+            &load,
+            opts.growth_reps,
+            i,
+        )?;
+        let cfg = config_label(&load);
+        let get = |k: &str| s.get(k).cloned().unwrap_or_default();
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish, worker on / plain INSERT",
+                &cfg,
+                "rows/s",
+            )
+            .samples(get("publish_on"))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish, worker off / plain INSERT",
+                &cfg,
+                "rows/s",
+            )
+            .samples(get("publish_off"))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        let rate: Vec<f64> = during.iter().map(|w| w.delivered_per_sec).collect();
+        let catch: Vec<f64> = during.iter().map(|w| w.catch_up_secs).collect();
+        run.fig(
+            Figure::new(
+                sec,
+                "worker drain rate while publishing / raw lapin",
+                &cfg,
+                "msg/s",
+            )
+            .samples(rate.clone())
+            .baseline("raw", vec![raw])
+            .note(format!(
+                "worker {:.2} cores; caught up {:.1}s after pgbench",
+                crate::report::median(&during.iter().map(|w| w.cpu_cores).collect::<Vec<_>>()),
+                crate::report::median(&catch)
+            )),
+        );
+        details.push(json!({"config": cfg, "rows_per_sec": s, "worker_delivered_per_sec": rate, "catch_up_secs": catch}));
+    }
+    for (i, &(size, n)) in opts.size_drains.iter().enumerate() {
+        let load = Load {
+            clients: 1,
+            per_txn: 1,
+            size,
+            secs: opts.secs,
+        };
+        let (s, _) = pgbench_series(
+            env,
+            &[
+                System::Insert,
+                System::Pgq,
+                System::Publish,
+                System::PublishOff,
+            ],
+            &load,
+            opts.growth_reps,
+            i,
+        )?;
+        let cfg = config_label(&load);
+        let get = |k: &str| s.get(k).cloned().unwrap_or_default();
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish, worker on / plain INSERT",
+                &cfg,
+                "rows/s",
+            )
+            .samples(get("publish_on"))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish, worker off / plain INSERT",
+                &cfg,
+                "rows/s",
+            )
+            .samples(get("publish_off"))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        run.fig(
+            Figure::new(sec, "amqp.publish, worker on / PgQ", &cfg, "rows/s")
+                .samples(get("publish_on"))
+                .baseline("PgQ", get("pgq"))
+                .target(Target::RatioAbove(1.0)),
+        );
+        // Drain of a backlog of this size against the raw publisher with the same size.
+        let body = payload(size);
+        let route = env.routes.classic.clone();
+        let mut raw_r = Vec::new();
+        let mut worker = Vec::new();
+        for rep in 0..opts.growth_reps {
+            for first_raw in rotated(&[true, false], rep) {
+                if first_raw {
+                    raw_r.push(raw_once(env, &route, &body, n)?);
+                } else {
+                    worker.push(drain_once(env, "ack_queue", &route, &body, n)?.rate);
+                }
+            }
+        }
+        log(format!(
+            "  {size} B drain: worker {worker:?} msg/s, raw {raw_r:?} msg/s"
+        ));
+        let dcfg = format!("{n} × {} KiB, ack_queue mode, classic queue", size / 1024);
+        run.fig(
+            Figure::new(sec, "drain rate, worker / raw lapin", &dcfg, "msg/s")
+                .samples(worker.clone())
+                .baseline("raw", raw_r.clone())
+                .target(Target::RatioAtLeast(0.6)),
+        );
+        details.push(json!({"config": cfg, "rows_per_sec": s, "drain_n": n, "drain_worker_msg_per_sec": worker, "drain_raw_msg_per_sec": raw_r}));
+    }
+    run.detail("growth", json!(details));
+    Ok(())
+}
+
+/// `perf record` of one process (software clock: this VM has no hardware counters) until the
+/// returned guard is finished.
+struct Perf {
+    child: std::process::Child,
+    data: std::path::PathBuf,
+}
+
+impl Perf {
+    fn start(env: &Env, pid: i32, name: &str) -> Result<Perf, String> {
+        let data = env.out_dir.join(format!("perf-{name}.data"));
+        let child = Command::new("perf")
+            .args(["record", "-e", "cpu-clock", "-F", "999", "-g", "-o"])
+            .arg(&data)
+            .args(["-p", &pid.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("perf: {e}"))?;
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(Perf { child, data })
+    }
+
+    /// Stops the recording (SIGINT to our own perf child) and returns the flat profile.
+    fn finish(mut self, env: &Env, name: &str) -> Result<String, String> {
+        // SAFETY: kill with the pid of our own child process.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGINT);
+        }
+        let _ = self.child.wait();
+        let out = Command::new("perf")
+            .args(["report", "--stdio", "--no-children", "-g", "none"])
+            .args(["--sort", "dso,symbol", "--percent-limit", "0.7", "-i"])
+            .arg(&self.data)
+            .output()
+            .map_err(|e| format!("perf report: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        env.write_file(&format!("perf-{name}.txt"), &text)?;
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| {
+                l.trim_start()
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_digit())
+            })
+            .take(25)
+            .map(|l| {
+                let t = l.split_whitespace().collect::<Vec<_>>().join(" ");
+                t.chars().take(160).collect()
+            })
+            .collect();
+        Ok(lines.join("\n"))
+    }
+}
+
+fn perf_works() -> bool {
+    Command::new("perf")
+        .args(["record", "-e", "cpu-clock", "-o", "/dev/null", "--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// 6. Profiles of the hot paths: the worker during a drain, a backend during pgbench.
+pub fn profile(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    if !perf_works() {
+        run.notes
+            .push("profile skipped: `perf record` does not work here".into());
+        return Ok(());
+    }
+    let mut summary = String::new();
+    // The worker draining a backlog (ack_queue, classic).
+    let route = env.routes.classic.clone();
+    let body = payload(BODY_SIZE);
+    let n = opts.drain_n.min(50_000);
+    env.set_enabled(false)?;
+    let pid = env.worker_pid()?.ok_or("worker not running")?;
+    let p = Perf::start(env, pid, "worker-drain")?;
+    let d = drain_once(env, "ack_queue", &route, &body, n)?;
+    let worker = p.finish(env, "worker-drain")?;
+    summary.push_str(&format!(
+        "worker (pid {pid}) draining {n} messages, ack_queue mode, {:.0} msg/s while profiled:\n{worker}\n\n",
+        d.rate
+    ));
+    // A backend running pgbench (1 client, 1 msg/txn) through publish() and a plain INSERT.
+    for system in [System::PublishOff, System::Insert] {
+        if system == System::PublishOff {
+            env.set_enabled(false)?;
+        }
+        let load = Load {
+            clients: 1,
+            per_txn: 1,
+            size: BODY_SIZE,
+            secs: 6,
+        };
+        let child = pgbench::spawn(env, system, &load, &payload(BODY_SIZE))?;
+        std::thread::sleep(Duration::from_millis(1000));
+        env.admin
+            .batch_execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+            .map_err(|e| e.to_string())?;
+        let bpid: Option<i32> = env
+            .admin
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'pgbench' LIMIT 1",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .map(|r| r.get(0));
+        let name = format!("backend-{}", system.key());
+        let prof = match bpid {
+            Some(b) => {
+                let p = Perf::start(env, b, &name)?;
+                std::thread::sleep(Duration::from_secs(4));
+                Some(p.finish(env, &name)?)
+            }
+            None => None,
+        };
+        let out = pgbench::wait(child, &load)?;
+        if let Some(prof) = prof {
+            summary.push_str(&format!(
+                "backend running {} (1 client, 1 msg/txn, {:.0} TPS):\n{prof}\n\n",
+                system.label(),
+                out.tps
+            ));
+        }
+        match system {
+            System::PublishOff => env.sql("TRUNCATE amqp.message")?,
+            _ => env.sql("TRUNCATE public.plain")?,
+        }
+    }
+    env.set_enabled(true)?;
+    run.detail("profile_summary", json!(summary));
+    Ok(())
+}
