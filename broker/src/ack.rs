@@ -127,6 +127,9 @@ pub(crate) struct Seen {
 #[derive(Default)]
 pub(crate) struct Tracker {
     epochs: HashMap<u64, EpochLog>,
+    /// The latest record each message was registered in. An id whose latest record is another
+    /// one was published again since, so its earlier record going missing means nothing.
+    latest: HashMap<(i32, i64), (u64, u64)>,
     last_gc: Option<Instant>,
 }
 
@@ -140,9 +143,14 @@ pub(crate) fn lock(t: &SharedTracker) -> MutexGuard<'_, Tracker> {
 
 impl Tracker {
     /// Registers a record before it is published (so the listener can never see an unknown one).
+    /// A message published again supersedes its earlier publishes: its id leaves their records,
+    /// so an earlier record that never arrives cannot report the new publish as lost.
     pub(crate) fn register(&mut self, broker_id: i32, epoch: u64, seq: u64, ids: Vec<i64>) {
         let now = Instant::now();
         self.gc(now);
+        for id in &ids {
+            self.latest.insert((broker_id, *id), (epoch, seq));
+        }
         let log = self.epochs.entry(epoch).or_insert_with(|| EpochLog {
             broker_id,
             records: VecDeque::new(),
@@ -152,7 +160,13 @@ impl Tracker {
         log.touched = now;
         log.records.push_back((seq, ids));
         while log.records.len() > MAX_RECORDS_PER_EPOCH {
-            log.records.pop_front();
+            if let Some((old_seq, old_ids)) = log.records.pop_front() {
+                for id in old_ids {
+                    if self.latest.get(&(broker_id, id)) == Some(&(epoch, old_seq)) {
+                        self.latest.remove(&(broker_id, id));
+                    }
+                }
+            }
         }
     }
 
@@ -182,16 +196,30 @@ impl Tracker {
         // Records arrive in seq order: everything before this one that is still listed was
         // skipped. A seq not listed (already popped as lost, or forgotten past the cap) pops
         // nothing; its ids are still acknowledged, since the record did arrive.
+        let broker_id = log.broker_id;
+        let mut popped = Vec::new();
         if log.records.iter().any(|(s, _)| *s == record.seq) {
             while let Some((s, ids)) = log.records.pop_front() {
                 if s == record.seq {
+                    popped.push((s, ids, false));
                     break;
                 }
-                seen.lost.extend(ids);
+                popped.push((s, ids, true));
             }
         }
         if log.closed && log.records.is_empty() {
             self.epochs.remove(&record.epoch);
+        }
+        for (s, ids, missing) in popped {
+            for id in ids {
+                let key = (broker_id, id);
+                if self.latest.get(&key) == Some(&(record.epoch, s)) {
+                    self.latest.remove(&key);
+                    if missing {
+                        seen.lost.push(id);
+                    }
+                }
+            }
         }
         Some(seen)
     }
@@ -207,6 +235,9 @@ impl Tracker {
         self.epochs.retain(|_, log| {
             !(log.closed && now.saturating_duration_since(log.touched) >= CLOSED_EPOCH_TTL)
         });
+        let epochs = &self.epochs;
+        self.latest
+            .retain(|_, (epoch, _)| epochs.contains_key(epoch));
     }
 
     #[cfg(test)]
@@ -293,6 +324,21 @@ mod tests {
         assert_eq!((s.acked, s.lost), (vec![3], vec![]));
         // Unknown epoch: nothing to say.
         assert!(t.seen(&rec(99, 1, &[1])).is_none());
+    }
+
+    #[test]
+    fn a_message_published_again_is_not_reported_lost_by_its_earlier_record() {
+        let mut t = Tracker::default();
+        t.register(1, 7, 1, vec![10, 11]);
+        // 10 is taken back (say by the timeout) and published again in record 2.
+        t.register(1, 7, 2, vec![10]);
+        let seen = t.seen(&rec(7, 2, &[10])).expect("known epoch");
+        assert_eq!(seen.acked, vec![10]);
+        assert_eq!(
+            seen.lost,
+            vec![11],
+            "only the publish that is really missing"
+        );
     }
 
     #[test]

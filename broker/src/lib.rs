@@ -208,8 +208,13 @@ pub enum Failure {
     /// The channel was closed by an error while this message was unconfirmed; the culprit may be
     /// another message. Publish it again alone (`solo`) to find out.
     Ambiguous,
-    /// This message was refused (nack, returned as unroutable, channel error while it was the
-    /// only one in flight): count an attempt, back off, park after the limit.
+    /// The broker nacked it: it could not take responsibility for it (an internal error, a
+    /// queue refusing publishes while full or electing a leader). Not the message's fault:
+    /// publish it again after a delay, without counting an attempt. After several nacks in a
+    /// row the connection is replaced, since a channel can stay in that state.
+    Nacked,
+    /// This message was refused (returned as unroutable, channel error while it was the only
+    /// one in flight): count an attempt, back off, park after the limit.
     Rejected,
 }
 

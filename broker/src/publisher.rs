@@ -27,6 +27,10 @@ use tokio::time::Instant;
 /// How long a dying channel may take to fail its outstanding confirms (lapin rejects them all at
 /// once when the channel closes; this only bounds a channel that never finishes closing).
 const DYING_WAIT: Duration = Duration::from_secs(5);
+/// Nacks in a row (no positive confirm between them) after which the channel is given up: a
+/// channel opened while a quorum queue elects its leader can keep nacking every publish.
+const NACKS_BEFORE_RECONNECT: u32 = 5;
+
 /// How often an idle task checks that its channel is still open.
 const CHANNEL_CHECK: Duration = Duration::from_secs(1);
 
@@ -47,6 +51,8 @@ pub(crate) enum ChannelEnd {
     Hung(String),
     /// Stopped by the broker task (reconnect, shutdown, connection lost).
     Stopped,
+    /// The broker nacked every recent publish: replace the connection, after a delay.
+    Refusing(String),
 }
 
 pub(crate) struct ChannelCtx {
@@ -122,6 +128,8 @@ struct Publisher {
     blocked_open: bool,
     /// When the last block ended: the confirm timeout counts from here at the earliest.
     resumed_at: Instant,
+    /// Nacks since the last positive confirm.
+    nacks_in_a_row: u32,
 }
 
 /// Runs until the channel dies or `stop` fires; reports every message it was given.
@@ -146,6 +154,7 @@ pub(crate) async fn run(
         blocked,
         blocked_open: true,
         resumed_at: Instant::now(),
+        nacks_in_a_row: 0,
     };
     let end = p.main(&mut jobs, &mut stop).await;
     if let Some(a) = &p.ctx.ack {
@@ -199,6 +208,9 @@ impl Publisher {
                     if let Some(err) = self.settle(batch) {
                         return self.dying(Some(err), stop).await;
                     }
+                    if let Some(end) = self.refusing() {
+                        return end;
+                    }
                 }
                 job = jobs.recv() => match job {
                     Some(Job::Publish { messages, solo }) => self.enqueue(messages, solo),
@@ -224,6 +236,20 @@ impl Publisher {
                 }
             }
         }
+    }
+
+    /// After too many nacks in a row, gives the channel up: what is unsettled is published again
+    /// on the next connection.
+    fn refusing(&mut self) -> Option<ChannelEnd> {
+        if self.nacks_in_a_row < NACKS_BEFORE_RECONNECT {
+            return None;
+        }
+        let text = format!(
+            "the broker nacked {} publishes in a row; replacing the connection",
+            self.nacks_in_a_row
+        );
+        self.fail_everything(Failure::Transient, &text);
+        Some(ChannelEnd::Refusing(text))
     }
 
     fn enqueue(&mut self, messages: Vec<OutboundMessage>, solo: bool) {
@@ -344,6 +370,9 @@ impl Publisher {
                     let batch = self.ready_batch(first);
                     if let Some(err) = self.settle(batch) {
                         return Some(self.dying(Some(err), stop).await);
+                    }
+                    if let Some(end) = self.refusing() {
+                        return Some(end);
                     }
                 }
             }
@@ -542,7 +571,10 @@ impl Publisher {
                         &format!("returned by broker as unroutable: {code} {text}"),
                     ),
                 },
-                Some(false) => self.fail(p.id, Failure::Rejected, "nacked by broker"),
+                Some(false) => {
+                    self.nacks_in_a_row += 1;
+                    self.fail(p.id, Failure::Nacked, "nacked by broker");
+                }
                 // Cannot happen on a confirm-mode channel; without a confirm nothing is proven.
                 None => self.fail(
                     p.id,
@@ -552,6 +584,7 @@ impl Publisher {
             }
         }
         if !confirmed.is_empty() {
+            self.nacks_in_a_row = 0;
             self.ctx.sink.send(Event::Confirmed {
                 broker_id: self.ctx.broker_id,
                 epoch: self.ctx.epoch,

@@ -234,6 +234,7 @@ fn start_broker(config: BrokerConfig, sink: EventSink, shared: Shared) -> Slot {
         sink: sink.clone(),
         reported_down: false,
         failures: 0,
+        refused_in_a_row: 0,
         shared,
         listener: None,
         ack_invalid_warned: false,
@@ -270,6 +271,8 @@ enum SessionEnd {
     Restart,
     /// The connection was lost; reconnect after the minimum delay.
     Lost,
+    /// The broker kept nacking: reconnect after a delay that grows while this repeats.
+    Refused,
 }
 
 struct Session {
@@ -337,6 +340,8 @@ struct BrokerTask {
     redactor: Redactor,
     /// A Disconnected event went out and no Connected since: do not repeat it every round.
     reported_down: bool,
+    /// Sessions in a row given up because the broker kept nacking.
+    refused_in_a_row: u32,
     /// Consecutive failed rounds over all hosts.
     failures: u32,
     shared: Shared,
@@ -454,7 +459,16 @@ impl BrokerTask {
                 SessionEnd::Shutdown => return,
                 SessionEnd::Restart => {}
                 SessionEnd::Lost => {
+                    self.refused_in_a_row = 0;
                     delay = Some(backoff(self.cfg.reconnect_min, self.cfg.reconnect_max, 0))
+                }
+                SessionEnd::Refused => {
+                    delay = Some(backoff(
+                        self.cfg.reconnect_min,
+                        self.cfg.reconnect_max,
+                        self.refused_in_a_row,
+                    ));
+                    self.refused_in_a_row = self.refused_in_a_row.saturating_add(1);
                 }
             }
         }
@@ -600,6 +614,11 @@ impl BrokerTask {
                             ChannelEnd::Stopped => {
                                 // Only we stop it, and we do not come back here after that.
                                 break Some(SessionEnd::Lost);
+                            }
+                            ChannelEnd::Refusing(text) => {
+                                self.report_down(format!("{host}: {text}"));
+                                close_connection(&conn).await;
+                                break Some(SessionEnd::Refused);
                             }
                         }
                     }

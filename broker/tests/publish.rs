@@ -230,7 +230,7 @@ fn missing_exchange_blames_only_the_culprit_and_solo_resend_is_rejected_with_404
                                 assert!(error.contains("404"), "{error}");
                                 bad_rejection = Some(error.clone());
                             }
-                            Failure::Ambiguous | Failure::Transient => {
+                            Failure::Ambiguous | Failure::Transient | Failure::Nacked => {
                                 bridge.publish(B, vec![by_id[id].clone()], true)
                             }
                         }

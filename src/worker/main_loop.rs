@@ -17,6 +17,16 @@ use std::time::{Duration, Instant};
 /// The status views are refreshed at most this often while messages flow.
 const STATUS_EVERY: Duration = Duration::from_millis(100);
 
+/// At most one log line about nacks this often.
+const NACK_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// `min · 2^n`, capped at `max`.
+fn backoff(min: Duration, max: Duration, n: u32) -> Duration {
+    min.checked_mul(2u32.saturating_pow(n.min(31)))
+        .unwrap_or(max)
+        .min(max.max(min))
+}
+
 /// How often the worker looks for messages in flight past `amqp_outbox.resend_after`.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
@@ -47,6 +57,10 @@ pub struct Worker {
     status_changed: bool,
     status_reported_at: Option<std::time::Instant>,
     reported_changes: u64,
+    /// Nacked messages held back until the instant, with how many nacks each had.
+    held: std::collections::HashMap<i64, (Instant, u32)>,
+    nacked_since_log: u64,
+    nack_logged_at: Option<Instant>,
     /// Backlog per broker, counted about once a second while `max_pending` is set.
     pending: std::collections::HashMap<i32, i64>,
     pending_counted_at: Option<Instant>,
@@ -68,6 +82,9 @@ impl Worker {
             status_changed: true,
             status_reported_at: None,
             reported_changes: 0,
+            held: Default::default(),
+            nacked_since_log: 0,
+            nack_logged_at: None,
             pending: Default::default(),
             pending_counted_at: None,
         }
@@ -198,6 +215,7 @@ impl Worker {
                 Event::Confirmed { ids, .. } => {
                     shmem::count(|c| &c.confirmed, ids.len() as u64);
                     for id in ids {
+                        self.held.remove(&id);
                         if self.flight.confirmed(id) == Verdict::Delivered {
                             s.delivered.push(id);
                         }
@@ -242,6 +260,10 @@ impl Worker {
                         Failure::Ambiguous => {
                             self.flight.broker(broker_id).suspects.insert(id);
                         }
+                        Failure::Nacked => {
+                            self.flight.broker(broker_id).suspects.remove(&id);
+                            self.hold_nacked(id);
+                        }
                         Failure::Rejected => {
                             self.flight.broker(broker_id).suspects.remove(&id);
                             shmem::count(|c| &c.failed, 1);
@@ -260,6 +282,30 @@ impl Worker {
             }
         }
         s
+    }
+
+    /// A nacked message waits before it is published again, longer each time, without counting
+    /// an attempt (a nack is the broker's trouble, not the message's). One log line a while.
+    fn hold_nacked(&mut self, id: i64) {
+        let nacks = self.held.get(&id).map_or(0, |h| h.1) + 1;
+        let delay = backoff(
+            self.settings.retry_backoff_min,
+            self.settings.retry_backoff_max,
+            nacks - 1,
+        );
+        self.held.insert(id, (Instant::now() + delay, nacks));
+        self.nacked_since_log += 1;
+        if self
+            .nack_logged_at
+            .is_none_or(|t| t.elapsed() >= NACK_LOG_EVERY)
+        {
+            log!(
+                "amqp_outbox: {} message(s) nacked by the broker since the last report; each is published again after a growing delay",
+                self.nacked_since_log
+            );
+            self.nacked_since_log = 0;
+            self.nack_logged_at = Some(Instant::now());
+        }
     }
 
     /// The timeout sweep: what has been in flight past `resend_after` without proof of delivery
@@ -287,6 +333,7 @@ impl Worker {
     /// publish commands to send once it has committed.
     fn step(&mut self, settlement: Settlement) -> Vec<Command> {
         if !queries::extension_exists() {
+            queries::forget_plans();
             if self.extension_present || !self.brokers.is_empty() {
                 log!("amqp_outbox: extension not installed in this database; waiting for CREATE EXTENSION");
                 self.configure(Vec::new());
@@ -457,12 +504,25 @@ impl Worker {
         }
         let mut room: BTreeMap<i32, usize> = open.into_iter().collect();
         let broker_ids: Vec<i32> = room.keys().copied().collect();
-        let limit = self.settings.batch_size + self.flight.in_flight_of(&broker_ids);
+        let now = Instant::now();
+        self.held.retain(|_, (until, _)| {
+            // Forget holds long past, so the map stays as small as the recent nacks.
+            now < *until + self.settings.retry_backoff_max
+        });
+        let held_now = self.held.values().filter(|(until, _)| now < *until).count();
+        let limit = self.settings.batch_size + self.flight.in_flight_of(&broker_ids) + held_now;
         let rows = queries::claim(client, &broker_ids, limit)?;
         self.more_work = rows.len() == limit;
         let mut batches: BTreeMap<i32, Vec<Row>> = BTreeMap::new();
         for row in rows {
             if self.flight.is_in_flight(row.id) {
+                continue;
+            }
+            if self
+                .held
+                .get(&row.id)
+                .is_some_and(|(until, _)| now < *until)
+            {
                 continue;
             }
             match room.get_mut(&row.broker_id) {

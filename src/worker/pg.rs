@@ -18,6 +18,10 @@ pub fn transaction<R>(what: &str, body: impl FnOnce() -> R) -> R {
         let r = body();
         pg_sys::PopActiveSnapshot();
         pg_sys::CommitTransactionCommand();
+        // A background worker reports its table statistics only when asked: without this,
+        // autovacuum never learns of the worker's deletes and amqp.message bloats. Rate-limited
+        // inside PostgreSQL.
+        pg_sys::pgstat_report_stat(false);
         r
     };
     report_activity(None);

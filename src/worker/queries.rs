@@ -10,6 +10,48 @@ use pgrx::spi::{SpiClient, SpiResult};
 use pgrx::JsonB;
 use std::collections::BTreeMap;
 
+thread_local! {
+    /// The worker's hot statements, planned once and kept (re-planned by PostgreSQL itself when
+    /// the table changes). Cleared when the extension goes away.
+    static PLANS: std::cell::RefCell<std::collections::HashMap<&'static str, pgrx::spi::OwnedPreparedStatement>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// Forgets the kept plans (the extension was dropped: they refer to dropped tables).
+pub fn forget_plans() {
+    PLANS.with_borrow_mut(|p| p.clear());
+}
+
+/// Runs `sql` from a kept plan, preparing it on first use.
+fn run_kept<'conn, R>(
+    client: &mut SpiClient<'conn>,
+    sql: &'static str,
+    args: &[DatumWithOid],
+    mutating: bool,
+    read: impl FnOnce(pgrx::spi::SpiTupleTable<'conn>) -> SpiResult<R>,
+) -> SpiResult<R> {
+    PLANS.with_borrow_mut(|plans| {
+        let plan = match plans.entry(sql) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
+                let prepared = if mutating {
+                    client.prepare_mut(sql, &oids)?
+                } else {
+                    client.prepare(sql, &oids)?
+                };
+                v.insert(prepared.keep())
+            }
+        };
+        let table = if mutating {
+            client.update(&*plan, None, args)?
+        } else {
+            client.select(&*plan, None, args)?
+        };
+        read(table)
+    })
+}
+
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
@@ -107,9 +149,9 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
 /// and transactions commit in another order, so a mark would skip (or delay, breaking each
 /// session's order) a row that committed late with a smaller id. The caller skips the rows it
 /// already has in flight, so `limit` includes them.
-pub fn claim(client: &SpiClient<'_>, brokers: &[i32], limit: usize) -> SpiResult<Vec<Row>> {
+pub fn claim(client: &mut SpiClient<'_>, brokers: &[i32], limit: usize) -> SpiResult<Vec<Row>> {
     let args: [DatumWithOid; 2] = [brokers.to_vec().into(), (limit as i64).into()];
-    rows_from(client.select(CLAIM_SQL, None, &args)?)
+    run_kept(client, CLAIM_SQL, &args, false, rows_from)
 }
 
 pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {
@@ -120,13 +162,13 @@ pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {
 /// Deletes rows whose delivery is proven. Returns how many existed.
 pub fn delete_delivered(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<usize> {
     let args: [DatumWithOid; 1] = [ids.to_vec().into()];
-    Ok(client
-        .update(
-            "DELETE FROM amqp.message WHERE id OPERATOR(pg_catalog.=) ANY ($1)",
-            None,
-            &args,
-        )?
-        .len())
+    run_kept(
+        client,
+        "DELETE FROM amqp.message WHERE id OPERATOR(pg_catalog.=) ANY ($1)",
+        &args,
+        true,
+        |t| Ok(t.len()),
+    )
 }
 
 pub struct Recorded {
