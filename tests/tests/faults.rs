@@ -348,6 +348,40 @@ impl Rig {
     }
 }
 
+/// `Ok` once every backlog message (producers `bl*`, `n` in all) has arrived at least once.
+/// Counts distinct keys without cloning the deliveries' headers (1M deliveries).
+fn backlog_arrived(ledger: &Ledger, collector: &Collector, n: u64) -> Result<(), String> {
+    let got = collector.len();
+    if (got as u64) < n {
+        return Err(format!("{got} deliveries, {n} backlog messages"));
+    }
+    let seen: std::collections::BTreeSet<MessageKey> = collector
+        .bodies()
+        .iter()
+        .filter_map(|b| MessageKey::parse(b))
+        .filter(|k| k.producer.starts_with("bl"))
+        .collect();
+    let missing = ledger
+        .committed_keys()
+        .into_iter()
+        .filter(|k| k.producer.starts_with("bl") && !seen.contains(k))
+        .take(10)
+        .collect::<Vec<_>>();
+    if missing.is_empty() && seen.len() as u64 >= n {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} of {n} backlog messages arrived; missing e.g. {}",
+            seen.len(),
+            missing
+                .iter()
+                .map(|k| k.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    }
+}
+
 /// `Ok` when every committed message of the ledger has arrived at least once. Cheap while the
 /// consumer has fewer deliveries than the ledger has committed messages (large backlogs).
 fn all_committed_arrived(ledger: &Ledger, collector: &Collector) -> Result<(), String> {
@@ -1396,7 +1430,8 @@ fn case10_outage_backlog_drains_with_bounded_memory() {
         drain_timeout() + Duration::from_secs(n / 1000),
         "the backlog to drain",
         || {
-            all_committed_arrived(&ledger, collector)?;
+            // Only the backlog: the latency probe keeps committing while this runs.
+            backlog_arrived(&ledger, collector, n)?;
             Ok(heal_at.elapsed())
         },
     );
@@ -1408,17 +1443,25 @@ fn case10_outage_backlog_drains_with_bounded_memory() {
     let mem = rig.mem.state();
     let report = rig.finish(Some(heal_at), MAX_IN_FLIGHT + CONSUMER_PREFETCH, &[], "");
     rig.client.batch_execute("VACUUM amqp.message").unwrap();
-    let size_after: i64 = rig
-        .client
-        .query_one("SELECT pg_total_relation_size('amqp.message')", &[])
-        .unwrap()
-        .get(0);
+    // The heap is truncated by VACUUM once the rows are gone; the primary key's index keeps
+    // its pages (PostgreSQL recycles, not returns, empty btree pages): reported apart.
+    let (size_after, index_after): (i64, i64) = {
+        let r = rig
+            .client
+            .query_one(
+                "SELECT pg_relation_size('amqp.message'), pg_indexes_size('amqp.message')",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
     let peak_mb = mem.peak_kb.unwrap_or(0) as f64 / 1024.0;
     let summary = format!(
-        "{n} backlog inserted in {insert_secs:.1}s; drained at {rate:.0} msg/s ({:.1}s); publish() p99 {base_p99:.1}ms before, p50 {during_p50:.1}/p99 {during_p99:.1}ms during drain; table {:.1}MB at peak, {:.2}MB after VACUUM; worker VmHWM {peak_mb:.1}MB",
+        "{n} backlog inserted in {insert_secs:.1}s; drained at {rate:.0} msg/s ({:.1}s); publish() p99 {base_p99:.1}ms before, p50 {during_p50:.1}/p99 {during_p99:.1}ms during drain; table+indexes {:.1}MB at peak; after VACUUM heap {:.2}MB, indexes {:.2}MB; worker VmHWM {peak_mb:.1}MB",
         drained.as_secs_f64(),
         size_peak as f64 / 1048576.0,
         size_after as f64 / 1048576.0,
+        index_after as f64 / 1048576.0,
     );
     eprintln!("case 10: {summary}");
     ResultRow {
@@ -1442,8 +1485,8 @@ fn case10_outage_backlog_drains_with_bounded_memory() {
         "publish() latency harmed during the drain: {summary}"
     );
     assert!(
-        size_after < size_peak / 10 + 1_048_576,
-        "the table did not return to a small size: {summary}"
+        size_after < 1_048_576,
+        "the table's heap did not return to a small size: {summary}"
     );
 }
 
