@@ -241,6 +241,10 @@ impl Flight {
             .collect()
     }
 
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
     pub fn changes(&self) -> u64 {
         self.changes
     }

@@ -14,8 +14,14 @@ use pgrx::prelude::*;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// The status views are refreshed at most this often while messages flow.
+/// Messages in flight that are copied to the status views on every change.
+const COPY_AT_ONCE: usize = 256;
+
+/// Above that, the status views are refreshed at most this often while messages flow.
 const STATUS_EVERY: Duration = Duration::from_millis(100);
+
+/// How often rows naming no broker are looked for (and on every configuration change).
+const ORPHAN_CHECK_EVERY: Duration = Duration::from_secs(10);
 
 /// At most one log line about nacks this often.
 const NACK_LOG_EVERY: Duration = Duration::from_secs(10);
@@ -57,6 +63,9 @@ pub struct Worker {
     status_changed: bool,
     status_reported_at: Option<std::time::Instant>,
     reported_changes: u64,
+    orphans_checked_at: Option<Instant>,
+    /// "Not installed" was logged (once per absence, not per loop).
+    announced_missing: bool,
     /// Nacked messages held back until the instant, with how many nacks each had.
     held: std::collections::HashMap<i64, (Instant, u32)>,
     nacked_since_log: u64,
@@ -82,6 +91,8 @@ impl Worker {
             status_changed: true,
             status_reported_at: None,
             reported_changes: 0,
+            announced_missing: false,
+            orphans_checked_at: None,
             held: Default::default(),
             nacked_since_log: 0,
             nack_logged_at: None,
@@ -145,9 +156,12 @@ impl Worker {
         if !self.status_changed && changes == self.reported_changes {
             return true;
         }
-        let due = self
-            .status_reported_at
-            .is_none_or(|t| t.elapsed() >= STATUS_EVERY);
+        // A small window is copied at once, so the views are never behind a state the tables
+        // already show; a large one at most every STATUS_EVERY, to bound the copying.
+        let due = self.flight.len() <= COPY_AT_ONCE
+            || self
+                .status_reported_at
+                .is_none_or(|t| t.elapsed() >= STATUS_EVERY);
         if !self.status_changed && !due {
             return false;
         }
@@ -334,8 +348,9 @@ impl Worker {
     fn step(&mut self, settlement: Settlement) -> Vec<Command> {
         if !queries::extension_exists() {
             queries::forget_plans();
-            if self.extension_present || !self.brokers.is_empty() {
+            if self.extension_present || !self.announced_missing {
                 log!("amqp_outbox: extension not installed in this database; waiting for CREATE EXTENSION");
+                self.announced_missing = true;
                 self.configure(Vec::new());
             }
             self.extension_present = false;
@@ -344,6 +359,7 @@ impl Worker {
         }
         if !self.extension_present {
             self.extension_present = true;
+            self.announced_missing = false;
             self.need_reload = true;
             self.message_id_prefix = None;
         }
@@ -369,11 +385,24 @@ impl Worker {
                 let brokers = queries::load_brokers(client, &self.broker_template())?;
                 self.need_reload = false;
                 self.configure(brokers);
+                self.orphans_checked_at = None;
             }
+
             self.count_pending(client)?;
             if !self.settings.enabled {
                 self.more_work = false;
                 return Ok(Vec::new());
+            }
+            if self
+                .orphans_checked_at
+                .is_none_or(|t| t.elapsed() >= ORPHAN_CHECK_EVERY)
+            {
+                let parked = queries::park_orphans(client)?;
+                if parked > 0 {
+                    shmem::count(|c| &c.parked, parked as u64);
+                    warning!("amqp_outbox: {parked} message(s) parked: their broker_id names no row of amqp.broker");
+                }
+                self.orphans_checked_at = Some(Instant::now());
             }
             self.claim(client)
         });

@@ -75,8 +75,27 @@ pub struct Row {
     pub attempts: i32,
 }
 
+/// Whether the extension is installed; if so, also takes a share lock on `amqp.message` until
+/// the end of the transaction, so a concurrent DROP EXTENSION waits for the worker's short
+/// transaction instead of pulling the table from under its statements.
 pub fn extension_exists() -> bool {
-    unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) != pg_sys::InvalidOid }
+    unsafe {
+        if pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) == pg_sys::InvalidOid {
+            return false;
+        }
+        let table = pg_sys::makeRangeVar(
+            c"amqp".as_ptr().cast_mut(),
+            c"message".as_ptr().cast_mut(),
+            -1,
+        );
+        pg_sys::RangeVarGetRelidExtended(
+            table,
+            pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+            pg_sys::RVROption::RVR_MISSING_OK,
+            None,
+            std::ptr::null_mut(),
+        ) != pg_sys::InvalidOid
+    }
 }
 
 /// The acknowledgement queue of this database: a name no other database can have, even one on
@@ -388,4 +407,23 @@ pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::Hash
         );
     }
     Ok(counts)
+}
+
+/// Parks the rows whose broker_id names no broker (inserted directly, or the broker was
+/// removed): they could never be published, and must not wait unseen. One statement, so the
+/// check and the update see the same brokers. Returns how many.
+pub fn park_orphans(client: &mut SpiClient<'_>) -> SpiResult<usize> {
+    let table = client.update(
+        "UPDATE amqp.message m \
+            SET attempts = m.attempts OPERATOR(pg_catalog.+) 1, parked_at = pg_catalog.clock_timestamp(), \
+                last_error = 'broker ' OPERATOR(pg_catalog.||) m.broker_id::pg_catalog.text \
+                             OPERATOR(pg_catalog.||) ' does not exist in amqp.broker' \
+          WHERE m.parked_at IS NULL \
+            AND NOT EXISTS (SELECT FROM amqp.broker b \
+                             WHERE b.broker_id OPERATOR(pg_catalog.=) m.broker_id) \
+      RETURNING m.id",
+        None,
+        &[],
+    )?;
+    Ok(table.len())
 }
