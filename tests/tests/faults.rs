@@ -1985,7 +1985,6 @@ fn case13_bad_input_is_refused_and_bad_rows_are_parked() {
 /// Ignored in `make test` because it fails on the current product (the row stays `pending`
 /// with 0 attempts forever); `make chaos` runs it and reports it.
 #[test]
-#[ignore = "product gap: a direct row for an unknown broker_id is never parked (make chaos reports it)"]
 fn case13b_direct_row_for_unknown_broker_is_parked() {
     let mut rig = Rig::new("13b bad input: unknown broker", base_config());
     let (ex, rk) = (rig.route.exchange.clone(), rig.route.routing_key.clone());
@@ -2309,12 +2308,11 @@ fn case14_privileges_secrets_and_search_path_hijack() {
 // ------------------------------------------------------------------------------------------
 
 #[test]
-#[ignore = "FAULTS.md case 15 (TLS): not implemented in the extension yet (amqp.broker has tls columns, the broker crate no TLS connector); SKIPPED"]
-fn case15_tls_skipped_not_implemented() {
+#[ignore = "FAULTS.md case 15 (TLS) runs in tests/tests/tls.rs (end to end) and broker/tests/tls.rs (untrusted CA, wrong host name, expired certificate, client certificate, no plaintext fallback); SKIPPED here"]
+fn case15_tls_runs_in_tls_rs() {
     skip_loudly(
         "15 TLS",
-        "amqps is not implemented yet (no TLS connector in the broker crate): untrusted CA, \
-         wrong hostname, correct CA and no-plaintext-fallback cannot be tested",
+        "covered by tests/tests/tls.rs and broker/tests/tls.rs, which need their own TLS nodes",
     );
 }
 

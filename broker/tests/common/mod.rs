@@ -50,6 +50,7 @@ pub fn config(broker_id: i32, hosts: Vec<Endpoint>, exchanges: Vec<ExchangeDecl>
     BrokerConfig {
         broker_id,
         hosts,
+        randomize_hosts: false,
         exchanges,
         queues: vec![],
         bindings: vec![],
