@@ -19,7 +19,7 @@ use futures_util::future::FutureExt;
 use futures_util::stream::StreamExt;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::ShortString;
-use lapin::{Connection, ConnectionProperties, Consumer};
+use lapin::{Connection, Consumer};
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
@@ -383,20 +383,8 @@ async fn connect(
     sink: EventSink,
 ) -> Result<(Connection, Consumer), String> {
     let redactor = Redactor::new(std::slice::from_ref(&ep));
-    let props = ConnectionProperties::default().with_connection_name(
-        format!(
-            "amqp_outbox ack listener {} (pid {})",
-            cfg.broker_id,
-            std::process::id()
-        )
-        .into(),
-    );
     let limit = cfg.connect_timeout;
-    let conn = match tokio::time::timeout(limit, crate::tls::connect(&ep, &cfg, props)).await {
-        Err(_) => return Err(format!("connection timed out after {limit:?}")),
-        Ok(Err(e)) => return Err(redactor.clean(&e)),
-        Ok(Ok(c)) => c,
-    };
+    let conn = crate::supervisor::open_connection(&ep, &cfg, "ack listener").await?;
     match tokio::time::timeout(limit, declare_and_consume(&conn, &cfg, &sink, &redactor)).await {
         Ok(Ok(consumer)) => Ok((conn, consumer)),
         Ok(Err(e)) => {

@@ -841,24 +841,35 @@ pub(crate) fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
     }
 }
 
-/// Connects to one host, declares the exchanges, queues, bindings and acknowledgement queue,
-/// and returns the connection. Bounded by the connect timeout (built here, inside the runtime).
-async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Session, String> {
-    let redactor = Redactor::new(std::slice::from_ref(&ep));
+/// Opens a connection to one host (TLS when configured), named for RabbitMQ's connection list,
+/// within the connect timeout (built here, inside the runtime). Errors carry no password.
+pub(crate) async fn open_connection(
+    ep: &Endpoint,
+    cfg: &BrokerConfig,
+    role: &str,
+) -> Result<Connection, String> {
     let props = ConnectionProperties::default().with_connection_name(
         format!(
-            "amqp_outbox broker {} (pid {})",
+            "amqp_outbox {role} {} (pid {})",
             cfg.broker_id,
             std::process::id()
         )
         .into(),
     );
     let limit = cfg.connect_timeout;
-    let conn = match tokio::time::timeout(limit, crate::tls::connect(&ep, &cfg, props)).await {
-        Err(_) => return Err(format!("connection timed out after {limit:?}")),
-        Ok(Err(e)) => return Err(redactor.clean(&e)),
-        Ok(Ok(c)) => Arc::new(c),
-    };
+    match tokio::time::timeout(limit, crate::tls::connect(ep, cfg, props)).await {
+        Err(_) => Err(format!("connection timed out after {limit:?}")),
+        Ok(Err(e)) => Err(Redactor::new(std::slice::from_ref(ep)).clean(&e)),
+        Ok(Ok(c)) => Ok(c),
+    }
+}
+
+/// Connects to one host, declares the exchanges, queues, bindings and acknowledgement queue,
+/// and returns the connection. Bounded by the connect timeout (built here, inside the runtime).
+async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Session, String> {
+    let redactor = Redactor::new(std::slice::from_ref(&ep));
+    let limit = cfg.connect_timeout;
+    let conn = Arc::new(open_connection(&ep, &cfg, "broker").await?);
     let decls = Decls::of(&cfg);
     let declared = tokio::time::timeout(
         limit,

@@ -759,3 +759,67 @@ fn wrong_broker_password_is_reported_without_the_password_and_fixed_by_update() 
     Outbox::wait_drained(&mut client, ARRIVAL);
     assert!(!cluster.log().contains(&secret));
 }
+
+/// `amqp_outbox.max_pending`: once a broker's backlog (as the worker counts it) reaches the cap,
+/// publish() refuses with 53400 and inserts nothing; other brokers are not affected.
+#[test]
+fn max_pending_refuses_publishing_over_the_cap() {
+    let cluster = PgCluster::new(PgConfig::default().setting("amqp_outbox.max_pending", 5));
+    let mut client = cluster.client();
+    create_extension(&mut client);
+    // A broker that never answers: nothing drains, so the backlog only grows.
+    let down: i32 = client
+        .query_one(
+            "INSERT INTO amqp.broker (host, port) VALUES ('127.0.0.1', 1) RETURNING broker_id",
+            &[],
+        )
+        .expect("add broker")
+        .get(0);
+    let other: i32 = client
+        .query_one(
+            "INSERT INTO amqp.broker (host, port) VALUES ('127.0.0.1', 2) RETURNING broker_id",
+            &[],
+        )
+        .expect("add broker")
+        .get(0);
+    for i in 0..5 {
+        client
+            .execute(
+                "SELECT amqp.publish($1, 'ex', 'rk', $2)",
+                &[&down, &format!("m{i}")],
+            )
+            .expect("publish under the cap");
+    }
+    eventually(ARRIVAL, "the worker to count the backlog", || {
+        let pending: Option<i64> = client
+            .query_one(
+                "SELECT pending FROM amqp.broker_status WHERE broker_id = $1",
+                &[&down],
+            )
+            .map_err(|e| format!("broker_status: {e}"))?
+            .get(0);
+        match pending {
+            Some(n) if n >= 5 => Ok(()),
+            other => Err(format!("pending {other:?}")),
+        }
+    });
+    let e = client
+        .execute("SELECT amqp.publish($1, 'ex', 'rk', 'over')", &[&down])
+        .expect_err("a publish over the cap must fail");
+    assert_eq!(
+        e.as_db_error().map(|d| d.code().code()),
+        Some("53400"),
+        "{e}"
+    );
+    let rows: i64 = client
+        .query_one(
+            "SELECT count(*) FROM amqp.message WHERE broker_id = $1",
+            &[&down],
+        )
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 5, "the refused message must not be inserted");
+    client
+        .execute("SELECT amqp.publish($1, 'ex', 'rk', 'fine')", &[&other])
+        .expect("another broker is under its cap");
+}
