@@ -501,10 +501,43 @@ impl PgCluster {
     }
 }
 
+impl PgCluster {
+    /// The name of this database's acknowledgement queue, if the extension is installed.
+    fn ack_queue_name(&self) -> Option<String> {
+        let mut client = self.try_client_db(&self.config.database).ok()?;
+        let name: Option<String> = client
+            .query_opt(
+                "SELECT 'amqp_outbox.ack.' || to_hex(s.system_identifier) || '.' || \
+                        to_hex(d.oid::bigint) \
+                   FROM pg_catalog.pg_control_system() s, pg_catalog.pg_database d \
+                  WHERE d.datname = pg_catalog.current_database() \
+                    AND EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'amqp_outbox')",
+                &[],
+            )
+            .ok()
+            .flatten()
+            .map(|r| r.get(0));
+        name
+    }
+}
+
+/// Deletes a test database's acknowledgement queue from the shared RabbitMQ, where its worker
+/// declared it (durable): test clusters must not leave queues behind. Best effort; called
+/// after the cluster stopped, so no worker declares it again.
+fn delete_shared_ack_queue(name: &str) {
+    if let Ok(rabbit) = crate::rabbit::Rabbit::connect(crate::rabbit::AmqpEndpoint::shared()) {
+        let _ = rabbit.delete_queue(name);
+    }
+}
+
 impl Drop for PgCluster {
     fn drop(&mut self) {
         if self.running {
+            let ack_queue = self.ack_queue_name();
             let _ = self.try_stop(StopMode::Immediate);
+            if let Some(name) = ack_queue {
+                delete_shared_ack_queue(&name);
+            }
         }
         if let Some(dir) = self.dir.take() {
             if std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some() {
