@@ -46,9 +46,10 @@ pub(crate) async fn connect(
     };
     let setup = prepare(opts, &ep.host).map_err(|e| format!("TLS setup: {e}"))?;
     let server_name = setup.server_name.clone();
+    let sends_client_cert = opts.cert_file.is_some();
     connect_tls(uri, setup, props)
         .await
-        .map_err(|e| describe_connect_error(&e, &server_name))
+        .map_err(|e| describe_connect_error(&e, &server_name, sends_client_cert))
 }
 
 async fn connect_tls(
@@ -184,16 +185,35 @@ fn handshake_error(e: io::Error, server_name: &str) -> io::Error {
 
 /// A connection error; TLS errors that surface after the handshake (with TLS 1.3 the server
 /// refuses a client certificate only then) are explained too.
-fn describe_connect_error(e: &lapin::Error, server_name: &str) -> String {
+fn describe_connect_error(e: &lapin::Error, server_name: &str, sends_client_cert: bool) -> String {
     let text = describe_error(e);
     if let lapin::ErrorKind::IOError(io) = e.kind() {
         if !text.contains("TLS handshake failed") {
             if let Some(why) = explain(io, server_name) {
                 return format!("TLS error: {why} ({text})");
             }
+            // The server's "certificate required" alert races with its closing the socket:
+            // the client may see only the reset. Name the likely cause rather than a bare reset.
+            if !sends_client_cert && closed_by_peer(io.kind()) {
+                return format!(
+                    "TLS error: the server closed the connection right after the handshake; \
+                     if it requires a client certificate, set the client certificate and key \
+                     files ({text})"
+                );
+            }
         }
     }
     text
+}
+
+fn closed_by_peer(kind: io::ErrorKind) -> bool {
+    matches!(
+        kind,
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe
+    )
 }
 
 /// What a rustls error inside `e` means, in words an administrator can act on.
@@ -411,6 +431,27 @@ mod tests {
         assert_eq!(scheme_of(&ep), AMQPScheme::AMQP);
         ep.tls = Some(opts());
         assert_eq!(scheme_of(&ep), AMQPScheme::AMQPS);
+    }
+
+    #[test]
+    fn a_reset_after_the_handshake_names_the_missing_client_certificate() {
+        let reset: lapin::Error =
+            io::Error::new(io::ErrorKind::ConnectionReset, "Connection reset by peer").into();
+        let without_cert = describe_connect_error(&reset, "h", false);
+        assert!(without_cert.contains("TLS error"), "{without_cert}");
+        assert!(
+            without_cert.contains("client certificate"),
+            "{without_cert}"
+        );
+        assert!(
+            without_cert.contains("Connection reset by peer"),
+            "{without_cert}"
+        );
+        let with_cert = describe_connect_error(&reset, "h", true);
+        assert!(!with_cert.contains("client certificate"), "{with_cert}");
+        let refused: lapin::Error =
+            io::Error::new(io::ErrorKind::ConnectionRefused, "refused").into();
+        assert!(!describe_connect_error(&refused, "h", false).contains("TLS"));
     }
 
     /// A self-signed CA certificate (no key needed: only parsed here).
