@@ -33,6 +33,17 @@ fn backoff(min: Duration, max: Duration, n: u32) -> Duration {
         .min(max.max(min))
 }
 
+/// The shortest gap between two steps while they come back to back. Under load every commit and
+/// every confirm wakes the worker; one step per wake-up would spend a transaction on each message
+/// and take the CPU the publishing sessions need. Waiting out this gap lets one step claim
+/// everything committed meanwhile and settle every confirm at once. An idle worker is not delayed:
+/// a commit arriving after the gap is claimed at once.
+const MIN_STEP_GAP: Duration = Duration::from_millis(1);
+
+/// With `amqp_outbox.enabled = off`, commits do not start a step; this often one still runs, so
+/// the status views and configuration stay current.
+const DISABLED_STEP_EVERY: Duration = Duration::from_secs(1);
+
 /// How often the worker looks for messages in flight past `amqp_outbox.resend_after`.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
@@ -73,6 +84,7 @@ pub struct Worker {
     /// Backlog per broker, counted about once a second while `max_pending` is set.
     pending: std::collections::HashMap<i32, i64>,
     pending_counted_at: Option<Instant>,
+    stepped_at: Option<Instant>,
 }
 
 impl Worker {
@@ -98,6 +110,7 @@ impl Worker {
             nack_logged_at: None,
             pending: Default::default(),
             pending_counted_at: None,
+            stepped_at: None,
         }
     }
 
@@ -120,6 +133,14 @@ impl Worker {
             }
             self.handle_disconnect_requests(requests.disconnect);
 
+            if !self.more_work {
+                if let Some(gap) = self
+                    .stepped_at
+                    .and_then(|t| MIN_STEP_GAP.checked_sub(t.elapsed()))
+                {
+                    pg::sleep(gap);
+                }
+            }
             let mut settlement = self.take_events();
             self.sweep(&mut settlement);
             if pg::in_recovery() {
@@ -127,6 +148,12 @@ impl Worker {
                 pg::wait(None, self.settings.naptime);
                 continue;
             }
+            if self.idle_while_disabled(&settlement) {
+                self.report_status();
+                pg::wait(Some(self.handle.wake_fd()), DISABLED_STEP_EVERY);
+                continue;
+            }
+            self.stepped_at = Some(Instant::now());
             let publishes =
                 pg::transaction("amqp_outbox: settle and claim", || self.step(settlement));
             for command in publishes {
@@ -146,6 +173,20 @@ impl Worker {
                 // Drained at the top of the loop.
             }
         }
+    }
+
+    /// Disabled, with nothing to record and no configuration to reload: a commit's wake-up is
+    /// not worth a transaction.
+    fn idle_while_disabled(&self, s: &Settlement) -> bool {
+        !self.settings.enabled
+            && self.extension_present
+            && !self.need_reload
+            && s.delivered.is_empty()
+            && s.rejected.is_empty()
+            && s.resend.is_empty()
+            && self
+                .stepped_at
+                .is_some_and(|t| t.elapsed() < DISABLED_STEP_EVERY)
     }
 
     /// Connection states at once when they change; in-flight counts and messages at most every

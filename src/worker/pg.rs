@@ -76,6 +76,22 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
     }
 }
 
+/// Sleeps for `d` whatever sets the latch meanwhile (it stays set for the next `wait`). Exits
+/// (code 1) if the postmaster died.
+pub fn sleep(d: Duration) {
+    let events = pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
+    let timeout_ms = d.as_millis().clamp(1, i64::MAX as u128) as std::ffi::c_long;
+    unsafe {
+        pg_sys::WaitLatch(
+            std::ptr::null_mut(),
+            events as i32,
+            timeout_ms,
+            pg_sys::PG_WAIT_EXTENSION,
+        )
+    };
+    pg_sys::check_for_interrupts!();
+}
+
 pub fn shutdown_requested() -> bool {
     unsafe { std::ptr::read_volatile(&raw const pg_sys::ShutdownRequestPending) != 0 }
 }
