@@ -40,7 +40,7 @@ unsafe extern "C-unwind" fn on_xact_event(
                 shmem::request_reload();
             }
             if WAKE_AT_COMMIT.swap(false, Ordering::Relaxed) {
-                shmem::wake_worker();
+                shmem::wake_worker_for_commit();
             }
         }
         // A prepared transaction commits later in another session (COMMIT PREPARED), which

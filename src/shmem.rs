@@ -15,6 +15,11 @@ static REQUESTS: PgLwLock<Requests> = unsafe { PgLwLock::new(c"amqp_outbox_reque
 /// amqp.broker or amqp.exchange changed: the worker re-reads them. An atomic, so a commit
 /// callback can set it without taking a lock.
 static RELOAD: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"amqp_outbox_reload") };
+/// The worker is about to look for committed rows and wants the next commit to wake it. The
+/// first commit after that clears it and sets the latch; later ones skip the latch, which is
+/// already set, so a busy database does not signal the worker once per commit.
+static COMMIT_WAKE_ARMED: PgAtomic<AtomicBool> =
+    unsafe { PgAtomic::new(c"amqp_outbox_commit_wake_armed") };
 static BROKER_STATES: PgLwLock<BrokerStates> =
     unsafe { PgLwLock::new(c"amqp_outbox_broker_states") };
 static IN_FLIGHT: PgLwLock<InFlightTable> = unsafe { PgLwLock::new(c"amqp_outbox_in_flight") };
@@ -173,6 +178,7 @@ pub fn init() {
     pg_shmem_init!(COUNTERS);
     pg_shmem_init!(REQUESTS);
     pg_shmem_init!(RELOAD);
+    pg_shmem_init!(COMMIT_WAKE_ARMED);
     pg_shmem_init!(BROKER_STATES);
     pg_shmem_init!(IN_FLIGHT);
     READY.store(true, Ordering::Relaxed);
@@ -190,6 +196,21 @@ pub fn wake_worker() {
     let latch = WORKER_LATCH.get().load(Ordering::Acquire);
     if latch != 0 {
         unsafe { pg_sys::SetLatch(latch as *mut pg_sys::Latch) };
+    }
+}
+
+/// A transaction that published committed: wake the worker if it asked for it. Never raises.
+pub fn wake_worker_for_commit() {
+    if ready() && COMMIT_WAKE_ARMED.get().swap(false, Ordering::AcqRel) {
+        wake_worker();
+    }
+}
+
+/// The worker wants the next commit's wake-up. It must call this before it takes the snapshot
+/// that looks for committed rows: a commit after that snapshot then finds the flag set.
+pub fn arm_commit_wake(armed: bool) {
+    if ready() {
+        COMMIT_WAKE_ARMED.get().store(armed, Ordering::Release);
     }
 }
 

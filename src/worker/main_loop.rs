@@ -141,6 +141,8 @@ impl Worker {
                     pg::sleep(gap);
                 }
             }
+            // Before the snapshot of this step: a commit it does not see will wake the worker.
+            shmem::arm_commit_wake(self.settings.enabled);
             let mut settlement = self.take_events();
             self.sweep(&mut settlement);
             if pg::in_recovery() {
