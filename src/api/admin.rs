@@ -25,12 +25,16 @@ fn wake() {
     shmem::wake_worker();
 }
 
-/// Trigger on amqp.broker and amqp.exchange: the worker re-reads them after the commit.
+/// Trigger on the configuration tables: the worker re-reads them after the commit.
 #[pg_trigger]
 fn _config_changed<'a>(
-    _trigger: &'a pgrx::PgTrigger<'a>,
+    trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, PgHeapTupleError> {
     commit_wake::reload_worker_at_commit();
+    // Sessions keep the list of broker ids that publish() checks against (known_brokers).
+    if let Ok(table) = trigger.relation() {
+        super::known_brokers::invalidate(table.oid());
+    }
     Ok(None)
 }
 

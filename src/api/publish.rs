@@ -2,6 +2,7 @@
 //! transaction, and arrange for the worker to be woken when that transaction commits.
 //! Runs in user backends: no threads, no network.
 
+use super::known_brokers;
 use crate::error::{OrRaise, OutboxError};
 use crate::{commit_wake, shmem};
 use pgrx::datum::DatumWithOid;
@@ -29,8 +30,7 @@ thread_local! {
 const INSERT_SQL: &str = "\
 INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
                           body, delivery_mode, content_type, reply_to, correlation_id, headers) \
-SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 \
- WHERE EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id OPERATOR(pg_catalog.=) $3) \
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
 RETURNING id";
 
 /// A message to insert, already checked.
@@ -193,13 +193,12 @@ impl<'a> NewMessage<'a> {
                         insert.insert(Insert { plan, owner })
                     }
                 };
-                // Only this fixed, fully qualified statement runs as the owner.
+                // Only these fixed, fully qualified statements run as the owner.
                 let _as_owner = RunAs::new(insert.owner);
-                // No row back means the broker does not exist (the INSERT's WHERE EXISTS).
-                let table = client.update(&insert.plan, None, &args)?;
-                if table.is_empty() {
+                if !known_brokers::exists(client, self.broker_id)? {
                     return Ok(None);
                 }
+                let table = client.update(&insert.plan, None, &args)?;
                 table.first().get_one::<i64>()
             })
         });
