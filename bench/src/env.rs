@@ -524,6 +524,21 @@ pub fn reset_hwm(pid: i32) -> bool {
     fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
 }
 
+/// The process listening on 127.0.0.1:`port` (the RabbitMQ node), found with `ss`.
+pub fn listener_pid(port: u16) -> Option<i32> {
+    let out = std::process::Command::new("ss")
+        .args(["-Hltnp", &format!("sport = :{port}")])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let at = text.find("pid=")? + 4;
+    text[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// CPU seconds (user + system) `pid` has used so far.
 pub fn proc_cpu_secs(pid: i32) -> Option<f64> {
     let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -29,6 +29,8 @@ struct WorkerDuring {
     delivered_per_sec: f64,
     /// The worker's CPU use during the run, in cores.
     cpu_cores: f64,
+    /// RabbitMQ's CPU use during the run, in cores: taken from the same 2 cores as the INSERTs.
+    broker_cpu_cores: f64,
     /// Seconds after the run until the outbox was empty.
     catch_up_secs: f64,
 }
@@ -45,13 +47,16 @@ fn pgbench_once(
             env.set_enabled(true)?;
             env.purge(&env.routes.publish.queue.clone())?;
             let pid = env.worker_pid()?;
+            let broker = env::listener_pid(5672);
             let cpu0 = pid.and_then(env::proc_cpu_secs);
+            let bcpu0 = broker.and_then(env::proc_cpu_secs);
             let c0 = env.confirmed()?;
             let t0 = Instant::now();
             let out = pgbench::run(env, system, load, body)?;
             let secs = t0.elapsed().as_secs_f64();
             let c1 = env.confirmed()?;
             let cpu1 = pid.and_then(env::proc_cpu_secs);
+            let bcpu1 = broker.and_then(env::proc_cpu_secs);
             let t1 = Instant::now();
             let empty = env.wait_outbox_empty(Duration::from_secs(240));
             let catch_up = t1.elapsed().as_secs_f64();
@@ -63,6 +68,10 @@ fn pgbench_once(
             let w = WorkerDuring {
                 delivered_per_sec: (c1 - c0) as f64 / secs,
                 cpu_cores: match (cpu0, cpu1) {
+                    (Some(a), Some(b)) => (b - a) / secs,
+                    _ => f64::NAN,
+                },
+                broker_cpu_cores: match (bcpu0, bcpu1) {
                     (Some(a), Some(b)) => (b - a) / secs,
                     _ => f64::NAN,
                 },
@@ -141,8 +150,8 @@ fn pgbench_series(
                 out.rows_per_sec,
                 out.latency_ms,
                 w.map(|w| format!(
-                    "; worker delivered {:.0}/s using {:.2} cores, caught up {:.1}s later",
-                    w.delivered_per_sec, w.cpu_cores, w.catch_up_secs
+                    "; worker delivered {:.0}/s using {:.2} cores (RabbitMQ {:.2} cores), caught up {:.1}s later",
+                    w.delivered_per_sec, w.cpu_cores, w.broker_cpu_cores, w.catch_up_secs
                 ))
                 .unwrap_or_default()
             ));
@@ -218,6 +227,7 @@ pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), Str
                 .baseline("INSERT", get("insert")),
         );
         let cpu: Vec<f64> = during.iter().map(|w| w.cpu_cores).collect();
+        let broker_cpu: Vec<f64> = during.iter().map(|w| w.broker_cpu_cores).collect();
         let rate: Vec<f64> = during.iter().map(|w| w.delivered_per_sec).collect();
         run.fig(
             Figure::new(
@@ -232,9 +242,19 @@ pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), Str
                 crate::report::median(&rate)
             )),
         );
+        run.fig(
+            Figure::new(
+                sec,
+                "RabbitMQ CPU while publishing (worker on)",
+                &cfg,
+                "cores",
+            )
+            .samples(broker_cpu.clone()),
+        );
         details.push(json!({
             "config": cfg, "rows_per_sec": s,
             "worker_delivered_per_sec": rate, "worker_cpu_cores": cpu,
+            "broker_cpu_cores": broker_cpu,
             "catch_up_secs": during.iter().map(|w| w.catch_up_secs).collect::<Vec<_>>(),
         }));
     }
