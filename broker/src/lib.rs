@@ -7,6 +7,7 @@
 
 mod ack;
 mod amqp_values;
+mod failover;
 mod listener;
 mod publisher;
 mod supervisor;
@@ -270,16 +271,6 @@ pub enum LogLevel {
     Warning,
 }
 
-/// The hosts of a broker in the order to try them this round.
-pub(crate) fn host_order(config: &BrokerConfig) -> Vec<Endpoint> {
-    let mut hosts = config.hosts.clone();
-    if config.randomize_hosts {
-        use rand::seq::SliceRandom;
-        hosts.shuffle(&mut rand::thread_rng());
-    }
-    hosts
-}
-
 /// The worker's end of the bridge.
 pub struct BrokerHandle {
     commands: tokio::sync::mpsc::UnboundedSender<Command>,
@@ -317,58 +308,5 @@ impl BrokerHandle {
                 let _ = t.join();
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(randomize_hosts: bool) -> BrokerConfig {
-        let host = |n: u16| Endpoint {
-            host: format!("node{n}"),
-            port: 5672,
-            vhost: "/".into(),
-            username: "u".into(),
-            password: "p".into(),
-            tls: None,
-        };
-        BrokerConfig {
-            broker_id: 1,
-            hosts: (1..=8).map(host).collect(),
-            randomize_hosts,
-            exchanges: vec![],
-            queues: vec![],
-            bindings: vec![],
-            proof: ProofMode::Confirm,
-            ack_queue: AckQueueConfig {
-                name: "acks".into(),
-                quorum: false,
-            },
-            connect_timeout: Duration::from_secs(1),
-            heartbeat_secs: 0,
-            confirm_timeout: Duration::from_secs(1),
-            reconnect_min: Duration::from_millis(1),
-            reconnect_max: Duration::from_millis(2),
-        }
-    }
-
-    #[test]
-    fn hosts_are_tried_in_listed_order_unless_randomized() {
-        let listed = config(false);
-        assert_eq!(host_order(&listed), listed.hosts);
-        let random = config(true);
-        let mut seen_other_order = false;
-        for _ in 0..50 {
-            let order = host_order(&random);
-            let mut sorted = order.clone();
-            sorted.sort_by(|a, b| a.host.cmp(&b.host));
-            assert_eq!(sorted, random.hosts, "a permutation of the same hosts");
-            seen_other_order |= order != random.hosts;
-        }
-        assert!(
-            seen_other_order,
-            "50 shuffles of 8 hosts all kept the listed order"
-        );
     }
 }

@@ -11,6 +11,7 @@
 
 use crate::ack::{self, SharedTracker};
 use crate::amqp_values::to_field_table;
+use crate::failover::{self, Round};
 use crate::publisher::describe_error;
 use crate::supervisor::{backoff, close_connection, Redactor};
 use crate::thread::{panic_message, EventSink};
@@ -126,6 +127,16 @@ fn connection_key(c: &BrokerConfig) -> (&[Endpoint], u16, &crate::AckQueueConfig
     (&c.hosts, c.heartbeat_secs, &c.ack_queue)
 }
 
+impl failover::Interruptible for Listener {
+    type Interrupt = Interrupt;
+    fn wait_for<F: std::future::Future + Send>(
+        &mut self,
+        fut: F,
+    ) -> impl std::future::Future<Output = Result<F::Output, Interrupt>> + Send {
+        self.waiting(fut)
+    }
+}
+
 impl Listener {
     fn id(&self) -> i32 {
         self.cfg.broker_id
@@ -146,40 +157,27 @@ impl Listener {
                     _ => continue,
                 }
             }
-            let mut errors = Vec::new();
-            let mut connected = None;
-            let mut restart = false;
-            for ep in crate::host_order(&self.cfg) {
-                let attempt = connect(ep.clone(), self.cfg.clone(), self.sink.clone());
-                match self.waiting(attempt).await {
-                    Ok(Ok(c)) => {
-                        connected = Some((ep, c));
-                        break;
-                    }
-                    Ok(Err(e)) => errors.push(format!("{}: {}", ep.display_name(), e)),
-                    Err(Interrupt::Stop) => return,
-                    Err(Interrupt::Restart) => {
-                        restart = true;
-                        break;
-                    }
+            let cfg = self.cfg.clone();
+            let sink = self.sink.clone();
+            let round =
+                failover::round(&mut self, &cfg, |ep| connect(ep, cfg.clone(), sink.clone())).await;
+            let (ep, (conn, consumer)) = match round {
+                Round::Connected(ep, c) => (ep, c),
+                Round::Interrupted(Interrupt::Stop) => return,
+                Round::Interrupted(Interrupt::Restart) => continue,
+                Round::Failed(errors) => {
+                    self.failures = self.failures.saturating_add(1);
+                    self.down(format!(
+                        "acknowledgement listener cannot connect: {}",
+                        errors.join("; ")
+                    ));
+                    delay = Some(backoff(
+                        self.cfg.reconnect_min,
+                        self.cfg.reconnect_max,
+                        self.failures - 1,
+                    ));
+                    continue;
                 }
-            }
-            if restart {
-                continue;
-            }
-            let Some((ep, (conn, consumer))) = connected else {
-                self.failures = self.failures.saturating_add(1);
-                let error = format!(
-                    "acknowledgement listener cannot connect: {}",
-                    errors.join("; ")
-                );
-                self.down(error);
-                delay = Some(backoff(
-                    self.cfg.reconnect_min,
-                    self.cfg.reconnect_max,
-                    self.failures - 1,
-                ));
-                continue;
             };
             self.failures = 0;
             self.reported_down = false;

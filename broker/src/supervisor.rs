@@ -4,6 +4,7 @@
 
 use crate::ack::{self, SharedTracker};
 use crate::amqp_values::to_field_table;
+use crate::failover::{self, Round};
 use crate::listener::{self, ListenerHandle};
 use crate::publisher::{self, describe_error, AckCtx, ChannelCtx, ChannelEnd, Job};
 use crate::thread::{panic_message, EventSink};
@@ -351,6 +352,16 @@ struct BrokerTask {
     ack_invalid_warned: bool,
 }
 
+impl failover::Interruptible for BrokerTask {
+    type Interrupt = Interrupt;
+    fn wait_for<F: Future + Send>(
+        &mut self,
+        fut: F,
+    ) -> impl Future<Output = Result<F::Output, Interrupt>> + Send {
+        self.waiting(fut)
+    }
+}
+
 impl BrokerTask {
     fn id(&self) -> i32 {
         self.cfg.broker_id
@@ -418,41 +429,29 @@ impl BrokerTask {
                     _ => continue,
                 }
             }
-            let mut errors = Vec::new();
-            let mut session = None;
-            let mut restart = false;
-            for ep in crate::host_order(&self.cfg) {
-                let attempt = connect(ep.clone(), self.cfg.clone(), self.sink.clone());
-                match self.waiting(attempt).await {
-                    Ok(Ok(s)) => {
-                        session = Some(s);
-                        break;
+            let cfg = self.cfg.clone();
+            let sink = self.sink.clone();
+            let round =
+                failover::round(self, &cfg, |ep| connect(ep, cfg.clone(), sink.clone())).await;
+            let session = match round {
+                Round::Connected(_, session) => session,
+                Round::Interrupted(Interrupt::Shutdown) => return,
+                Round::Interrupted(Interrupt::Restart) => continue,
+                Round::Failed(errors) => {
+                    self.failures = self.failures.saturating_add(1);
+                    let error = format!("cannot connect: {}", errors.join("; "));
+                    if self.reported_down {
+                        self.log(LogLevel::Debug, error);
+                    } else {
+                        self.report_down(error);
                     }
-                    Ok(Err(e)) => errors.push(format!("{}: {}", ep.display_name(), e)),
-                    Err(Interrupt::Shutdown) => return,
-                    Err(Interrupt::Restart) => {
-                        restart = true;
-                        break;
-                    }
+                    delay = Some(backoff(
+                        self.cfg.reconnect_min,
+                        self.cfg.reconnect_max,
+                        self.failures - 1,
+                    ));
+                    continue;
                 }
-            }
-            if restart {
-                continue;
-            }
-            let Some(session) = session else {
-                self.failures = self.failures.saturating_add(1);
-                let error = format!("cannot connect: {}", errors.join("; "));
-                if self.reported_down {
-                    self.log(LogLevel::Debug, error);
-                } else {
-                    self.report_down(error);
-                }
-                delay = Some(backoff(
-                    self.cfg.reconnect_min,
-                    self.cfg.reconnect_max,
-                    self.failures - 1,
-                ));
-                continue;
             };
             self.failures = 0;
             match self.serve(session).await {
