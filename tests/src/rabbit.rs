@@ -632,22 +632,28 @@ async fn consume_once(
 ) -> Result<(), String> {
     let conn = connect(endpoint).await?;
     let result = async {
-        let ch = conn
-            .create_channel()
-            .await
-            .map_err(|e| format!("channel: {e}"))?;
-        ch.basic_qos(500, BasicQosOptions::default())
-            .await
-            .map_err(|e| format!("basic.qos: {e}"))?;
-        let mut consumer = ch
-            .basic_consume(
+        // A node still booting can accept the connection and never answer: bound each step,
+        // so the consumer tries again instead of waiting forever.
+        let setup = async {
+            let ch = conn
+                .create_channel()
+                .await
+                .map_err(|e| format!("channel: {e}"))?;
+            ch.basic_qos(500, BasicQosOptions::default())
+                .await
+                .map_err(|e| format!("basic.qos: {e}"))?;
+            ch.basic_consume(
                 queue.into(),
                 "".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| format!("basic.consume {queue}: {e}"))?;
+            .map_err(|e| format!("basic.consume {queue}: {e}"))
+        };
+        let mut consumer = tokio::time::timeout(Duration::from_secs(10), setup)
+            .await
+            .map_err(|_| format!("consumer setup on {queue} timed out"))??;
         let connection_no = {
             let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
             st.connections += 1;
