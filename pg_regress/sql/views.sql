@@ -7,6 +7,11 @@ RESET client_min_messages;
 SELECT published, confirmed, acknowledged,
        resent_lost, resent_timeout, failed, parked
   FROM amqp.worker_status;
+-- This database's acknowledgement queue: unique to the cluster and the database.
+SELECT ack_queue = format('amqp_outbox.ack.%s.%s', to_hex(s.system_identifier),
+                          to_hex(d.oid::bigint)) AS ack_queue_named
+  FROM amqp.worker_status, pg_control_system() s, pg_database d
+ WHERE d.datname = current_database();
 BEGIN;
 INSERT INTO amqp.broker (broker_id, host) VALUES (6, '127.0.0.1');
 SELECT amqp.publish(6, 'orders', 'a', 'x');

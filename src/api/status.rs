@@ -5,7 +5,8 @@ use pgrx::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 #[allow(clippy::type_complexity)]
-/// The worker's process id and its counters since server start (zeros when not preloaded).
+/// The worker's process id, its counters since server start (zeros when not preloaded), and the
+/// name of this database's acknowledgement queue.
 #[pg_extern(volatile, parallel_safe, name = "_worker_status")]
 fn worker_status() -> TableIterator<
     'static,
@@ -18,6 +19,7 @@ fn worker_status() -> TableIterator<
         name!(resent_timeout, i64),
         name!(failed, i64),
         name!(parked, i64),
+        name!(ack_queue, String),
     ),
 > {
     let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
@@ -32,6 +34,7 @@ fn worker_status() -> TableIterator<
         load(|c| &c.resent_timeout),
         load(|c| &c.failed),
         load(|c| &c.parked),
+        crate::worker::ack_queue_name(),
     ))
 }
 

@@ -6,6 +6,8 @@ mod main_loop;
 mod pg;
 mod queries;
 
+pub use queries::ack_queue_name;
+
 use crate::{gucs, shmem};
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
