@@ -535,15 +535,25 @@ impl BrokerTask {
 
         loop {
             // A (new) publishing channel. Meanwhile publishes fail as Transient, as when
-            // disconnected.
-            let channel = match self.waiting(open_publishing_channel(&conn)).await {
-                Ok(Ok(ch)) => ch,
-                Ok(Err(e)) => {
+            // disconnected. Bounded: a channel closed by a connection that is dying (its status
+            // not updated yet) is reopened on that connection, and the answer may never come.
+            let limit = self.cfg.connect_timeout;
+            let opening = tokio::time::timeout(limit, open_publishing_channel(&conn));
+            let channel = match self.waiting(opening).await {
+                Ok(Ok(Ok(ch))) => ch,
+                Ok(Ok(Err(e))) => {
                     let error = format!(
                         "{host}: cannot open a publishing channel: {}",
                         self.redactor.clean(&describe_error(&e))
                     );
                     self.report_down(error);
+                    close_connection(&conn).await;
+                    return SessionEnd::Lost;
+                }
+                Ok(Err(_)) => {
+                    self.report_down(format!(
+                        "{host}: opening a publishing channel timed out after {limit:?}"
+                    ));
                     close_connection(&conn).await;
                     return SessionEnd::Lost;
                 }
