@@ -870,14 +870,9 @@ impl Ha {
     }
 }
 
-/// The worker's node killed (failover), then a majority down (stall) and back: about 90 s.
-/// Meant for `make test`; ignored until the product bug below is fixed (then delete the
-/// `#[ignore]` line): after a failover, RabbitMQ 3.10 can nack every publish of the new channel
-/// to the quorum queue (the channel was opened before the queue's new leader was elected); the
-/// worker counts each nack as a refused attempt, parks messages after `max_attempts`, and never
-/// opens a fresh channel, so publishing does not resume.
+/// The worker's node killed (failover), then a majority down (stall) and back: about 75 s.
+/// Runs in `make test`.
 #[test]
-#[ignore = "three private RabbitMQ nodes, about 75 s; run by make chaos"]
 fn ha_short_failover_and_majority_loss() {
     let mut ha = Ha::new(Duration::from_millis(20));
     ha.kill_workers_node();
