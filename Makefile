@@ -45,6 +45,7 @@ installcheck:
 # The extension's pure-Rust logic (no server needed).
 test-unit:
 	$(CARGO) test -p amqp_outbox --lib
+	$(CARGO) test -p amqp_outbox_bench
 
 test-broker:
 	$(CARGO) test -p amqp_outbox_broker

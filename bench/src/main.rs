@@ -7,7 +7,9 @@
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
 //! latency,scale,growth,profile` to run a subset; `BENCH_PROFILE=0` to skip perf.
+//! `--charts <results.json>` prints the charts of an earlier run and exits.
 
+mod charts;
 mod env;
 mod pgbench;
 mod phases;
@@ -157,7 +159,31 @@ fn command_line(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
+/// `--charts <file>`: the charts of a results file.
+fn print_charts(path: &str) -> ! {
+    let figures = std::fs::read_to_string(path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))
+        .map(|doc| doc["figures"].as_array().cloned().unwrap_or_default());
+    match figures {
+        Ok(f) => {
+            print!("{}", charts::charts(&f));
+            std::process::exit(0)
+        }
+        Err(e) => {
+            eprintln!("cannot read {path}: {e}");
+            std::process::exit(2)
+        }
+    }
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, path] = args.as_slice() {
+        if flag == "--charts" {
+            print_charts(path);
+        }
+    }
     let opts = Opts::from_env();
     let started = Instant::now();
     log(format!(
@@ -288,6 +314,11 @@ fn main() {
         if dirty { " (src/ modified in the work tree)" } else { "" },
         env::sync_commit()
     );
+    let figures_json: Vec<Value> = run.figures.iter().map(Figure::to_json).collect();
+    let pictures = charts::charts(&figures_json);
+    if !pictures.is_empty() {
+        md.push_str(&format!("\n{pictures}"));
+    }
     if !run.notes.is_empty() {
         md.push_str("\nNotes:\n");
         for n in &run.notes {
