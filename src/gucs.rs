@@ -11,6 +11,7 @@ pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static MAX_MESSAGE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024 * 1024);
 pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(1000);
+pub static BATCH_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(500);
 pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(2000);
 pub static CONNECT_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(5000);
@@ -68,6 +69,16 @@ pub fn init() {
         &NAPTIME,
         10,
         3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.batch_interval",
+        c"Shortest time between two claims while commits keep coming.",
+        c"Under load the worker waits this long after a step before the next, so one claim takes everything committed meanwhile: longer means larger batches and less CPU per message, and up to this much more latency. An idle worker claims a new commit at once. 0 claims after every wake-up.",
+        &BATCH_INTERVAL,
+        0,
+        1000,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
@@ -201,6 +212,7 @@ pub struct WorkerSettings {
     pub max_message_size: usize,
     pub max_attempts: i32,
     pub naptime: Duration,
+    pub batch_interval: Duration,
     pub batch_size: usize,
     pub max_in_flight: usize,
     pub connect_timeout: Duration,
@@ -222,6 +234,7 @@ impl WorkerSettings {
             max_message_size: MAX_MESSAGE_SIZE.get().max(0) as usize,
             max_attempts: MAX_ATTEMPTS.get(),
             naptime: ms(&NAPTIME),
+            batch_interval: ms(&BATCH_INTERVAL),
             batch_size: BATCH_SIZE.get().max(1) as usize,
             max_in_flight: MAX_IN_FLIGHT.get().max(1) as usize,
             connect_timeout: ms(&CONNECT_TIMEOUT),

@@ -33,12 +33,11 @@ fn backoff(min: Duration, max: Duration, n: u32) -> Duration {
         .min(max.max(min))
 }
 
-/// The shortest gap between two steps while they come back to back. Under load every commit and
-/// every confirm wakes the worker; one step per wake-up would spend a transaction on each message
-/// and take the CPU the publishing sessions need. Waiting out this gap lets one step claim
-/// everything committed meanwhile and settle every confirm at once. An idle worker is not delayed:
-/// a commit arriving after the gap is claimed at once.
-const MIN_STEP_GAP: Duration = Duration::from_millis(1);
+// Coalescing: under load every commit and every confirm wakes the worker, and one step per
+// wake-up would spend a transaction (and a broker round trip) on each message, taking the CPU
+// the publishing sessions need. Steps are at least `amqp_outbox.batch_interval` apart, so one
+// claim takes everything committed meanwhile. An idle worker is not delayed: a commit arriving
+// after the interval is claimed at once.
 
 /// With `amqp_outbox.enabled = off`, commits do not start a step; this often one still runs, so
 /// the status views and configuration stay current.
@@ -136,7 +135,8 @@ impl Worker {
             if !self.more_work {
                 if let Some(gap) = self
                     .stepped_at
-                    .and_then(|t| MIN_STEP_GAP.checked_sub(t.elapsed()))
+                    .and_then(|t| self.settings.batch_interval.checked_sub(t.elapsed()))
+                    .filter(|gap| !gap.is_zero())
                 {
                     pg::sleep(gap);
                 }

@@ -1,0 +1,6 @@
+-- The settings are a contract with DBAs' postgresql.conf: names, defaults, units, when they
+-- take effect (postmaster: at start; sighup: on reload; user: per session).
+SELECT name, boot_val, unit, context, vartype, min_val, max_val
+  FROM pg_settings
+ WHERE name LIKE 'amqp\_outbox.%'
+ ORDER BY name;
