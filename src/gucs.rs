@@ -14,6 +14,7 @@ pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(1000);
 pub static BATCH_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(500);
 pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(2000);
+pub static MAX_IN_FLIGHT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(32 * 1024 * 1024);
 pub static CONNECT_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(5000);
 pub static HEARTBEAT: GucSetting<i32> = GucSetting::<i32>::new(10);
 pub static CONFIRM_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(15000);
@@ -101,6 +102,16 @@ pub fn init() {
         1_000_000,
         GucContext::Sighup,
         GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.max_in_flight_bytes",
+        c"Message bodies handed to the broker connection and not yet confirmed, per broker.",
+        c"Bounds the worker's memory whatever the message sizes; a message larger than this still goes out, alone.",
+        &MAX_IN_FLIGHT_BYTES,
+        1024,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_BYTE,
     );
     GucRegistry::define_int_guc(
         c"amqp_outbox.connect_timeout",
@@ -215,6 +226,7 @@ pub struct WorkerSettings {
     pub batch_interval: Duration,
     pub batch_size: usize,
     pub max_in_flight: usize,
+    pub max_in_flight_bytes: usize,
     pub connect_timeout: Duration,
     pub heartbeat_secs: u16,
     pub confirm_timeout: Duration,
@@ -237,6 +249,7 @@ impl WorkerSettings {
             batch_interval: ms(&BATCH_INTERVAL),
             batch_size: BATCH_SIZE.get().max(1) as usize,
             max_in_flight: MAX_IN_FLIGHT.get().max(1) as usize,
+            max_in_flight_bytes: MAX_IN_FLIGHT_BYTES.get().max(1024) as usize,
             connect_timeout: ms(&CONNECT_TIMEOUT),
             heartbeat_secs: HEARTBEAT.get().clamp(0, u16::MAX as i32) as u16,
             confirm_timeout: ms(&CONFIRM_TIMEOUT),

@@ -1,6 +1,7 @@
 //! The worker's memory of what it has handed to the AMQP thread: per broker, the connection
 //! state, and per message in flight what is known of its delivery (confirmed? acknowledged?).
-//! Plain Rust, no PostgreSQL calls. Bounded by `max_in_flight` per broker.
+//! Plain Rust, no PostgreSQL calls. Bounded by `max_in_flight` messages and
+//! `max_in_flight_bytes` of unconfirmed bodies per broker.
 
 use amqp_outbox_broker::ProofMode;
 use std::collections::{BTreeSet, HashMap};
@@ -9,6 +10,8 @@ use std::time::{Duration, Instant};
 pub struct Entry {
     pub broker_id: i32,
     pub sent_at: Instant,
+    /// Body size: counted against the broker's unconfirmed bytes until the confirm.
+    pub bytes: usize,
     /// A positive confirm without a return arrived.
     pub confirmed: bool,
     /// Its acknowledgement record was seen on the acknowledgement queue.
@@ -23,6 +26,8 @@ pub struct BrokerFlight {
     /// Why the connection is down, if it is.
     pub error: Option<String>,
     pub in_flight: usize,
+    /// Bodies handed over and not confirmed yet: what the worker's process may still hold.
+    pub unconfirmed_bytes: usize,
     /// Ids whose last publish ended in an ambiguous channel error: they are published one at a
     /// time, with nothing else in flight, so an error names its cause.
     pub suspects: BTreeSet<i64>,
@@ -37,6 +42,7 @@ impl Default for BrokerFlight {
             proof: ProofMode::AckQueue,
             error: None,
             in_flight: 0,
+            unconfirmed_bytes: 0,
             suspects: BTreeSet::new(),
         }
     }
@@ -59,6 +65,29 @@ pub enum Verdict {
     Wait,
     /// Not (or no longer) in flight: nothing to do.
     Unknown,
+}
+
+/// What a broker may take in one claim.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub struct Room {
+    pub broker_id: i32,
+    pub messages: usize,
+    pub bytes: usize,
+    /// Nothing unconfirmed: one message goes even if it is larger than `bytes`.
+    pub take_one_anyway: bool,
+}
+
+impl Room {
+    /// Takes a message of `size` bytes if it fits.
+    pub fn take(&mut self, size: usize) -> bool {
+        if self.messages == 0 || (size > self.bytes && !self.take_one_anyway) {
+            return false;
+        }
+        self.messages -= 1;
+        self.bytes = self.bytes.saturating_sub(size);
+        self.take_one_anyway = false;
+        true
+    }
 }
 
 #[derive(Default)]
@@ -88,28 +117,40 @@ impl Flight {
     fn recount(&mut self) {
         for b in self.brokers.values_mut() {
             b.in_flight = 0;
+            b.unconfirmed_bytes = 0;
         }
         for e in self.entries.values() {
             if let Some(b) = self.brokers.get_mut(&e.broker_id) {
                 b.in_flight += 1;
+                if !e.confirmed {
+                    b.unconfirmed_bytes += e.bytes;
+                }
             }
         }
     }
 
+    #[cfg(test)]
     pub fn is_in_flight(&self, id: i64) -> bool {
         self.entries.contains_key(&id)
     }
 
-    pub fn mark_sent(&mut self, broker_id: i32, id: i64) {
+    pub fn mark_sent(&mut self, broker_id: i32, id: i64, bytes: usize) {
         let entry = Entry {
             broker_id,
             sent_at: Instant::now(),
+            bytes,
             confirmed: false,
             acked: false,
         };
         self.changes += 1;
-        if self.entries.insert(id, entry).is_none() {
-            self.broker(broker_id).in_flight += 1;
+        match self.entries.insert(id, entry) {
+            None => {
+                let b = self.broker(broker_id);
+                b.in_flight += 1;
+                b.unconfirmed_bytes += bytes;
+            }
+            // Sent again while still tracked (a resend): its old counts go.
+            Some(_) => self.recount(),
         }
     }
 
@@ -119,6 +160,9 @@ impl Flight {
             self.changes += 1;
             if let Some(b) = self.brokers.get_mut(&e.broker_id) {
                 b.in_flight = b.in_flight.saturating_sub(1);
+                if !e.confirmed {
+                    b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(e.bytes);
+                }
             }
         }
     }
@@ -138,8 +182,17 @@ impl Flight {
         let Some(e) = self.entries.get_mut(&id) else {
             return Verdict::Unknown;
         };
-        e.confirmed = true;
+        if !e.confirmed {
+            e.confirmed = true;
+            let (broker_id, bytes) = (e.broker_id, e.bytes);
+            if let Some(b) = self.brokers.get_mut(&broker_id) {
+                b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(bytes);
+            }
+        }
         self.changes += 1;
+        let Some(e) = self.entries.get(&id) else {
+            return Verdict::Unknown;
+        };
         let done = e.acked || proof_mode == ProofMode::Confirm;
         if done {
             self.settle(id);
@@ -211,25 +264,33 @@ impl Flight {
         expired
     }
 
-    /// Brokers that may take new (non-suspect) messages now, with how many each may take.
-    pub fn open_brokers(&self, max_in_flight: usize) -> Vec<(i32, usize)> {
-        let mut open: Vec<(i32, usize)> = self
+    /// Brokers that may take new (non-suspect) messages now, with how many messages and how
+    /// many body bytes each may take. A broker with nothing unconfirmed takes at least one
+    /// message however large.
+    pub fn open_brokers(&self, max_in_flight: usize, max_bytes: usize) -> Vec<Room> {
+        let mut open: Vec<Room> = self
             .brokers
             .iter()
-            .filter(|(_, b)| b.connected && !b.isolating() && b.in_flight < max_in_flight)
-            .map(|(id, b)| (*id, max_in_flight - b.in_flight))
+            .filter(|(_, b)| {
+                b.connected
+                    && !b.isolating()
+                    && b.in_flight < max_in_flight
+                    && (b.unconfirmed_bytes == 0 || b.unconfirmed_bytes < max_bytes)
+            })
+            .map(|(id, b)| Room {
+                broker_id: *id,
+                messages: max_in_flight - b.in_flight,
+                bytes: max_bytes.saturating_sub(b.unconfirmed_bytes),
+                take_one_anyway: b.unconfirmed_bytes == 0,
+            })
             .collect();
-        open.sort_unstable();
+        open.sort_unstable_by_key(|r| r.broker_id);
         open
     }
 
-    /// In flight for these brokers: the claim must read past them.
-    pub fn in_flight_of(&self, brokers: &[i32]) -> usize {
-        brokers
-            .iter()
-            .filter_map(|id| self.brokers.get(id))
-            .map(|b| b.in_flight)
-            .sum()
+    /// Ids in flight: the claim skips them.
+    pub fn ids(&self) -> impl Iterator<Item = i64> + '_ {
+        self.entries.keys().copied()
     }
 
     /// Brokers whose suspects can be published now: connected, nothing else in flight.
@@ -273,7 +334,7 @@ mod tests {
     #[test]
     fn confirm_mode_delivers_on_the_confirm() {
         let mut f = flight(ProofMode::Confirm);
-        f.mark_sent(1, 10);
+        f.mark_sent(1, 10, 100);
         assert_eq!(f.confirmed(10), Verdict::Delivered);
         assert!(!f.is_in_flight(10));
         assert_eq!(f.broker(1).in_flight, 0);
@@ -282,8 +343,8 @@ mod tests {
     #[test]
     fn ack_queue_mode_needs_confirm_and_record_in_either_order() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10);
-        f.mark_sent(1, 11);
+        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 11, 100);
         assert_eq!(f.confirmed(10), Verdict::Wait);
         assert_eq!(f.acked(10), Verdict::Delivered);
         assert_eq!(f.acked(11), Verdict::Wait);
@@ -294,8 +355,8 @@ mod tests {
     #[test]
     fn lost_without_confirm_is_resent_and_with_confirm_is_delivered() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10);
-        f.mark_sent(1, 11);
+        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 11, 100);
         f.confirmed(11);
         assert_eq!(f.lost(10), Verdict::Resend);
         assert_eq!(f.lost(11), Verdict::Delivered);
@@ -306,7 +367,7 @@ mod tests {
     #[test]
     fn every_state_change_is_counted_for_the_views() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10);
+        f.mark_sent(1, 10, 100);
         let before = f.changes();
         f.confirmed(10);
         assert!(
@@ -318,7 +379,7 @@ mod tests {
     #[test]
     fn events_for_unknown_ids_change_nothing() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10);
+        f.mark_sent(1, 10, 100);
         assert_eq!(f.confirmed(99), Verdict::Unknown);
         assert_eq!(f.acked(99), Verdict::Unknown);
         f.settle(99);
@@ -328,8 +389,8 @@ mod tests {
     #[test]
     fn a_lost_connection_forgets_only_unconfirmed_messages() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10);
-        f.mark_sent(1, 11);
+        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 11, 100);
         f.confirmed(11);
         f.forget_unconfirmed(1);
         assert!(!f.is_in_flight(10));
@@ -340,7 +401,7 @@ mod tests {
     #[test]
     fn expire_takes_back_what_waited_too_long() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10);
+        f.mark_sent(1, 10, 100);
         assert!(f.expire(Duration::from_secs(3600)).is_empty());
         assert_eq!(f.expire(Duration::ZERO), vec![10]);
         assert!(!f.is_in_flight(10));
@@ -349,19 +410,27 @@ mod tests {
     #[test]
     fn the_window_and_isolation_close_a_broker() {
         let mut f = flight(ProofMode::Confirm);
-        f.mark_sent(1, 10);
-        assert_eq!(f.open_brokers(2), vec![(1, 1)]);
-        f.mark_sent(1, 11);
-        assert!(f.open_brokers(2).is_empty(), "window full");
+        f.mark_sent(1, 10, 100);
+        assert_eq!(
+            f.open_brokers(2, 1000),
+            vec![Room {
+                broker_id: 1,
+                messages: 1,
+                bytes: 900,
+                take_one_anyway: false
+            }]
+        );
+        f.mark_sent(1, 11, 100);
+        assert!(f.open_brokers(2, 1000).is_empty(), "window full");
         f.confirmed(10);
         f.confirmed(11);
         f.broker(1).suspects.insert(12);
         assert!(
-            f.open_brokers(2).is_empty(),
+            f.open_brokers(2, 1000).is_empty(),
             "suspects are published alone first"
         );
         assert_eq!(f.isolation_ready(), vec![(1, vec![12])]);
-        f.mark_sent(1, 12);
+        f.mark_sent(1, 12, 100);
         assert!(f.isolation_ready().is_empty(), "one suspect at a time");
     }
 
@@ -369,11 +438,65 @@ mod tests {
     fn removed_brokers_drop_their_messages() {
         let mut f = flight(ProofMode::Confirm);
         f.broker(2).connected = true;
-        f.mark_sent(1, 10);
-        f.mark_sent(2, 20);
+        f.mark_sent(1, 10, 100);
+        f.mark_sent(2, 20, 100);
         f.retain_brokers(&[2]);
         assert!(!f.is_in_flight(10));
         assert!(f.is_in_flight(20));
-        assert_eq!(f.in_flight_of(&[1, 2]), 1);
+        assert_eq!(f.ids().collect::<Vec<_>>(), vec![20]);
+    }
+
+    #[test]
+    fn unconfirmed_bytes_close_a_broker_until_confirms_free_them() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10, 600);
+        f.mark_sent(1, 11, 500);
+        assert_eq!(f.broker(1).unconfirmed_bytes, 1100);
+        assert!(f.open_brokers(100, 1000).is_empty(), "over the byte cap");
+        // Confirmed but not acknowledged: still in flight, no longer held in memory.
+        assert_eq!(f.confirmed(10), Verdict::Wait);
+        assert_eq!(
+            f.confirmed(10),
+            Verdict::Wait,
+            "a second confirm counts nothing"
+        );
+        assert_eq!(f.broker(1).unconfirmed_bytes, 500);
+        let room = f.open_brokers(100, 1000);
+        assert_eq!(room[0].messages, 98);
+        assert_eq!(room[0].bytes, 500);
+        // Settling an unconfirmed message frees its bytes; a confirmed one's are gone already.
+        f.settle(11);
+        f.settle(10);
+        assert_eq!(f.broker(1).unconfirmed_bytes, 0);
+        // A resend of a tracked id is not counted twice.
+        f.mark_sent(1, 12, 300);
+        f.mark_sent(1, 12, 300);
+        assert_eq!(f.broker(1).unconfirmed_bytes, 300);
+        assert_eq!(f.broker(1).in_flight, 1);
+    }
+
+    #[test]
+    fn a_room_takes_what_fits_and_one_large_message_when_nothing_is_unconfirmed() {
+        let mut empty = Room {
+            broker_id: 1,
+            messages: 3,
+            bytes: 1000,
+            take_one_anyway: true,
+        };
+        assert!(
+            empty.take(5000),
+            "one message larger than the cap still goes"
+        );
+        assert!(!empty.take(1), "but only one");
+        let mut r = Room {
+            broker_id: 1,
+            messages: 2,
+            bytes: 1000,
+            take_one_anyway: false,
+        };
+        assert!(r.take(600));
+        assert!(!r.take(600), "over the bytes left");
+        assert!(r.take(400));
+        assert!(!r.take(0), "no message left");
     }
 }

@@ -1,7 +1,7 @@
 //! The worker's loop, on its main (PostgreSQL) thread: take the AMQP thread's events, settle
 //! rows in one short transaction, claim the next rows, hand them over, sleep on latch + socket.
 
-use super::flight::{Flight, Verdict};
+use super::flight::{Flight, Room, Verdict};
 use super::pg::{self, Woken};
 use super::queries::{self, Row};
 use crate::gucs::WorkerSettings;
@@ -558,7 +558,7 @@ impl Worker {
             b.suspects.retain(|id| found.contains(id));
             let messages = self.prepare(client, rows, max_size)?;
             for m in &messages {
-                self.flight.mark_sent(broker_id, m.id);
+                self.flight.mark_sent(broker_id, m.id, m.body.len());
             }
             if !messages.is_empty() {
                 commands.push(Command::Publish {
@@ -569,53 +569,60 @@ impl Worker {
             }
         }
 
-        let open = self.flight.open_brokers(self.settings.max_in_flight);
+        let open = self.flight.open_brokers(
+            self.settings.max_in_flight,
+            self.settings.max_in_flight_bytes,
+        );
         if open.is_empty() {
             self.more_work = false;
             return Ok(commands);
         }
-        let mut room: BTreeMap<i32, usize> = open.into_iter().collect();
+        let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
         let broker_ids: Vec<i32> = room.keys().copied().collect();
         let now = Instant::now();
         self.held.retain(|_, (until, _)| {
             // Forget holds long past, so the map stays as small as the recent nacks.
             now < *until + self.settings.retry_backoff_max
         });
-        let held_now = self.held.values().filter(|(until, _)| now < *until).count();
-        let limit = self.settings.batch_size + self.flight.in_flight_of(&broker_ids) + held_now;
-        let rows = queries::claim(client, &broker_ids, limit)?;
-        self.more_work = rows.len() == limit;
+        // What is in flight or held back is not read again (bodies included).
+        let mut skip: Vec<i64> = self.flight.ids().collect();
+        skip.extend(
+            self.held
+                .iter()
+                .filter(|(_, (until, _))| now < *until)
+                .map(|(id, _)| *id),
+        );
+        let budget: usize = room.values().map(|r| r.bytes.max(1)).sum();
+        let limit = self.settings.batch_size;
+        let rows = queries::claim(client, &broker_ids, limit, &skip, budget)?;
+        let fetched: usize = rows.iter().map(|r| r.body.len()).sum();
+        // A full batch, or one cut short by the byte budget: there is probably more.
+        let mut more = rows.len() == limit || fetched.saturating_mul(2) >= budget;
+        let mut taken = 0;
         let mut batches: BTreeMap<i32, Vec<Row>> = BTreeMap::new();
         for row in rows {
-            if self.flight.is_in_flight(row.id) {
-                continue;
-            }
-            if self
-                .held
-                .get(&row.id)
-                .is_some_and(|(until, _)| now < *until)
-            {
-                continue;
-            }
-            match room.get_mut(&row.broker_id) {
-                Some(r) if *r > 0 => {
-                    *r -= 1;
-                    batches.entry(row.broker_id).or_default().push(row);
-                }
-                // This broker's window is full: what it has in flight must settle first.
-                _ => {}
+            // A broker whose window is full (messages or bytes) takes nothing more until what
+            // it has in flight settles.
+            let fits = room
+                .get_mut(&row.broker_id)
+                .is_some_and(|r| r.take(row.body.len()));
+            if fits {
+                taken += 1;
+                batches.entry(row.broker_id).or_default().push(row);
             }
         }
-        if room.values().all(|r| *r == 0) {
-            self.more_work = false;
+        if taken == 0 || room.values().all(|r| r.messages == 0 || r.bytes == 0) {
+            // Nothing more fits until confirms arrive (they wake the worker).
+            more = false;
         }
+        self.more_work = more;
         for (broker_id, rows) in batches {
             let messages = self.prepare(client, rows, max_size)?;
             if messages.is_empty() {
                 continue;
             }
             for m in &messages {
-                self.flight.mark_sent(broker_id, m.id);
+                self.flight.mark_sent(broker_id, m.id, m.body.len());
             }
             shmem::count(|c| &c.published, messages.len() as u64);
             commands.push(Command::Publish {

@@ -123,15 +123,25 @@ fn unix_micros(ts: Option<TimestampWithTimeZone>) -> i64 {
         .unwrap_or(0)
 }
 
+/// The next rows to publish, in id order: not in flight or held back (`$3`), and no more body
+/// bytes than `$4` (the first row always: it may be larger). `octet_length` reads a toasted
+/// body's size from its pointer, so rows past the budget cost no detoasting.
 const CLAIM_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
        correlation_id, headers, producer_pid, producer_started_at, created_at, attempts \
-  FROM amqp.message \
- WHERE broker_id OPERATOR(pg_catalog.=) ANY ($1) \
-   AND parked_at IS NULL \
-   AND (next_attempt_at IS NULL OR next_attempt_at OPERATOR(pg_catalog.<=) pg_catalog.now()) \
- ORDER BY id \
- LIMIT $2";
+  FROM (SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, \
+               reply_to, correlation_id, headers, producer_pid, producer_started_at, created_at, \
+               attempts, pg_catalog.octet_length(body) AS size, \
+               pg_catalog.sum(pg_catalog.octet_length(body)) OVER (ORDER BY id) AS upto \
+          FROM amqp.message \
+         WHERE broker_id OPERATOR(pg_catalog.=) ANY ($1) \
+           AND parked_at IS NULL \
+           AND (next_attempt_at IS NULL OR next_attempt_at OPERATOR(pg_catalog.<=) pg_catalog.now()) \
+           AND id OPERATOR(pg_catalog.<>) ALL ($3) \
+         ORDER BY id \
+         LIMIT $2) candidates \
+ WHERE upto OPERATOR(pg_catalog.-) size OPERATOR(pg_catalog.<) $4 \
+ ORDER BY id";
 
 const CLAIM_BY_ID_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
@@ -168,8 +178,19 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
 /// and transactions commit in another order, so a mark would skip (or delay, breaking each
 /// session's order) a row that committed late with a smaller id. The caller skips the rows it
 /// already has in flight, so `limit` includes them.
-pub fn claim(client: &mut SpiClient<'_>, brokers: &[i32], limit: usize) -> SpiResult<Vec<Row>> {
-    let args: [DatumWithOid; 2] = [brokers.to_vec().into(), (limit as i64).into()];
+pub fn claim(
+    client: &mut SpiClient<'_>,
+    brokers: &[i32],
+    limit: usize,
+    skip: &[i64],
+    max_bytes: usize,
+) -> SpiResult<Vec<Row>> {
+    let args: [DatumWithOid; 4] = [
+        brokers.to_vec().into(),
+        (limit as i64).into(),
+        skip.to_vec().into(),
+        (max_bytes.min(i64::MAX as usize) as i64).into(),
+    ];
     run_kept(client, CLAIM_SQL, &args, false, rows_from)
 }
 

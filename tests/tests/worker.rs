@@ -823,3 +823,42 @@ fn max_pending_refuses_publishing_over_the_cap() {
         .execute("SELECT amqp.publish($1, 'ex', 'rk', 'fine')", &[&other])
         .expect("another broker is under its cap");
 }
+
+/// Large messages: the worker holds at most `max_in_flight_bytes` of unconfirmed bodies (plus
+/// one claim), not `batch_size` or `max_in_flight` messages' worth. 200 bodies of 1 MiB are
+/// committed at once; before the byte bound one claim read all 200 (200 MiB, copied several
+/// times on the way to the socket). The peak resident set is read from VmHWM after resetting
+/// it; it also counts the shared buffers the worker touches (64 MB in these clusters).
+#[test]
+fn large_messages_stay_within_max_in_flight_bytes() {
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default().setting("amqp_outbox.max_in_flight_bytes", "'4MB'");
+    let mut f = Fixture::new("large", config, &rabbit);
+    let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
+    let pid = f
+        .cluster
+        .worker_pid(&mut f.client)
+        .expect("worker pid")
+        .expect("worker running");
+    // Reset the high-water mark so it measures this test's messages only.
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset VmHWM");
+    f.client
+        .execute(
+            "SELECT amqp.publish_bytes($1, $2, $3, \
+                    pg_catalog.convert_to(pg_catalog.repeat(pg_catalog.md5(i::text), 32768), 'UTF8')) \
+               FROM pg_catalog.generate_series(1, 200) AS i",
+            &[&f.outbox.broker_id, &ex, &rk],
+        )
+        .expect("publish 200 bodies of 1 MiB in one transaction");
+    f.collector.wait_for_count(200, BULK_ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    let peak_kb = amqp_outbox_e2e::chaos::proc_status_kb(pid, "VmHWM").expect("VmHWM");
+    eprintln!("worker peak RSS {} MiB", peak_kb / 1024);
+    let sizes: BTreeSet<usize> = f.deliveries().iter().map(|d| d.body.len()).collect();
+    assert_eq!(sizes, BTreeSet::from([1 << 20]), "every body arrives whole");
+    assert!(
+        peak_kb < 160 * 1024,
+        "worker peak RSS {} MiB while 200 MiB of bodies went through with a 4 MB window",
+        peak_kb / 1024
+    );
+}
