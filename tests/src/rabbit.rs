@@ -659,9 +659,17 @@ async fn consume_once(
             st.connections += 1;
             st.connections - 1
         };
+        // A connection the broker closed (stop_app, a stopped node) does not always end the
+        // consumer's stream: look at the connection itself too, and reconnect.
+        let mut check = tokio::time::interval(Duration::from_millis(500));
         loop {
             tokio::select! {
                 _ = stop.changed() => return Ok(()),
+                _ = check.tick() => {
+                    if !conn.status().connected() {
+                        return Err(format!("consumer on {queue}: connection closed"));
+                    }
+                }
                 next = consumer.next() => match next {
                     Some(Ok(d)) => {
                         let p = &d.properties;
