@@ -630,6 +630,32 @@ async fn consume_once(
     state: &Arc<Mutex<CollectorState>>,
     stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), String> {
+    let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
+    consume_connection(
+        endpoint,
+        queue,
+        stop,
+        || {
+            let mut st = lock();
+            st.connections += 1;
+            st.connections - 1
+        },
+        |received| lock().deliveries.push(received),
+    )
+    .await
+}
+
+/// Consumes `queue` on one connection to `endpoint`, recording each delivery (before its ack)
+/// with `record`; `consuming` is told once the consumer is set up and returns the connection's
+/// number. Every wait on the broker is bounded, so a collector always gets back to reconnecting.
+/// `Ok` only when `stop` fires. Shared by [`Collector`] and the cluster's collector.
+pub(crate) async fn consume_connection(
+    endpoint: &AmqpEndpoint,
+    queue: &str,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+    consuming: impl FnOnce() -> u64,
+    mut record: impl FnMut(Received),
+) -> Result<(), String> {
     let conn = connect(endpoint).await?;
     let result = async {
         // A node still booting can accept the connection and never answer: bound each step,
@@ -649,16 +675,12 @@ async fn consume_once(
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| format!("basic.consume {queue}: {e}"))
+            .map_err(|e| format!("basic.consume {queue} on port {}: {e}", endpoint.port))
         };
         let mut consumer = tokio::time::timeout(Duration::from_secs(10), setup)
             .await
             .map_err(|_| format!("consumer setup on {queue} timed out"))??;
-        let connection_no = {
-            let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
-            st.connections += 1;
-            st.connections - 1
-        };
+        let connection_no = consuming();
         // A connection the broker closed (stop_app, a stopped node) does not always end the
         // consumer's stream: look at the connection itself too, and reconnect.
         let mut check = tokio::time::interval(Duration::from_millis(500));
@@ -691,11 +713,7 @@ async fn consume_once(
                             connection_no,
                             received_at: Instant::now(),
                         };
-                        state
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .deliveries
-                            .push(received);
+                        record(received);
                         d.acker
                             .ack(BasicAckOptions::default())
                             .await

@@ -23,12 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_lite::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
-
-use crate::rabbit::{runtime, table_to_json, AmqpEndpoint, Rabbit, Received};
+use crate::rabbit::{consume_connection, runtime, AmqpEndpoint, Rabbit, Received};
 use crate::{pick_ports, tail, try_eventually};
 
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
@@ -708,87 +703,26 @@ async fn collect(
     }
 }
 
-/// One connection's worth of consuming. `Ok` only when asked to stop.
+/// One connection's worth of consuming (the shared consumer of `rabbit.rs`), also noting which
+/// node it consumes from. `Ok` only when asked to stop.
 async fn consume_once(
     endpoint: &AmqpEndpoint,
     queue: &str,
     state: &Arc<Mutex<CollectorState>>,
     stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let conn = match tokio::time::timeout(
-        Duration::from_secs(10),
-        Connection::connect(&endpoint.uri(), ConnectionProperties::default()),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(format!("cannot connect to port {}: {e}", endpoint.port)),
-        Err(_) => return Err(format!("connecting to port {} timed out", endpoint.port)),
-    };
-    let result = async {
-        let ch = conn
-            .create_channel()
-            .await
-            .map_err(|e| format!("channel: {e}"))?;
-        ch.basic_qos(500, BasicQosOptions::default())
-            .await
-            .map_err(|e| format!("basic.qos: {e}"))?;
-        let mut consumer = ch
-            .basic_consume(
-                queue.into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| format!("basic.consume {queue} on port {}: {e}", endpoint.port))?;
-        let connection_no = {
-            let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
+    consume_connection(
+        endpoint,
+        queue,
+        stop,
+        || {
+            let mut st = lock();
             st.connections += 1;
             st.connected_to = Some(endpoint.port);
             st.connections - 1
-        };
-        loop {
-            tokio::select! {
-                _ = stop.changed() => return Ok(()),
-                next = consumer.next() => match next {
-                    Some(Ok(d)) => {
-                        let p = &d.properties;
-                        let received = Received {
-                            body: d.data.clone(),
-                            exchange: d.exchange.as_str().to_string(),
-                            routing_key: d.routing_key.as_str().to_string(),
-                            redelivered: d.redelivered,
-                            message_id: p.message_id().as_ref().map(|s| s.as_str().to_string()),
-                            delivery_mode: *p.delivery_mode(),
-                            content_type: p.content_type().as_ref().map(|s| s.as_str().to_string()),
-                            reply_to: p.reply_to().as_ref().map(|s| s.as_str().to_string()),
-                            correlation_id: p
-                                .correlation_id()
-                                .as_ref()
-                                .map(|s| s.as_str().to_string()),
-                            timestamp: *p.timestamp(),
-                            headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
-                            connection_no,
-                            received_at: Instant::now(),
-                        };
-                        state
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .deliveries
-                            .push(received);
-                        d.acker
-                            .ack(BasicAckOptions::default())
-                            .await
-                            .map_err(|e| format!("basic.ack: {e}"))?;
-                    }
-                    Some(Err(e)) => return Err(format!("consumer on {queue}: {e}")),
-                    None => return Err(format!("consumer on {queue} was cancelled")),
-                },
-            }
-        }
-    }
-    .await;
-    let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "bye".into())).await;
-    result
+        },
+        |received| lock().deliveries.push(received),
+    )
+    .await
 }
