@@ -447,16 +447,7 @@ fn pg_bindir() -> Result<PathBuf, String> {
 
 /// From /proc/<pid>/status: (VmRSS, VmHWM) in KiB.
 pub fn proc_mem_kib(pid: i32) -> Option<(u64, u64)> {
-    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> Option<u64> {
-        s.lines()
-            .find(|l| l.starts_with(name))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
+    proc_mem_detail_kib(pid).map(|[rss, hwm, ..]| (rss, hwm))
 }
 
 /// From /proc/<pid>/status: (VmRSS, VmHWM, RssAnon, RssShmem) in KiB. VmRSS counts the pages
