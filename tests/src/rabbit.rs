@@ -645,6 +645,10 @@ async fn consume_once(
     .await
 }
 
+/// How long the test consumer waits for one basic.ack to go out (a hung broker keeps the
+/// connection open).
+const ACK_WAIT: Duration = Duration::from_secs(5);
+
 /// Consumes `queue` on one connection to `endpoint`, recording each delivery (before its ack)
 /// with `record`; `consuming` is told once the consumer is set up and returns the connection's
 /// number. Every wait on the broker is bounded, so a collector always gets back to reconnecting.
@@ -657,7 +661,7 @@ pub(crate) async fn consume_connection(
     mut record: impl FnMut(Received),
 ) -> Result<(), String> {
     let conn = connect(endpoint).await?;
-    let result = async {
+    let consume = async {
         // A node still booting can accept the connection and never answer: bound each step,
         // so the consumer tries again instead of waiting forever.
         let setup = async {
@@ -681,17 +685,9 @@ pub(crate) async fn consume_connection(
             .await
             .map_err(|_| format!("consumer setup on {queue} timed out"))??;
         let connection_no = consuming();
-        // A connection the broker closed (stop_app, a stopped node) does not always end the
-        // consumer's stream: look at the connection itself too, and reconnect.
-        let mut check = tokio::time::interval(Duration::from_millis(500));
         loop {
             tokio::select! {
                 _ = stop.changed() => return Ok(()),
-                _ = check.tick() => {
-                    if !conn.status().connected() {
-                        return Err(format!("consumer on {queue}: connection closed"));
-                    }
-                }
                 next = consumer.next() => match next {
                     Some(Ok(d)) => {
                         let p = &d.properties;
@@ -714,9 +710,9 @@ pub(crate) async fn consume_connection(
                             received_at: Instant::now(),
                         };
                         record(received);
-                        d.acker
-                            .ack(BasicAckOptions::default())
+                        tokio::time::timeout(ACK_WAIT, d.acker.ack(BasicAckOptions::default()))
                             .await
+                            .map_err(|_| format!("basic.ack on {queue} timed out"))?
                             .map_err(|e| format!("basic.ack: {e}"))?;
                     }
                     Some(Err(e)) => return Err(format!("consumer on {queue}: {e}")),
@@ -724,8 +720,23 @@ pub(crate) async fn consume_connection(
                 },
             }
         }
-    }
-    .await;
+    };
+    // A connection the broker closed (stop_app, a stopped node) does not always end the
+    // consumer's stream, nor an ack under way on it: watch the connection itself beside every
+    // wait above, and reconnect.
+    let watch = async {
+        let mut check = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            check.tick().await;
+            if !conn.status().connected() {
+                return Err(format!("consumer on {queue}: connection closed"));
+            }
+        }
+    };
+    let result = tokio::select! {
+        r = consume => r,
+        r = watch => r,
+    };
     let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "bye".into())).await;
     result
 }
