@@ -14,7 +14,7 @@ use crate::amqp_values::to_field_table;
 use crate::failover::{self, Round};
 use crate::publisher::describe_error;
 use crate::supervisor::{backoff, close_connection, Redactor};
-use crate::thread::{panic_message, EventSink};
+use crate::thread::{spawn_guarded, EventSink};
 use crate::{BrokerConfig, Endpoint, Event, LogLevel};
 use futures_util::future::FutureExt;
 use futures_util::stream::StreamExt;
@@ -22,7 +22,6 @@ use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::ShortString;
 use lapin::{Connection, Consumer};
 use std::collections::BTreeMap;
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -86,15 +85,11 @@ pub(crate) fn start(
         reported_down: false,
         failures: 0,
     };
-    let task = tokio::spawn(async move {
-        // As for the broker task: a panic must not leave acknowledgements silently unreported.
-        if let Err(panic) = AssertUnwindSafe(listener.run()).catch_unwind().await {
-            sink.send(Event::Fatal(format!(
-                "broker {broker_id}: acknowledgement listener panicked: {}",
-                panic_message(&*panic)
-            )));
-        }
-    });
+    let task = spawn_guarded(
+        sink,
+        format!("broker {broker_id}: acknowledgement listener"),
+        listener.run(),
+    );
     ListenerHandle {
         cfg: cfg_tx,
         stop: Some(stop_tx),

@@ -198,11 +198,7 @@ impl Publisher {
                 deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 biased;
-                reason = &mut *stop => {
-                    let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
-                    self.fail_everything(Failure::Transient, &reason);
-                    return ChannelEnd::Stopped;
-                }
+                reason = &mut *stop => return self.stopped(reason),
                 Some(first) = self.confirms.next(), if !self.confirms.is_empty() => {
                     let batch = self.ready_batch(first);
                     if let Some(err) = self.settle(batch) {
@@ -639,11 +635,7 @@ impl Publisher {
         while !self.confirms.is_empty() {
             tokio::select! {
                 biased;
-                reason = &mut *stop => {
-                    let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
-                    self.fail_everything(Failure::Transient, &reason);
-                    return ChannelEnd::Stopped;
-                }
+                reason = &mut *stop => return self.stopped(reason),
                 Some(r) = self.confirms.next() => {
                     let batch = self.ready_batch(r);
                     if let Some(e) = self.settle(batch) {
@@ -700,6 +692,13 @@ impl Publisher {
             "no publisher confirm within {:?}: the connection is considered hung",
             self.ctx.confirm_timeout
         )
+    }
+
+    /// Told to stop (with a reason, or by a dropped sender): everything in flight is retried later.
+    fn stopped(&mut self, reason: Result<String, oneshot::error::RecvError>) -> ChannelEnd {
+        let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
+        self.fail_everything(Failure::Transient, &reason);
+        ChannelEnd::Stopped
     }
 
     fn fail_everything(&mut self, failure: Failure, error: &str) {

@@ -7,12 +7,11 @@ use crate::amqp_values::to_field_table;
 use crate::failover::{self, Round};
 use crate::listener::{self, ListenerHandle};
 use crate::publisher::{self, describe_error, AckCtx, ChannelCtx, ChannelEnd, Job};
-use crate::thread::{panic_message, EventSink};
+use crate::thread::{spawn_guarded, EventSink};
 use crate::{
     AckQueueConfig, BindingDecl, BrokerConfig, Command, Endpoint, Event, ExchangeDecl, Failure,
     LogLevel, OutboundMessage, ProofMode, QueueDecl,
 };
-use futures_util::future::FutureExt;
 use futures_util::stream::{Stream, StreamExt};
 use lapin::options::{
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -23,7 +22,6 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use rand::Rng;
 use std::collections::HashMap;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -241,16 +239,7 @@ fn start_broker(config: BrokerConfig, sink: EventSink, shared: Shared) -> Slot {
         ack_invalid_warned: false,
     };
     let broker_id = config.broker_id;
-    let handle = tokio::spawn(async move {
-        // A panic in a task would otherwise vanish into its JoinHandle, leaving messages
-        // unreported: make it fatal, so the worker restarts and republishes.
-        if let Err(panic) = AssertUnwindSafe(task.run()).catch_unwind().await {
-            sink.send(Event::Fatal(format!(
-                "broker {broker_id}: task panicked: {}",
-                panic_message(&*panic)
-            )));
-        }
-    });
+    let handle = spawn_guarded(sink, format!("broker {broker_id}: task"), task.run());
     Slot {
         config,
         tx,

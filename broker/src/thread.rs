@@ -3,7 +3,9 @@
 //! current-thread tokio runtime with the supervisor.
 
 use crate::{supervisor, wake, BrokerHandle, Command, Event};
+use futures_util::future::FutureExt;
 use std::any::Any;
+use std::future::Future;
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -103,6 +105,24 @@ fn thread_main(commands: tokio::sync::mpsc::UnboundedReceiver<Command>, sink: Ev
             panic_message(&*panic)
         )));
     }
+}
+
+/// Spawns `task` on the current runtime. A panic in a task would otherwise vanish into its
+/// JoinHandle, leaving messages unreported: it becomes a fatal event instead, so the worker
+/// restarts and republishes. `what` names the task in that event.
+pub(crate) fn spawn_guarded(
+    sink: EventSink,
+    what: String,
+    task: impl Future<Output = ()> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if let Err(panic) = AssertUnwindSafe(task).catch_unwind().await {
+            sink.send(Event::Fatal(format!(
+                "{what} panicked: {}",
+                panic_message(&*panic)
+            )));
+        }
+    })
 }
 
 pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
