@@ -36,6 +36,10 @@ pub struct Counters {
     pub acknowledged: AtomicU64,
     pub resent_gap: AtomicU64,
     pub resent_timeout: AtomicU64,
+    /// Steps that ran a settle-and-claim transaction: commits that come close together share one.
+    pub steps: AtomicU64,
+    /// Commits that woke the worker (it had asked for the next commit's wake-up).
+    pub commit_wakeups: AtomicU64,
 }
 
 /// Messages the worker has in flight, for `amqp.message_status`. Larger windows show only the
@@ -202,6 +206,10 @@ pub fn wake_worker() {
 /// A transaction that published committed: wake the worker if it asked for it. Never raises.
 pub fn wake_worker_for_commit() {
     if ready() && COMMIT_WAKE_ARMED.get().swap(false, Ordering::AcqRel) {
+        COUNTERS
+            .get()
+            .commit_wakeups
+            .fetch_add(1, Ordering::Relaxed);
         wake_worker();
     }
 }

@@ -3,9 +3,10 @@
 SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS amqp_outbox;
 RESET client_min_messages;
--- The worker is disabled by regress.conf: its counters stay at zero.
+-- The worker is disabled by regress.conf: its counters stay at zero, and it asks no commit to
+-- wake it.
 SELECT published, confirmed, acknowledged,
-       resent_lost, resent_timeout, failed, parked
+       resent_lost, resent_timeout, failed, parked, commit_wakeups
   FROM amqp.worker_status;
 -- This database's acknowledgement queue: unique to the cluster and the database.
 SELECT ack_queue = format('amqp_outbox.ack.%s.%s', to_hex(s.system_identifier),

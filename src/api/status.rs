@@ -5,8 +5,9 @@ use pgrx::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 #[allow(clippy::type_complexity)]
-/// The worker's process id, its counters since server start (zeros when not preloaded), and the
-/// name of this database's acknowledgement queue.
+/// The worker's process id, its counters since server start (zeros when not preloaded), the
+/// name of this database's acknowledgement queue, and how often the worker stepped and was woken
+/// by a commit.
 #[pg_extern(volatile, parallel_safe, name = "_worker_status")]
 fn worker_status() -> TableIterator<
     'static,
@@ -20,6 +21,8 @@ fn worker_status() -> TableIterator<
         name!(failed, i64),
         name!(parked, i64),
         name!(ack_queue, String),
+        name!(steps, i64),
+        name!(commit_wakeups, i64),
     ),
 > {
     let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
@@ -35,6 +38,8 @@ fn worker_status() -> TableIterator<
         load(|c| &c.failed),
         load(|c| &c.parked),
         crate::worker::ack_queue_name(),
+        load(|c| &c.steps),
+        load(|c| &c.commit_wakeups),
     ))
 }
 

@@ -156,6 +156,7 @@ impl Worker {
                 continue;
             }
             self.stepped_at = Some(Instant::now());
+            shmem::count(|c| &c.steps, 1);
             let publishes =
                 pg::transaction("amqp_outbox: settle and claim", || self.step(settlement));
             for command in publishes {

@@ -80,6 +80,8 @@ pub struct WorkerStatus {
     pub resent_timeout: i64,
     pub failed: i64,
     pub parked: i64,
+    pub steps: i64,
+    pub commit_wakeups: i64,
 }
 
 /// One row of `amqp.message_status`.
@@ -98,7 +100,8 @@ impl Outbox {
         let row = client
             .query_one(
                 "SELECT worker_pid, published, confirmed, acknowledged, resent_lost, \
-                        resent_timeout, failed, parked FROM amqp.worker_status",
+                        resent_timeout, failed, parked, steps, commit_wakeups \
+                   FROM amqp.worker_status",
                 &[],
             )
             .map_err(|e| format!("amqp.worker_status: {e}"))?;
@@ -111,6 +114,8 @@ impl Outbox {
             resent_timeout: row.get(5),
             failed: row.get(6),
             parked: row.get(7),
+            steps: row.get(8),
+            commit_wakeups: row.get(9),
         })
     }
 

@@ -862,3 +862,87 @@ fn large_messages_stay_within_max_in_flight_bytes() {
         peak_kb / 1024
     );
 }
+
+/// With a naptime of a minute, only the commit's wake-up can bring a message out within
+/// `ARRIVAL`: the committing backend sets the worker's latch because the worker asked for it.
+#[test]
+fn commit_wakes_the_idle_worker_before_its_naptime() {
+    let rabbit = Rabbit::shared();
+    let mut f = Fixture::new("wake", PgConfig::default().naptime_ms(60_000), &rabbit);
+    // Connected and idle: the warm-up message goes out at the connection's step.
+    f.publish("wake:warm-up");
+    f.collector.wait_for_body("wake:warm-up", ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    let before = Outbox::worker_status(&mut f.client).expect("worker_status");
+
+    f.publish("wake:1");
+    f.collector.wait_for_body("wake:1", ARRIVAL);
+    let after = Outbox::worker_status(&mut f.client).expect("worker_status");
+    assert!(
+        after.commit_wakeups > before.commit_wakeups,
+        "delivered without a commit wake-up? before {before:?}, after {after:?}"
+    );
+}
+
+/// A disabled worker does not ask for wake-ups, so commits cost it nothing; once enabled by a
+/// reload, it delivers what was committed meanwhile.
+#[test]
+fn disabled_worker_is_not_woken_by_commits_and_delivers_once_enabled() {
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default().setting("amqp_outbox.enabled", "off");
+    let mut f = Fixture::new("off", config, &rabbit);
+    let before = Outbox::worker_status(&mut f.client).expect("worker_status");
+    for i in 0..50 {
+        f.publish(&format!("off:{i}"));
+    }
+    // Counted by the committing backends themselves: final once the commits have returned.
+    let after = Outbox::worker_status(&mut f.client).expect("worker_status");
+    assert_eq!(
+        after.commit_wakeups, before.commit_wakeups,
+        "commits woke a disabled worker"
+    );
+    assert_eq!(Outbox::rows(&mut f.client), Ok(50));
+
+    f.cluster.set_setting("amqp_outbox.enabled", "on");
+    f.cluster.reload();
+    let got = f.collector.wait_for_count(50, BULK_ARRIVAL);
+    let bodies: BTreeSet<String> = got.iter().map(Received::text).collect();
+    assert_eq!(bodies.len(), 50, "distinct bodies delivered after enabling");
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+}
+
+/// `amqp_outbox.batch_interval` spaces the worker's steps: a burst of single-message commits
+/// shares a few settle-and-claim transactions instead of running one per commit (and one per
+/// confirm and per acknowledgement). Each wake-up needs the worker to have asked for it, once a
+/// step, so wake-ups never outnumber steps.
+#[test]
+fn commits_close_together_share_worker_steps() {
+    const BURST: i64 = 40;
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default()
+        .naptime_ms(60_000)
+        .setting("amqp_outbox.batch_interval", 1000);
+    let mut f = Fixture::new("coalesce", config, &rabbit);
+    f.publish("co:warm-up");
+    f.collector.wait_for_body("co:warm-up", ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    let before = Outbox::worker_status(&mut f.client).expect("worker_status");
+
+    for i in 0..BURST {
+        f.publish(&format!("co:{i}"));
+    }
+    f.collector.wait_for_count(BURST as usize + 1, ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    let after = Outbox::worker_status(&mut f.client).expect("worker_status");
+    let steps = after.steps - before.steps;
+    let wakeups = after.commit_wakeups - before.commit_wakeups;
+    eprintln!("{BURST} commits: {steps} steps, {wakeups} commit wake-ups");
+    assert!(
+        steps < BURST / 2,
+        "{steps} worker steps for {BURST} commits: commits are not coalesced"
+    );
+    assert!(
+        (1..=steps + 1).contains(&wakeups),
+        "{wakeups} commit wake-ups for {steps} steps"
+    );
+}
