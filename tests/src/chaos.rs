@@ -586,17 +586,7 @@ impl Drop for Standby {
 }
 
 /// Sends `signal` to `pid` (a process this test started, or its worker).
-pub fn send_signal(pid: i32, signal: i32) -> Result<(), String> {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    if unsafe { libc::kill(pid, signal) } == 0 {
-        Ok(())
-    } else {
-        Err(format!(
-            "kill({pid}, {signal}): {}",
-            std::io::Error::last_os_error()
-        ))
-    }
-}
+pub use amqp_outbox_testkit::send_signal;
 
 /// Lines of `log` after byte offset `from` that contain every one of `needles`.
 pub fn count_log_lines(log: &str, from: usize, needles: &[&str]) -> usize {

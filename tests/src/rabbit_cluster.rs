@@ -2,12 +2,11 @@
 //! (`tests/ha.rs`): node failover, quorum queue leader loss, a majority down. The shared broker
 //! (5672) is never touched.
 //!
-//! Each node is set up like a [`PrivateRabbit`](crate::PrivateRabbit) (own node name
-//! `ha<port>@localhost`, AMQP port, Erlang distribution port, CLI distribution port range,
-//! mnesia, logs, config, plugins file, pid file, own process group), but all nodes share ONE
-//! `HOME`, so they and our `rabbitmqctl` calls share one `.erlang.cookie`, which is what lets
-//! them form a cluster. Node 1 boots alone; every other node boots, then `stop_app`,
-//! `join_cluster <node 1>`, `start_app`.
+//! Each node is an `amqp_outbox_testkit` [`RabbitNode`] (own node name `ha<port>@localhost`,
+//! directory, ports, process group), but all nodes share ONE `HOME`, so they and our
+//! `rabbitmqctl` calls share one `.erlang.cookie`, which is what lets them form a cluster.
+//! Node 1 boots alone; every other node boots, then `stop_app`, `join_cluster <node 1>`,
+//! `start_app`.
 //!
 //! Faults: [`kill`](RabbitCluster::kill) (SIGKILL of the node's `beam.smp` and its process
 //! group: the abrupt death of a machine, no goodbye to clients or peers) and
@@ -18,61 +17,49 @@
 //! a cluster would.
 
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use amqp_outbox_testkit::{NodeOptions, RabbitNode};
 
 use crate::rabbit::{consume_connection, runtime, AmqpEndpoint, Rabbit, Received};
-use crate::{pick_ports, tail, try_eventually};
+use crate::try_eventually;
 
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// One node of a [`RabbitCluster`].
-pub struct ClusterNode {
-    name: String,
-    port: u16,
-    dist_port: u16,
-    ctl_port_min: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
+pub struct ClusterNode(RabbitNode);
 
 impl ClusterNode {
     /// `ha<port>@localhost`.
     pub fn name(&self) -> &str {
-        &self.name
+        self.0.name()
     }
 
     /// Its AMQP port on 127.0.0.1.
     pub fn port(&self) -> u16 {
-        self.port
+        self.0.port()
     }
 
     /// 127.0.0.1:port, guest/guest.
     pub fn endpoint(&self) -> AmqpEndpoint {
-        AmqpEndpoint::local(self.port)
+        AmqpEndpoint::local(self.port())
     }
 
     /// True while the node's process runs (started by us and not killed).
     pub fn is_running(&self) -> bool {
-        self.child.is_some()
+        self.0.is_running()
     }
 
     /// The node's log file (for failure messages).
     pub fn log(&self) -> String {
-        read_lossy(&self.dir.join("log").join(format!("{}.log", self.name)))
-    }
-
-    fn server_output(&self) -> String {
-        read_lossy(&self.dir.join("server.out"))
+        self.0.log()
     }
 
     /// The pid of the node's `beam.smp`.
     pub fn beam_pid(&self) -> Option<i32> {
-        fs::read_to_string(self.dir.join("rabbitmq.pid"))
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
+        self.0.beam_pid()
     }
 }
 
@@ -81,7 +68,6 @@ impl ClusterNode {
 pub struct RabbitCluster {
     dir: Option<tempfile::TempDir>,
     nodes: Vec<ClusterNode>,
-    sbin: PathBuf,
 }
 
 impl RabbitCluster {
@@ -112,47 +98,35 @@ impl RabbitCluster {
             fs::set_permissions(&cookie_path, fs::Permissions::from_mode(0o400))
                 .map_err(|e| format!("cannot chmod the cookie: {e}"))?;
         }
+        let keep_dir = std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some();
         let mut nodes = Vec::with_capacity(n);
         for i in 0..n {
-            // AMQP port, Erlang distribution port, and 11 ports for the CLI: 13 consecutive.
-            let base = pick_ports(40000, 54900, 13);
-            let d = dir.path().join(format!("node{}", i + 1));
-            for sub in ["mnesia", "log"] {
-                fs::create_dir_all(d.join(sub))
-                    .map_err(|e| format!("cannot create {}: {e}", d.join(sub).display()))?;
-            }
-            fs::write(
-                d.join("rabbitmq.conf"),
-                "loopback_users = none\n\
-                 log.console = false\n\
-                 log.file.level = info\n\
-                 cluster_partition_handling = ignore\n",
-            )
-            .map_err(|e| format!("cannot write rabbitmq.conf: {e}"))?;
-            fs::write(d.join("enabled_plugins"), "[].\n")
-                .map_err(|e| format!("cannot write enabled_plugins: {e}"))?;
-            nodes.push(ClusterNode {
-                name: format!("ha{base}@localhost"),
-                port: base,
-                dist_port: base + 1,
-                ctl_port_min: base + 2,
-                dir: d,
-                child: None,
-            });
+            let node = RabbitNode::prepare(NodeOptions {
+                home: Some(home.clone()),
+                conf: "cluster_partition_handling = ignore\n".into(),
+                // Three nodes share two cores with other tests: schedulers that sleep instead
+                // of spinning when idle.
+                env: vec![(
+                    "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+                    "+sbwt none +sbwtdcpu none +sbwtdio none".into(),
+                )],
+                keep_dir,
+                ..NodeOptions::new("ha", dir.path().join(format!("node{}", i + 1)))
+            })?;
+            nodes.push(ClusterNode(node));
         }
         let mut cluster = RabbitCluster {
             dir: Some(dir),
             nodes,
-            sbin: find_sbin()?,
         };
         // Boot every node at once (they are independent until they join), then wait for each.
         for i in 0..n {
-            cluster.spawn(i)?;
+            cluster.nodes[i].0.spawn()?;
         }
         for i in 0..n {
             cluster.await_up(i)?;
         }
-        let first = cluster.nodes[0].name.clone();
+        let first = cluster.nodes[0].name().to_string();
         for i in 1..n {
             cluster.ctl(i, &["stop_app"])?;
             cluster.ctl(i, &["join_cluster", &first])?;
@@ -192,12 +166,12 @@ impl RabbitCluster {
 
     /// The node listening on this AMQP port.
     pub fn index_of_port(&self, port: u16) -> Option<usize> {
-        self.nodes.iter().position(|n| n.port == port)
+        self.nodes.iter().position(|n| n.port() == port)
     }
 
     /// The node with this Erlang node name.
     pub fn index_of_name(&self, name: &str) -> Option<usize> {
-        self.nodes.iter().position(|n| n.name == name)
+        self.nodes.iter().position(|n| n.name() == name)
     }
 
     /// The nodes whose process runs.
@@ -212,91 +186,9 @@ impl RabbitCluster {
         Rabbit::connect(self.nodes[i].endpoint()).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    fn env(&self, i: usize, cmd: &mut Command) {
-        let n = &self.nodes[i];
-        let d = &n.dir;
-        cmd.env("HOME", self.dir().join("home"))
-            .env("RABBITMQ_NODENAME", &n.name)
-            .env("RABBITMQ_NODE_PORT", n.port.to_string())
-            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
-            .env("RABBITMQ_DIST_PORT", n.dist_port.to_string())
-            .env("RABBITMQ_CTL_DIST_PORT_MIN", n.ctl_port_min.to_string())
-            .env(
-                "RABBITMQ_CTL_DIST_PORT_MAX",
-                (n.ctl_port_min + 10).to_string(),
-            )
-            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", d.join("log"))
-            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
-            .env("RABBITMQ_PID_FILE", d.join("rabbitmq.pid"))
-            // Three nodes share two cores with other tests: schedulers that sleep instead of
-            // spinning when idle.
-            .env(
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
-                "+sbwt none +sbwtdcpu none +sbwtdio none",
-            )
-            .current_dir(d);
-    }
-
-    fn spawn(&mut self, i: usize) -> Result<(), String> {
-        if self.nodes[i].child.is_some() {
-            return Err(format!("node {} already started", self.nodes[i].name));
-        }
-        let d = self.nodes[i].dir.clone();
-        // A stale pid file would name a dead (or reused) pid.
-        let _ = fs::remove_file(d.join("rabbitmq.pid"));
-        let out = fs::File::create(d.join("server.out")).map_err(|e| e.to_string())?;
-        let err = out.try_clone().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(self.sbin.join("rabbitmq-server"));
-        self.env(i, &mut cmd);
-        {
-            use std::os::unix::process::CommandExt;
-            cmd.process_group(0);
-        }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| format!("cannot run rabbitmq-server: {e}"))?;
-        self.nodes[i].child = Some(child);
-        Ok(())
-    }
-
     /// Waits until node `i` has booted (`await_startup`) and accepts AMQP connections.
     fn await_up(&mut self, i: usize) -> Result<(), String> {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        // `await_startup` fails at once until the node has registered with epmd: repeat it.
-        let r = try_eventually(STARTUP_TIMEOUT, || {
-            if let Some(status) = self.child_exited(i) {
-                return Ok(Err(format!(
-                    "rabbitmq-server exited ({status}): {}",
-                    tail(&self.nodes[i].server_output(), 20)
-                )));
-            }
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .as_secs()
-                .max(1);
-            self.ctl(i, &["await_startup", "--timeout", &left.to_string()])
-                .map(Ok)
-        });
-        let name = self.nodes[i].name.clone();
-        match r {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                self.nodes[i].child = None;
-                return Err(format!("{name}: {e}"));
-            }
-            Err(e) => {
-                self.kill(i);
-                return Err(format!(
-                    "{name} not up after {STARTUP_TIMEOUT:?}: {e}\n{}",
-                    tail(&self.nodes[i].server_output(), 20)
-                ));
-            }
-        }
+        self.nodes[i].0.await_startup(STARTUP_TIMEOUT)?;
         self.await_amqp(i)
     }
 
@@ -305,14 +197,7 @@ impl RabbitCluster {
         try_eventually(Duration::from_secs(60), || {
             Rabbit::connect(n.endpoint()).map(drop)
         })
-        .map_err(|e| format!("{} up but AMQP port {} not usable: {e}", n.name, n.port))
-    }
-
-    fn child_exited(&mut self, i: usize) -> Option<std::process::ExitStatus> {
-        self.nodes[i]
-            .child
-            .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
+        .map_err(|e| format!("{} up but AMQP port {} not usable: {e}", n.name(), n.port()))
     }
 
     /// SIGKILL of node `i`'s `beam.smp`, then of its whole process group; waits until the
@@ -325,31 +210,11 @@ impl RabbitCluster {
     /// [`kill`](Self::kill) of several nodes at (nearly) the same instant: every beam gets its
     /// SIGKILL before any is waited for.
     pub fn kill_many(&mut self, which: &[usize]) {
-        let mut children = Vec::new();
         for &i in which {
-            let beam = self.nodes[i].beam_pid();
-            let Some(child) = self.nodes[i].child.take() else {
-                continue;
-            };
-            if let Some(pid) = beam.filter(|&p| p > 1) {
-                // SAFETY: kill(2) of the beam our rabbitmq-server started (in its group).
-                unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                }
-            }
-            kill_group(child.id());
-            children.push((i, child));
+            self.nodes[i].0.send_kill();
         }
-        for (i, mut child) in children {
-            let _ = child.wait();
-            let port = self.nodes[i].port;
-            let _ = try_eventually(Duration::from_secs(20), || {
-                if crate::port_is_free(port) {
-                    Ok(())
-                } else {
-                    Err("port still bound".into())
-                }
-            });
+        for &i in which {
+            self.nodes[i].0.reap();
         }
     }
 
@@ -375,7 +240,7 @@ impl RabbitCluster {
     /// to wait for them), so a test can watch what happens while they boot.
     pub fn start_nodes(&mut self, which: &[usize]) -> Result<(), String> {
         for &i in which {
-            self.spawn(i)?;
+            self.nodes[i].0.spawn()?;
         }
         Ok(())
     }
@@ -389,14 +254,14 @@ impl RabbitCluster {
         let running = self.running();
         for &i in which {
             try_eventually(STARTUP_TIMEOUT, || self.check_running_nodes(i, &running))
-                .map_err(|e| format!("{} did not rejoin: {e}", self.nodes[i].name))?;
+                .map_err(|e| format!("{} did not rejoin: {e}", self.nodes[i].name()))?;
         }
         Ok(())
     }
 
     /// True when node `i`'s AMQP port accepts a TCP connection now (cheap; no login).
     pub fn port_open(&self, i: usize) -> bool {
-        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.nodes[i].port));
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.nodes[i].port()));
         std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
     }
 
@@ -409,7 +274,7 @@ impl RabbitCluster {
         } else {
             Err(format!(
                 "{} sees running {seen:?}, want {want:?}",
-                self.nodes[at].name
+                self.nodes[at].name()
             ))
         }
     }
@@ -441,31 +306,7 @@ impl RabbitCluster {
     }
 
     fn cli(&self, i: usize, program: &str, args: &[&str]) -> Result<String, String> {
-        let mut cmd = Command::new(self.sbin.join(program));
-        self.env(i, &mut cmd);
-        let out = cmd
-            .arg("-n")
-            .arg(&self.nodes[i].name)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {program}: {e}"))?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        if out.status.success() {
-            Ok(text)
-        } else {
-            Err(format!(
-                "{program} -n {} {} failed ({}): {}",
-                self.nodes[i].name,
-                args.join(" "),
-                out.status,
-                tail(&text, 8)
-            ))
-        }
+        self.nodes[i].0.cli(program, args)
     }
 
     /// The quorum queue's leader and the members the cluster reports online, asked of the
@@ -538,9 +379,10 @@ pub struct QuorumState {
 
 impl Drop for RabbitCluster {
     fn drop(&mut self) {
-        for i in 0..self.nodes.len() {
-            self.kill(i);
-        }
+        let all: Vec<usize> = (0..self.nodes.len()).collect();
+        self.kill_many(&all);
+        // The nodes' directories first (or the note that they are kept), then the shared HOME.
+        self.nodes.clear();
         if let Some(dir) = self.dir.take() {
             if std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some() {
                 eprintln!("keeping RabbitMQ cluster files in {}", dir.keep().display());
@@ -549,37 +391,6 @@ impl Drop for RabbitCluster {
             }
         }
     }
-}
-
-fn read_lossy(path: &Path) -> String {
-    fs::read(path)
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-        .unwrap_or_default()
-}
-
-/// SIGKILL to the process group led by `pid` (each node runs in its own group).
-fn kill_group(pid: u32) {
-    if let Ok(pid) = i32::try_from(pid) {
-        if pid > 1 {
-            // SAFETY: killpg(2) on the group we created for the node.
-            unsafe {
-                libc::killpg(pid, libc::SIGKILL);
-            }
-        }
-    }
-}
-
-/// RabbitMQ's own scripts (not the /usr/sbin wrappers, which switch users), or `$RABBITMQ_SBIN`.
-fn find_sbin() -> Result<PathBuf, String> {
-    if let Some(dir) = std::env::var_os("RABBITMQ_SBIN") {
-        return Ok(PathBuf::from(dir));
-    }
-    for dir in ["/usr/lib/rabbitmq/bin", "/usr/local/sbin", "/usr/sbin"] {
-        if Path::new(dir).join("rabbitmq-server").exists() {
-            return Ok(PathBuf::from(dir));
-        }
-    }
-    Err("rabbitmq-server not found (set RABBITMQ_SBIN to the directory of its scripts)".into())
 }
 
 #[derive(Default)]
