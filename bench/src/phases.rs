@@ -167,6 +167,38 @@ fn pgbench_series(
     Ok((series, during))
 }
 
+/// The publish-cost ratios of one pgbench series: `amqp.publish()` with the worker on and off,
+/// against a plain INSERT, and against PgQ when the series measured it.
+fn publish_figures(run: &mut Run, sec: &str, cfg: &str, s: &Series) {
+    let get = |k: &str| s.get(k).cloned().unwrap_or_default();
+    for (mode, key) in [("on", "publish_on"), ("off", "publish_off")] {
+        run.fig(
+            Figure::new(
+                sec,
+                &format!("amqp.publish, worker {mode} / plain INSERT"),
+                cfg,
+                "rows/s",
+            )
+            .samples(get(key))
+            .baseline("INSERT", get("insert"))
+            .target(Target::RatioAtLeast(0.9)),
+        );
+        if s.contains_key("pgq") {
+            run.fig(
+                Figure::new(
+                    sec,
+                    &format!("amqp.publish, worker {mode} / PgQ"),
+                    cfg,
+                    "rows/s",
+                )
+                .samples(get(key))
+                .baseline("PgQ", get("pgq"))
+                .target(Target::RatioAbove(1.0)),
+            );
+        }
+    }
+}
+
 /// 1. Publish cost.
 pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let systems = [
@@ -187,40 +219,7 @@ pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), Str
         let cfg = config_label(&load);
         let get = |k: &str| s.get(k).cloned().unwrap_or_default();
         let sec = "1 publish cost";
-        run.fig(
-            Figure::new(
-                sec,
-                "amqp.publish, worker on / plain INSERT",
-                &cfg,
-                "rows/s",
-            )
-            .samples(get("publish_on"))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
-        run.fig(
-            Figure::new(sec, "amqp.publish, worker on / PgQ", &cfg, "rows/s")
-                .samples(get("publish_on"))
-                .baseline("PgQ", get("pgq"))
-                .target(Target::RatioAbove(1.0)),
-        );
-        run.fig(
-            Figure::new(
-                sec,
-                "amqp.publish, worker off / plain INSERT",
-                &cfg,
-                "rows/s",
-            )
-            .samples(get("publish_off"))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
-        run.fig(
-            Figure::new(sec, "amqp.publish, worker off / PgQ", &cfg, "rows/s")
-                .samples(get("publish_off"))
-                .baseline("PgQ", get("pgq"))
-                .target(Target::RatioAbove(1.0)),
-        );
+        publish_figures(run, sec, &cfg, &s);
         run.fig(
             Figure::new(sec, "PgQ / plain INSERT (reference)", &cfg, "rows/s")
                 .samples(get("pgq"))
@@ -934,29 +933,7 @@ pub fn growth(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             i,
         )?;
         let cfg = config_label(&load);
-        let get = |k: &str| s.get(k).cloned().unwrap_or_default();
-        run.fig(
-            Figure::new(
-                sec,
-                "amqp.publish, worker on / plain INSERT",
-                &cfg,
-                "rows/s",
-            )
-            .samples(get("publish_on"))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
-        run.fig(
-            Figure::new(
-                sec,
-                "amqp.publish, worker off / plain INSERT",
-                &cfg,
-                "rows/s",
-            )
-            .samples(get("publish_off"))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
+        publish_figures(run, sec, &cfg, &s);
         let rate: Vec<f64> = during.iter().map(|w| w.delivered_per_sec).collect();
         let catch: Vec<f64> = during.iter().map(|w| w.catch_up_secs).collect();
         run.fig(
@@ -996,35 +973,7 @@ pub fn growth(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             i,
         )?;
         let cfg = config_label(&load);
-        let get = |k: &str| s.get(k).cloned().unwrap_or_default();
-        run.fig(
-            Figure::new(
-                sec,
-                "amqp.publish, worker on / plain INSERT",
-                &cfg,
-                "rows/s",
-            )
-            .samples(get("publish_on"))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
-        run.fig(
-            Figure::new(
-                sec,
-                "amqp.publish, worker off / plain INSERT",
-                &cfg,
-                "rows/s",
-            )
-            .samples(get("publish_off"))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
-        run.fig(
-            Figure::new(sec, "amqp.publish, worker on / PgQ", &cfg, "rows/s")
-                .samples(get("publish_on"))
-                .baseline("PgQ", get("pgq"))
-                .target(Target::RatioAbove(1.0)),
-        );
+        publish_figures(run, sec, &cfg, &s);
         // Drain of a backlog of this size against the raw publisher with the same size.
         let body = payload(size);
         let route = env.routes.classic.clone();

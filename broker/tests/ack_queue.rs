@@ -80,6 +80,16 @@ fn wait_listener(bridge: &mut Bridge, ack_queue: &str) {
     bridge.wait_for(Duration::from_secs(20), |e| is_it(e).then_some(()));
 }
 
+/// A bridge for broker B on the local broker in ack_queue mode with `ack_q` as its
+/// acknowledgement queue; returns once it publishes and its listener consumes, with the
+/// publishing channel's epoch.
+fn ack_bridge(ack_q: &str, quorum: bool) -> (Bridge, u64) {
+    let (mut bridge, epoch) =
+        Bridge::connected(ack_config(B, vec![local_endpoint()], vec![], ack_q, quorum));
+    wait_listener(&mut bridge, ack_q);
+    (bridge, epoch)
+}
+
 fn header_keys(d: &lapin::message::Delivery) -> BTreeSet<String> {
     d.properties
         .headers()
@@ -115,16 +125,7 @@ fn records_ack_every_message_for_every_exchange_type_and_leave_no_artefacts() {
     // Headers exchange, no binding arguments: x-match=all over nothing matches everything.
     admin.queue_with_binding_args(&q_headers, &headers, "", FieldTable::default());
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![ack_config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-        &ack_q,
-        false,
-    )]));
-    bridge.wait_connected(B, 0);
-    wait_listener(&mut bridge, &ack_q);
+    let (mut bridge, _) = ack_bridge(&ack_q, false);
 
     let targets: Vec<(&str, &str, &str)> = vec![
         ("", q_default.as_str(), q_default.as_str()),
@@ -191,16 +192,7 @@ fn unroutable_message_is_still_rejected_in_ack_queue_mode() {
     admin.exchange(&exchange, ExchangeKind::Direct);
     admin.queue(&queue, &exchange, "rk");
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![ack_config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-        &ack_q,
-        false,
-    )]));
-    bridge.wait_connected(B, 0);
-    wait_listener(&mut bridge, &ack_q);
+    let (mut bridge, _) = ack_bridge(&ack_q, false);
 
     let msgs: Vec<_> = (1..=30)
         .map(|i| message(i, &exchange, if i % 10 == 5 { "nowhere" } else { "rk" }))
@@ -235,16 +227,7 @@ fn lose_in_transit_is_reported_lost_and_the_rest_acked() {
     let queue = unique("lose_q");
     admin.queue(&queue, "amq.direct", &queue);
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![ack_config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-        &ack_q,
-        false,
-    )]));
-    let epoch = bridge.wait_connected(B, 0);
-    wait_listener(&mut bridge, &ack_q);
+    let (mut bridge, epoch) = ack_bridge(&ack_q, false);
 
     // 200 messages in batches of 20; one in the middle of batch 5 is "lost in transit", and a
     // solo one later too.
@@ -308,16 +291,7 @@ fn records_of_another_session_and_malformed_ones_are_ignored() {
     let queue = unique("foreign_q");
     admin.queue(&queue, "amq.direct", &queue);
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![ack_config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-        &ack_q,
-        false,
-    )]));
-    let epoch = bridge.wait_connected(B, 0);
-    wait_listener(&mut bridge, &ack_q);
+    let (mut bridge, epoch) = ack_bridge(&ack_q, false);
 
     // A previous worker process's records, even with our epoch and sequence numbers, and junk.
     for seq in 1..=3 {
@@ -355,16 +329,7 @@ fn quorum_ack_queue_is_declared_and_works() {
     let queue = unique("quorum_target_q");
     admin.queue(&queue, "amq.direct", &queue);
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![ack_config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-        &ack_q,
-        true,
-    )]));
-    bridge.wait_connected(B, 0);
-    wait_listener(&mut bridge, &ack_q);
+    let (mut bridge, _) = ack_bridge(&ack_q, true);
     let msgs: Vec<_> = (1..=50).map(|i| message(i, "", &queue)).collect();
     bridge.publish(B, msgs, false);
     let t = collect(&mut bridge, Duration::from_secs(30), |t| {
@@ -435,9 +400,7 @@ fn declared_queues_and_bindings_receive_messages_and_confirm_mode_has_no_ack_que
     assert_eq!(cfg.proof, ProofMode::Confirm);
     let unused_ack_queue = cfg.ack_queue.name.clone();
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![cfg.clone()]));
-    let epoch = bridge.wait_connected(B, 0);
+    let (mut bridge, epoch) = Bridge::connected(cfg.clone());
     assert!(bridge.seen.iter().any(|e| matches!(
         e,
         Event::Log { level: LogLevel::Warning, message }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use amqp_outbox_broker::{Command, Event, LogLevel};
+use amqp_outbox_broker::{Event, LogLevel};
 use common::node::{rabbitmq_installed, Node};
 use common::*;
 use std::time::{Duration, Instant};
@@ -47,9 +47,7 @@ fn resource_alarm_pauses_publishing_without_a_hang_and_everything_drains_after()
         auto_delete: false,
         arguments: serde_json::Map::new(),
     }];
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![cfg]));
-    bridge.wait_connected(1, 0);
+    let (mut bridge, _) = Bridge::connected(cfg);
 
     let (mut confirmed, mut acked) = (0usize, 0usize);
 

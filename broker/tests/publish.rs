@@ -127,13 +127,7 @@ fn unroutable_message_is_rejected_while_its_neighbours_are_confirmed() {
     admin.exchange(&exchange, ExchangeKind::Direct);
     admin.queue(&queue, &exchange, "rk");
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-    )]));
-    bridge.wait_connected(B, 0);
+    let (mut bridge, _) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
 
     // Every 10th message has no route; pipelined, so acks come back in groups.
     let msgs: Vec<_> = (1..=100)
@@ -176,13 +170,7 @@ fn missing_exchange_blames_only_the_culprit_and_solo_resend_is_rejected_with_404
     admin.exchange(&exchange, ExchangeKind::Direct);
     admin.queue(&queue, &exchange, "rk");
 
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-    )]));
-    let first_epoch = bridge.wait_connected(B, 0);
+    let (mut bridge, first_epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
 
     let bad = 50;
     let msgs: Vec<_> = (1..=100)
@@ -346,13 +334,7 @@ fn failover_uses_the_next_host() {
 
 #[test]
 fn reconnect_command_gives_a_new_connected_with_a_larger_epoch() {
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-    )]));
-    let first = bridge.wait_connected(B, 0);
+    let (mut bridge, first) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
     bridge.send(Command::Reconnect { broker_id: B });
     let second = bridge.wait_connected(B, first);
     assert!(second > first);
@@ -366,13 +348,7 @@ fn reconnect_command_gives_a_new_connected_with_a_larger_epoch() {
 
 #[test]
 fn removed_broker_fails_publishes_transient() {
-    let mut bridge = Bridge::new();
-    bridge.send(Command::Configure(vec![config(
-        B,
-        vec![local_endpoint()],
-        vec![],
-    )]));
-    bridge.wait_connected(B, 0);
+    let (mut bridge, _) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
     bridge.send(Command::Configure(vec![]));
     bridge.publish(B, vec![message(1, "x", "rk")], false);
     let failure = bridge.wait_for(Duration::from_secs(10), |e| match e {

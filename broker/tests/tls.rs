@@ -12,148 +12,26 @@
 mod common;
 
 use amqp_outbox_broker::{BrokerConfig, Command, Endpoint, Event, LogLevel, TlsOptions};
+use amqp_outbox_testkit::{openssl_installed, Pki};
 use common::node::{rabbitmq_installed, Node};
 use common::*;
 use std::collections::HashMap;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const SECRET: &str = "pw-S3cr3t-%/@-tls";
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = std::process::Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run openssl");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+/// The broker's TLS options for the test's certificates.
+trait TlsFiles {
+    /// Trusting `ca` (one of the PKI's files).
+    fn tls(&self, ca: &str) -> TlsOptions;
+    /// `t` plus the PKI's client certificate.
+    fn with_client_cert(&self, t: TlsOptions) -> TlsOptions;
 }
 
-fn openssl_installed() -> bool {
-    std::process::Command::new("openssl")
-        .arg("version")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
-}
-
-/// The certificates of one test, in their own directory (removed on drop).
-struct Pki {
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn make() -> Pki {
-        let dir = std::env::temp_dir().join(unique("pki"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let d = dir.as_path();
-        for ca in ["ca", "other_ca"] {
-            openssl(
-                d,
-                &[
-                    "req",
-                    "-x509",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-days",
-                    "30",
-                    "-keyout",
-                    &format!("{ca}.key"),
-                    "-out",
-                    &format!("{ca}.pem"),
-                    "-subj",
-                    &format!("/CN=amqp_outbox test {ca}"),
-                    "-addext",
-                    "basicConstraints=critical,CA:TRUE",
-                    "-addext",
-                    "keyUsage=critical,keyCertSign,cRLSign",
-                ],
-            );
-        }
-        std::fs::write(
-            d.join("server.ext"),
-            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
-             extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost\n",
-        )
-        .unwrap();
-        std::fs::write(
-            d.join("client.ext"),
-            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
-             extendedKeyUsage=clientAuth\n",
-        )
-        .unwrap();
-        // (name, subject, extensions, days): "-1" makes a certificate that expired yesterday.
-        for (name, subject, ext, days) in [
-            ("server", "/CN=localhost", "server.ext", "30"),
-            ("expired", "/CN=localhost", "server.ext", "-1"),
-            ("client", "/CN=amqp_outbox client", "client.ext", "30"),
-        ] {
-            openssl(
-                d,
-                &[
-                    "req",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-keyout",
-                    &format!("{name}.key"),
-                    "-out",
-                    &format!("{name}.csr"),
-                    "-subj",
-                    subject,
-                ],
-            );
-            openssl(
-                d,
-                &[
-                    "x509",
-                    "-req",
-                    "-in",
-                    &format!("{name}.csr"),
-                    "-CA",
-                    "ca.pem",
-                    "-CAkey",
-                    "ca.key",
-                    "-CAcreateserial",
-                    "-days",
-                    days,
-                    "-extfile",
-                    ext,
-                    "-out",
-                    &format!("{name}.pem"),
-                ],
-            );
-        }
-        Pki { dir }
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.dir.join(name).display().to_string()
-    }
-
-    /// The TLS listener lines of `rabbitmq.conf`, on 127.0.0.1 only.
-    fn listener_conf(&self, port: u16, require_client_cert: bool) -> String {
-        format!(
-            "listeners.ssl.1 = 127.0.0.1:{port}\n\
-             ssl_options.cacertfile = {}\n\
-             ssl_options.certfile = {}\n\
-             ssl_options.keyfile = {}\n\
-             ssl_options.verify = verify_peer\n\
-             ssl_options.fail_if_no_peer_cert = {require_client_cert}\n",
-            self.path("ca.pem"),
-            self.path("server.pem"),
-            self.path("server.key"),
-        )
-    }
-
+impl TlsFiles for Pki {
     fn tls(&self, ca: &str) -> TlsOptions {
         TlsOptions {
             ca_file: Some(self.path(ca)),
@@ -168,10 +46,8 @@ impl Pki {
     }
 }
 
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+fn make_pki() -> Pki {
+    Pki::make().unwrap_or_else(|e| panic!("certificates: {e}"))
 }
 
 fn endpoint(host: &str, port: u16, password: &str, tls: Option<TlsOptions>) -> Endpoint {
@@ -296,7 +172,7 @@ fn verifies_the_ca_and_the_name_and_never_falls_back_to_plaintext() {
     if skip() {
         return;
     }
-    let pki = Pki::make();
+    let pki = make_pki();
     let node = Node::start_with(|n| pki.listener_conf(n.tls_port, false))
         .expect("cannot start a private RabbitMQ node");
     let (plain, tls) = (node.port, node.tls_port);
@@ -453,7 +329,7 @@ fn a_required_client_certificate_is_sent_when_configured() {
     if skip() {
         return;
     }
-    let pki = Pki::make();
+    let pki = make_pki();
     let node = Node::start_with(|n| pki.listener_conf(n.tls_port, true))
         .expect("cannot start a private RabbitMQ node");
     let q = unique("tls_client_q");
@@ -586,7 +462,7 @@ fn an_expired_server_certificate_is_refused() {
         eprintln!("openssl is not installed here: skipped");
         return;
     }
-    let pki = Pki::make();
+    let pki = make_pki();
     let server = ExpiredServer::start(&pki);
     let mut bridge = Bridge::new();
     bridge.send(Command::Configure(vec![config(

@@ -1,10 +1,13 @@
 //! Test support shared by the end-to-end tests (`tests/`) and the broker crate's integration
-//! tests: a private RabbitMQ node process ([`RabbitNode`]), free ports, bounded polling. Only
-//! std and libc, so either test crate can use it without the other's dependencies.
+//! tests: a private RabbitMQ node process ([`RabbitNode`]), TLS test certificates ([`Pki`]), free
+//! ports, bounded polling. Only std and libc (and the `openssl` command), so either test crate
+//! can use it without the other's dependencies.
 
 mod node;
+mod pki;
 
 pub use node::{find_sbin, rabbitmq_installed, send_signal, NodeOptions, RabbitNode};
+pub use pki::{openssl_installed, Pki};
 
 use std::collections::HashSet;
 use std::net::TcpListener;

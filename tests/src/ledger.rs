@@ -19,7 +19,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Mutex;
 
-use crate::rabbit::Received;
+use std::time::Duration;
+
+use crate::eventually;
+use crate::rabbit::{Collector, Received};
 
 /// Identifies one message of the test: the producer and its sequence number (the order in which
 /// that producer published).
@@ -135,6 +138,34 @@ impl Ledger {
 
     pub fn committed_count(&self) -> usize {
         self.count(|o| *o == Outcome::Committed)
+    }
+
+    /// `Ok` when every committed message has arrived at `collector` at least once. Cheap while
+    /// the consumer has fewer deliveries than there are committed messages (large backlogs).
+    pub fn all_arrived(&self, collector: &Collector) -> Result<(), String> {
+        let committed = self.committed_count();
+        let n = collector.len();
+        if n < committed {
+            return Err(format!("{n} deliveries, {committed} committed messages"));
+        }
+        let report = self.check(&collector.deliveries());
+        if report.lost.is_empty() {
+            return Ok(());
+        }
+        let examples: Vec<String> = report.lost.iter().take(10).map(|k| k.to_string()).collect();
+        Err(format!(
+            "{} of {} committed messages not arrived (e.g. {})",
+            report.lost.len(),
+            report.committed,
+            examples.join(", ")
+        ))
+    }
+
+    /// Waits until every committed message has arrived at `collector`.
+    pub fn wait_all_arrived(&self, collector: &Collector, timeout: Duration) {
+        eventually(timeout, "every committed message to arrive", || {
+            self.all_arrived(collector)
+        });
     }
 
     pub fn committed_keys(&self) -> BTreeSet<MessageKey> {

@@ -20,13 +20,15 @@ pub mod pg;
 pub mod private_rabbit;
 pub mod rabbit;
 pub mod rabbit_cluster;
+pub mod world;
 
 pub use ledger::{Ledger, MessageKey, Outcome, Report};
 pub use outbox::{MessageStatus, Outbox, Producer, ProducerConfig, ProducerStats, WorkerStatus};
 pub use pg::{PgCluster, PgConfig, StopMode};
 pub use private_rabbit::PrivateRabbit;
 pub use rabbit::{AmqpEndpoint, Collector, QueueCounts, Rabbit, Received, Route};
-pub use rabbit_cluster::{ClusterCollector, QuorumState, RabbitCluster};
+pub use rabbit_cluster::{QuorumState, RabbitCluster};
+pub use world::World;
 
 /// Like [`eventually`], but returns the last error instead of panicking.
 pub use amqp_outbox_testkit::try_eventually;

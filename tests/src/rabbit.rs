@@ -456,13 +456,16 @@ pub fn table_to_json(table: &FieldTable) -> serde_json::Map<String, serde_json::
 struct CollectorState {
     deliveries: Vec<Received>,
     connections: u64,
+    /// The AMQP port of the broker it consumes from now.
+    connected_to: Option<u16>,
     last_error: Option<String>,
 }
 
 /// A consumer on one queue, on its own connection, recording every delivery in arrival order
 /// (recorded first, then acknowledged). When its connection drops (a broker stopped or
-/// restarted), it reconnects every 200 ms until dropped; an unacknowledged delivery then comes
-/// again with `redelivered` set, so it is recorded twice.
+/// restarted), it reconnects every 200 ms until dropped, to the next of its brokers (the nodes
+/// of a cluster, like a real client of one); an unacknowledged delivery then comes again with
+/// `redelivered` set, so it is recorded twice.
 pub struct Collector {
     queue: String,
     state: Arc<Mutex<CollectorState>>,
@@ -472,9 +475,16 @@ pub struct Collector {
 
 impl Collector {
     pub fn start(endpoint: AmqpEndpoint, queue: String) -> Collector {
+        Self::start_failover(vec![endpoint], queue)
+    }
+
+    /// Consumes through the first of `endpoints` that answers, and the next one (round robin)
+    /// whenever the connection is lost.
+    pub fn start_failover(endpoints: Vec<AmqpEndpoint>, queue: String) -> Collector {
+        assert!(!endpoints.is_empty(), "a collector needs a broker");
         let state = Arc::new(Mutex::new(CollectorState::default()));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let task = runtime().spawn(collect(endpoint, queue.clone(), state.clone(), stop_rx));
+        let task = runtime().spawn(collect(endpoints, queue.clone(), state.clone(), stop_rx));
         Collector {
             queue,
             state,
@@ -516,6 +526,18 @@ impl Collector {
 
     pub fn last_error(&self) -> Option<String> {
         self.lock().last_error.clone()
+    }
+
+    /// The AMQP port of the broker it consumes from now (None while reconnecting).
+    pub fn connected_to(&self) -> Option<u16> {
+        self.lock().connected_to
+    }
+
+    /// The first delivery from index `from` on that satisfies `pred` (cheap polling of a
+    /// growing log).
+    pub fn find_from(&self, from: usize, pred: impl Fn(&Received) -> bool) -> Option<Received> {
+        let st = self.lock();
+        st.deliveries.iter().skip(from).find(|d| pred(d)).cloned()
     }
 
     /// Waits until the consumer is connected and consuming.
@@ -601,19 +623,21 @@ impl Drop for Collector {
 }
 
 async fn collect(
-    endpoint: AmqpEndpoint,
+    endpoints: Vec<AmqpEndpoint>,
     queue: String,
     state: Arc<Mutex<CollectorState>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    loop {
+    for endpoint in endpoints.iter().cycle() {
         if *stop.borrow() {
             return;
         }
-        match consume_once(&endpoint, &queue, &state, &mut stop).await {
+        match consume_once(endpoint, &queue, &state, &mut stop).await {
             Ok(()) => return,
             Err(e) => {
-                state.lock().unwrap_or_else(|e| e.into_inner()).last_error = Some(e);
+                let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+                st.connected_to = None;
+                st.last_error = Some(e);
             }
         }
         tokio::select! {
@@ -638,6 +662,7 @@ async fn consume_once(
         || {
             let mut st = lock();
             st.connections += 1;
+            st.connected_to = Some(endpoint.port);
             st.connections - 1
         },
         |received| lock().deliveries.push(received),
@@ -652,8 +677,8 @@ const ACK_WAIT: Duration = Duration::from_secs(5);
 /// Consumes `queue` on one connection to `endpoint`, recording each delivery (before its ack)
 /// with `record`; `consuming` is told once the consumer is set up and returns the connection's
 /// number. Every wait on the broker is bounded, so a collector always gets back to reconnecting.
-/// `Ok` only when `stop` fires. Shared by [`Collector`] and the cluster's collector.
-pub(crate) async fn consume_connection(
+/// `Ok` only when `stop` fires.
+async fn consume_connection(
     endpoint: &AmqpEndpoint,
     queue: &str,
     stop: &mut tokio::sync::watch::Receiver<bool>,

@@ -13,17 +13,16 @@
 //! [`boot`](RabbitCluster::boot) (the node restarts from its data directory and rejoins).
 //! Dropping the cluster kills every node's process group and removes the directories.
 //!
-//! [`ClusterCollector`] is a consumer that fails over between the nodes, like a real client of
-//! a cluster would.
+//! [`Collector::start_failover`](crate::Collector::start_failover) over
+//! [`endpoints`](RabbitCluster::endpoints) is a consumer that fails over between the nodes.
 
 use std::fs;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use amqp_outbox_testkit::{NodeOptions, RabbitNode};
 
-use crate::rabbit::{consume_connection, runtime, AmqpEndpoint, Rabbit, Received};
+use crate::rabbit::{AmqpEndpoint, Rabbit};
 use crate::try_eventually;
 
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
@@ -391,149 +390,4 @@ impl Drop for RabbitCluster {
             }
         }
     }
-}
-
-#[derive(Default)]
-struct CollectorState {
-    deliveries: Vec<Received>,
-    connections: u64,
-    /// The AMQP port of the node the consumer is connected to now.
-    connected_to: Option<u16>,
-    last_error: Option<String>,
-}
-
-/// A consumer on one queue of a cluster that fails over between the nodes: on a lost
-/// connection it tries the next node (round robin) every 200 ms. Records every delivery in
-/// arrival order (recorded, then acknowledged); a delivery unacknowledged when its connection
-/// broke comes again (redelivered), so it is recorded twice.
-pub struct ClusterCollector {
-    queue: String,
-    state: Arc<Mutex<CollectorState>>,
-    stop: Option<tokio::sync::watch::Sender<bool>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl ClusterCollector {
-    /// Starts consuming `queue` through the first of `endpoints` that answers.
-    pub fn start(endpoints: Vec<AmqpEndpoint>, queue: &str) -> ClusterCollector {
-        let state = Arc::new(Mutex::new(CollectorState::default()));
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let task = runtime().spawn(collect(
-            endpoints,
-            queue.to_string(),
-            state.clone(),
-            stop_rx,
-        ));
-        ClusterCollector {
-            queue: queue.to_string(),
-            state,
-            stop: Some(stop_tx),
-            task: Some(task),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, CollectorState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn queue(&self) -> &str {
-        &self.queue
-    }
-
-    /// Every delivery so far, in arrival order.
-    pub fn deliveries(&self) -> Vec<Received> {
-        self.lock().deliveries.clone()
-    }
-
-    pub fn len(&self) -> usize {
-        self.lock().deliveries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// How many times the consumer has connected.
-    pub fn connections(&self) -> u64 {
-        self.lock().connections
-    }
-
-    /// The AMQP port of the node it consumes from now (None while reconnecting).
-    pub fn connected_to(&self) -> Option<u16> {
-        self.lock().connected_to
-    }
-
-    pub fn last_error(&self) -> Option<String> {
-        self.lock().last_error.clone()
-    }
-
-    /// Deliveries from index `from` on that satisfy `pred` (cheap polling of a growing log).
-    pub fn find_from(&self, from: usize, pred: impl Fn(&Received) -> bool) -> Option<Received> {
-        let st = self.lock();
-        st.deliveries.iter().skip(from).find(|d| pred(d)).cloned()
-    }
-}
-
-impl Drop for ClusterCollector {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(true);
-        }
-        if let Some(task) = self.task.take() {
-            let _ = runtime()
-                .block_on(async { tokio::time::timeout(Duration::from_secs(2), task).await });
-        }
-    }
-}
-
-async fn collect(
-    endpoints: Vec<AmqpEndpoint>,
-    queue: String,
-    state: Arc<Mutex<CollectorState>>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let mut next = 0usize;
-    loop {
-        if *stop.borrow() {
-            return;
-        }
-        let ep = &endpoints[next % endpoints.len()];
-        next += 1;
-        match consume_once(ep, &queue, &state, &mut stop).await {
-            Ok(()) => return,
-            Err(e) => {
-                let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
-                st.connected_to = None;
-                st.last_error = Some(e);
-            }
-        }
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-        }
-    }
-}
-
-/// One connection's worth of consuming (the shared consumer of `rabbit.rs`), also noting which
-/// node it consumes from. `Ok` only when asked to stop.
-async fn consume_once(
-    endpoint: &AmqpEndpoint,
-    queue: &str,
-    state: &Arc<Mutex<CollectorState>>,
-    stop: &mut tokio::sync::watch::Receiver<bool>,
-) -> Result<(), String> {
-    let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
-    consume_connection(
-        endpoint,
-        queue,
-        stop,
-        || {
-            let mut st = lock();
-            st.connections += 1;
-            st.connected_to = Some(endpoint.port);
-            st.connections - 1
-        },
-        |received| lock().deliveries.push(received),
-    )
-    .await
 }

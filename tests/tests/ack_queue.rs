@@ -21,16 +21,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use amqp_outbox_e2e::outbox::{add_broker, add_broker_with_proof, create_extension};
+use amqp_outbox_e2e::outbox::add_broker;
 use amqp_outbox_e2e::{
     eventually, try_eventually, unique_name, AmqpEndpoint, Collector, Ledger, MessageKey,
-    MessageStatus, Outbox, PgCluster, PgConfig, PrivateRabbit, Producer, ProducerConfig, Rabbit,
-    Received, Route, WorkerStatus,
+    MessageStatus, Outbox, PgConfig, PrivateRabbit, Producer, ProducerConfig, Rabbit, Received,
+    Route, World,
 };
 use lapin::ExchangeKind;
 use postgres::Client;
 
-const WORKER_UP: Duration = Duration::from_secs(30);
 const ARRIVAL: Duration = Duration::from_secs(30);
 const BULK_ARRIVAL: Duration = Duration::from_secs(150);
 
@@ -40,174 +39,6 @@ const WORKER_HEADERS: [&str; 3] = [
     "x-amqp-outbox-producer-start",
     "x-amqp-outbox-seq",
 ];
-
-/// Deletes this database's acknowledgement queue from the broker when dropped (each test
-/// cluster has its own system identifier, so each creates a new durable queue).
-struct AckQueueCleanup {
-    endpoint: AmqpEndpoint,
-    name: String,
-}
-
-impl Drop for AckQueueCleanup {
-    fn drop(&mut self) {
-        if let Ok(r) = Rabbit::connect(self.endpoint.clone()) {
-            let _ = r.delete_queue(&self.name);
-        }
-    }
-}
-
-/// One test's world: a cluster with the extension and one broker row (with the given proof
-/// mode), a route on the broker and a consumer on its queue. Fields drop in order: consumer,
-/// route, client, cluster (stopped), then the acknowledgement queue is deleted.
-struct World {
-    collector: Collector,
-    route: Route,
-    client: Client,
-    outbox: Outbox,
-    ack_queue: String,
-    cluster: PgCluster,
-    _ack_cleanup: AckQueueCleanup,
-}
-
-impl World {
-    fn new(name: &str, config: PgConfig, rabbit: &Rabbit, proof: &str) -> World {
-        let cluster = PgCluster::new(config);
-        let mut client = cluster.client();
-        create_extension(&mut client);
-        let broker_id = add_broker_with_proof(&mut client, rabbit.endpoint(), proof);
-        let ack_queue = Outbox::ack_queue_name(&mut client);
-        let cleanup = AckQueueCleanup {
-            endpoint: rabbit.endpoint().clone(),
-            name: ack_queue.clone(),
-        };
-        let route = rabbit.declare_route(name);
-        let collector = rabbit.consume(&route);
-        collector.wait_connected(Duration::from_secs(10));
-        cluster.wait_for_worker(&mut client, WORKER_UP);
-        World {
-            collector,
-            route,
-            client,
-            outbox: Outbox { broker_id },
-            ack_queue,
-            cluster,
-            _ack_cleanup: cleanup,
-        }
-    }
-
-    fn publish(&mut self, body: &str) {
-        let (ex, rk) = (self.route.exchange.clone(), self.route.routing_key.clone());
-        self.outbox.publish(&mut self.client, &ex, &rk, body);
-    }
-
-    /// `amqp.publish_message` to the route; returns the row id.
-    fn publish_id(&mut self, body: &str) -> i64 {
-        self.client
-            .query_one(
-                "SELECT amqp.publish_message($1, $2, $3, $4)",
-                &[
-                    &self.outbox.broker_id,
-                    &self.route.exchange,
-                    &self.route.routing_key,
-                    &body,
-                ],
-            )
-            .unwrap_or_else(|e| panic!("amqp.publish_message({body}): {e}"))
-            .get(0)
-    }
-
-    fn status(&mut self) -> WorkerStatus {
-        Outbox::worker_status(&mut self.client).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn rows(&mut self) -> i64 {
-        Outbox::rows(&mut self.client).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Waits until the outbox is empty *and* a marker published after that moment has arrived:
-    /// every copy of every earlier message was in the queue before the marker (one channel, one
-    /// queue: RabbitMQ keeps the order), so the consumer has seen them all.
-    ///
-    /// Robust to `test_lose_one_in`: a new marker goes out every second until one arrives, and
-    /// each later marker's record reports the earlier lost ones (gap rule), so nothing has to
-    /// wait for `resend_after`.
-    fn settle(&mut self) {
-        let mut empty_since: Option<Instant> = None;
-        // (marker, published at)
-        let mut markers: Vec<(String, Instant)> = Vec::new();
-        eventually(
-            BULK_ARRIVAL,
-            "the outbox to drain and a later marker to arrive",
-            || {
-                let pending = Outbox::pending(&mut self.client)?;
-                if pending == 0 && empty_since.is_none() {
-                    empty_since = Some(Instant::now());
-                }
-                if let Some(t) = empty_since {
-                    if markers
-                        .iter()
-                        .any(|(m, at)| *at > t && self.collector.has_body(m))
-                    {
-                        return Ok(());
-                    }
-                }
-                let due = markers
-                    .last()
-                    .is_none_or(|(_, at)| at.elapsed() >= Duration::from_secs(1));
-                if due {
-                    let marker = unique_name("marker");
-                    let (ex, rk) = (self.route.exchange.clone(), self.route.routing_key.clone());
-                    self.outbox.publish(&mut self.client, &ex, &rk, &marker);
-                    markers.push((marker, Instant::now()));
-                }
-                Err(format!(
-                    "{pending} rows pending; empty since {empty_since:?}; {} markers sent",
-                    markers.len()
-                ))
-            },
-        );
-        // Markers published before the last one and lost are resent by the gap rule.
-        eventually(
-            ARRIVAL,
-            "amqp.message to be empty",
-            || match Outbox::rows(&mut self.client)? {
-                0 => Ok(()),
-                n => Err(format!("{n} rows left")),
-            },
-        );
-    }
-
-    /// Deliveries whose body is not a settle() marker.
-    fn deliveries(&self) -> Vec<Received> {
-        self.collector
-            .deliveries()
-            .into_iter()
-            .filter(|d| !d.text().starts_with("e2e.marker."))
-            .collect()
-    }
-}
-
-fn wait_all_committed_delivered(ledger: &Ledger, collector: &Collector, timeout: Duration) {
-    eventually(timeout, "every committed message to arrive", || {
-        let report = ledger.check(&collector.deliveries());
-        if report.lost.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{} of {} committed messages not arrived yet (e.g. {})",
-                report.lost.len(),
-                report.committed,
-                report
-                    .lost
-                    .iter()
-                    .take(5)
-                    .map(|k| k.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        }
-    });
-}
 
 fn spawn_producers(
     w: &World,
@@ -257,7 +88,7 @@ fn sqlstate(e: &postgres::Error) -> String {
 fn lost_publish_is_detected_by_the_gap_rule_and_resent_with_the_same_message_id() {
     let rabbit = Rabbit::shared();
     let config = PgConfig::default().setting("amqp_outbox.test_lose_one_in", 5);
-    let mut w = World::new("gap", config, &rabbit, "ack_queue");
+    let mut w = World::new("gap", config, &rabbit);
     let ledger = Arc::new(Ledger::new());
     let started = Instant::now();
     let producers = spawn_producers(&w, "g", 3, 400, &ledger);
@@ -270,7 +101,7 @@ fn lost_publish_is_detected_by_the_gap_rule_and_resent_with_the_same_message_id(
     w.cluster.reload();
     w.settle();
     let elapsed = started.elapsed();
-    wait_all_committed_delivered(&ledger, &w.collector, ARRIVAL);
+    ledger.wait_all_arrived(&w.collector, ARRIVAL);
 
     let report = ledger.check(&w.deliveries());
     let status = w.status();
@@ -324,7 +155,7 @@ fn last_message_lost_is_resent_by_the_timeout() {
     let config = PgConfig::default()
         .setting("amqp_outbox.resend_after", 2000)
         .setting("amqp_outbox.test_lose_one_in", 1);
-    let mut w = World::new("timeout", config, &rabbit, "ack_queue");
+    let mut w = World::new("timeout", config, &rabbit);
     let before = w.status();
 
     let published_at = Instant::now();
@@ -424,7 +255,7 @@ fn last_message_lost_is_resent_by_the_timeout() {
 fn two_sessions_and_a_prepared_transaction_never_trigger_a_wrong_resend() {
     let rabbit = Rabbit::shared();
     let config = PgConfig::default().setting("max_prepared_transactions", 10);
-    let mut w = World::new("twophase", config, &rabbit, "ack_queue");
+    let mut w = World::new("twophase", config, &rabbit);
     let (b, ex, rk) = (
         w.outbox.broker_id,
         w.route.exchange.clone(),
@@ -474,7 +305,7 @@ fn two_sessions_and_a_prepared_transaction_never_trigger_a_wrong_resend() {
          {delivered_at_commit} deliveries"
     );
 
-    wait_all_committed_delivered(&ledger, &w.collector, BULK_ARRIVAL);
+    ledger.wait_all_arrived(&w.collector, BULK_ARRIVAL);
     w.settle();
     let report = ledger.check(&w.deliveries());
     let status = w.status();
@@ -536,7 +367,7 @@ fn every_exchange_type_gets_its_messages_acknowledged() {
     // exchange with one queue, and a queue reached through the default exchange.
     let fanout = rabbit.declare_route_kind("xfanout", ExchangeKind::Fanout, "");
     let default_q = rabbit.declare_queue("xdefault");
-    let mut w = World::new("xdirect", PgConfig::default(), &rabbit, "ack_queue");
+    let mut w = World::new("xdirect", PgConfig::default(), &rabbit);
     let b = w.outbox.broker_id;
 
     // Declared by the worker (amqp.exchange_declare / queue_declare / queue_bind): a topic and
@@ -766,7 +597,7 @@ fn views_show_each_state() {
         // next_attempt_at to now instead of waiting.
         .setting("amqp_outbox.retry_backoff_min", 20000)
         .setting("amqp_outbox.retry_backoff_max", 40000);
-    let mut w = World::new("views", config, &rabbit, "ack_queue");
+    let mut w = World::new("views", config, &rabbit);
     let b = w.outbox.broker_id;
     let down_port = unused_port();
     let down = add_broker(&mut w.client, &AmqpEndpoint::local(down_port));
@@ -1023,46 +854,14 @@ fn views_show_each_state() {
     assert_eq!(counts.get("views:discard"), None, "{counts:?}");
 }
 
-impl World {
-    /// [`settle`](Self::settle) when another broker keeps rows in the outbox: waits until no
-    /// row of `broker_id` is left, then for a marker published after that.
-    fn settle_only_broker(&mut self, broker_id: i32) {
-        let count = |c: &mut Client| -> Result<i64, String> {
-            c.query_one(
-                "SELECT count(*) FROM amqp.message WHERE broker_id = $1",
-                &[&broker_id],
-            )
-            .map(|r| r.get(0))
-            .map_err(|e| e.to_string())
-        };
-        eventually(
-            BULK_ARRIVAL,
-            "the broker's rows to drain",
-            || match count(&mut self.client)? {
-                0 => Ok(()),
-                n => Err(format!("{n} rows of broker {broker_id}")),
-            },
-        );
-        let marker = unique_name("marker");
-        self.publish(&marker);
-        self.collector.wait_for_body(&marker, ARRIVAL);
-        eventually(ARRIVAL, "the marker's row to be deleted", || {
-            match count(&mut self.client)? {
-                0 => Ok(()),
-                n => Err(format!("{n} rows of broker {broker_id}")),
-            }
-        });
-    }
-}
-
 #[test]
 fn confirm_mode_deletes_on_confirm_without_the_ack_queue() {
     let rabbit = Rabbit::shared();
-    let mut w = World::new("confirm", PgConfig::default(), &rabbit, "confirm");
+    let mut w = World::with_proof("confirm", PgConfig::default(), &rabbit, "confirm");
     let ledger = Arc::new(Ledger::new());
     let producers = spawn_producers(&w, "c", 2, 300, &ledger);
     let stats: Vec<_> = producers.into_iter().map(Producer::wait).collect();
-    wait_all_committed_delivered(&ledger, &w.collector, BULK_ARRIVAL);
+    ledger.wait_all_arrived(&w.collector, BULK_ARRIVAL);
     w.settle();
     let report = ledger.check(&w.deliveries());
     let status = w.status();
@@ -1099,7 +898,7 @@ fn ack_listener_keeps_working_during_a_resource_alarm() {
     let config = PgConfig::default()
         .setting("amqp_outbox.retry_backoff_min", 15000)
         .setting("amqp_outbox.retry_backoff_max", 30000);
-    let mut w = World::new("alarm", config, &rabbit, "ack_queue");
+    let mut w = World::new("alarm", config, &rabbit);
     w.route.delete_on_drop = false; // the node goes away with its data
     let b = w.outbox.broker_id;
     let (ex, rk) = (w.route.exchange.clone(), w.route.routing_key.clone());
@@ -1122,7 +921,7 @@ fn ack_listener_keeps_working_during_a_resource_alarm() {
 
     // Before: a normal stream.
     publish_batch(&mut w.client, "before", 100);
-    wait_all_committed_delivered(&ledger, &w.collector, ARRIVAL);
+    ledger.wait_all_arrived(&w.collector, ARRIVAL);
     Outbox::wait_drained(&mut w.client, ARRIVAL);
 
     // The listener loses its connection; confirmed messages now wait for their records.
@@ -1268,7 +1067,7 @@ fn ack_listener_keeps_working_during_a_resource_alarm() {
 
     // The alarm clears: everything drains.
     node.set_disk_free_limit("50MB");
-    wait_all_committed_delivered(&ledger, &w.collector, BULK_ARRIVAL);
+    ledger.wait_all_arrived(&w.collector, BULK_ARRIVAL);
     w.settle();
     let report = ledger.check(&w.deliveries());
     let status = w.status();
@@ -1289,7 +1088,7 @@ fn ack_listener_keeps_working_during_a_resource_alarm() {
 /// checks that the table is empty and back to a small size after VACUUM.
 fn bulk(n: i64) {
     let rabbit = Rabbit::shared();
-    let mut w = World::new("bulk", PgConfig::default(), &rabbit, "ack_queue");
+    let mut w = World::new("bulk", PgConfig::default(), &rabbit);
     let (b, ex, rk) = (
         w.outbox.broker_id,
         w.route.exchange.clone(),

@@ -237,7 +237,7 @@ impl Rig {
         let collector = &self.collector;
         let mut heal = None;
         let arrived = try_eventually(drain_timeout(), || {
-            all_committed_arrived(ledger, collector)?;
+            ledger.all_arrived(collector)?;
             heal = heal_at.map(|t| t.elapsed());
             Ok(())
         });
@@ -375,33 +375,6 @@ fn backlog_arrived(ledger: &Ledger, collector: &Collector, n: u64) -> Result<(),
             seen.len(),
             missing
                 .iter()
-                .map(|k| k.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))
-    }
-}
-
-/// `Ok` when every committed message of the ledger has arrived at least once. Cheap while the
-/// consumer has fewer deliveries than the ledger has committed messages (large backlogs).
-fn all_committed_arrived(ledger: &Ledger, collector: &Collector) -> Result<(), String> {
-    let committed = ledger.committed_count();
-    let n = collector.len();
-    if n < committed {
-        return Err(format!("{n} deliveries, {committed} committed messages"));
-    }
-    let report = ledger.check(&collector.deliveries());
-    if report.lost.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{} of {} committed messages not arrived (e.g. {})",
-            report.lost.len(),
-            report.committed,
-            report
-                .lost
-                .iter()
-                .take(10)
                 .map(|k| k.to_string())
                 .collect::<Vec<_>>()
                 .join(", ")

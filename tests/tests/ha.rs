@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::outbox::create_extension;
 use amqp_outbox_e2e::{
-    eventually, try_eventually, unique_name, ClusterCollector, Ledger, MessageKey, Outbox,
-    PgCluster, PgConfig, Producer, ProducerConfig, RabbitCluster, Received,
+    eventually, try_eventually, unique_name, Collector, Ledger, MessageKey, Outbox, PgCluster,
+    PgConfig, Producer, ProducerConfig, RabbitCluster, Received,
 };
 use postgres::Client;
 
@@ -96,7 +96,7 @@ struct Resume {
 /// client, PostgreSQL, then the RabbitMQ cluster.
 struct Ha {
     producer: Option<Producer>,
-    collector: ClusterCollector,
+    collector: Collector,
     client: Client,
     pg: PgCluster,
     cluster: RabbitCluster,
@@ -203,7 +203,7 @@ impl Ha {
             .expect("queue_bind");
         let ack_queue = Outbox::ack_queue_name(&mut client);
         pg.wait_for_worker(&mut client, Duration::from_secs(60));
-        let collector = ClusterCollector::start(eps, &queue);
+        let collector = Collector::start_failover(eps, queue.clone());
         let mut ha = Ha {
             producer: None,
             collector,

@@ -6,147 +6,29 @@
 //!
 //! Requires the extension installed (`make install`), `rabbitmq-server` and `openssl`.
 
-use std::net::TcpListener;
-use std::path::Path;
 use std::time::Duration;
 
 use amqp_outbox_e2e::outbox::create_extension;
 use amqp_outbox_e2e::{eventually, unique_name, Outbox, PgCluster, PrivateRabbit};
+use amqp_outbox_testkit::{openssl_installed, pick_ports, Pki};
 
 const SECRET: &str = "pw-S3cr3t-tls-e2e";
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = std::process::Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run openssl: {e}"));
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// ca.pem, other_ca.pem, server.pem/server.key (for "localhost", signed by ca.pem).
-fn make_certificates(d: &Path) {
-    for ca in ["ca", "other_ca"] {
-        openssl(
-            d,
-            &[
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "30",
-                "-keyout",
-                &format!("{ca}.key"),
-                "-out",
-                &format!("{ca}.pem"),
-                "-subj",
-                &format!("/CN=amqp_outbox e2e {ca}"),
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign,cRLSign",
-            ],
-        );
-    }
-    std::fs::write(
-        d.join("server.ext"),
-        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
-         extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost\n",
-    )
-    .unwrap();
-    openssl(
-        d,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ],
-    );
-    openssl(
-        d,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "30",
-            "-extfile",
-            "server.ext",
-            "-out",
-            "server.pem",
-        ],
-    );
-    // The worker runs as the cluster's user: let it read the CA files.
-    for f in ["ca.pem", "other_ca.pem"] {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(d.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
-    }
-}
-
-/// A free port on 127.0.0.1 outside the ranges the harness picks from.
-fn free_port() -> u16 {
-    (30000..32000u16)
-        .map(|p| p + (std::process::id() % 1000) as u16)
-        .find(|p| TcpListener::bind(("127.0.0.1", *p)).is_ok())
-        .expect("a free port")
-}
-
 #[test]
 fn tls_broker_row_delivers_with_the_right_ca_and_logs_a_clear_error_with_the_wrong_one() {
-    if std::process::Command::new("openssl")
-        .arg("version")
-        .output()
-        .is_err()
-    {
+    if !openssl_installed() {
         eprintln!("openssl is not installed here: skipped");
         return;
     }
-    // Certificates in a directory the cluster's user can read (the worker opens the CA file).
-    let pki = tempfile::Builder::new()
-        .prefix("amqp_outbox_e2e_pki.")
-        .tempdir()
-        .unwrap();
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(pki.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    make_certificates(pki.path());
-    let file = |name: &str| pki.path().join(name).display().to_string();
+    // Readable by the cluster's user (the worker opens the CA file).
+    let pki = Pki::make().unwrap_or_else(|e| panic!("certificates: {e}"));
+    let file = |name: &str| pki.path(name);
 
     let mut node = PrivateRabbit::prepare();
-    let tls_port = free_port();
+    let tls_port = pick_ports(30000, 32000, 1);
     let conf = node.dir().join("rabbitmq.conf");
     let mut text = std::fs::read_to_string(&conf).unwrap();
-    text.push_str(&format!(
-        "listeners.ssl.1 = 127.0.0.1:{tls_port}\n\
-         ssl_options.cacertfile = {}\n\
-         ssl_options.certfile = {}\n\
-         ssl_options.keyfile = {}\n\
-         ssl_options.verify = verify_peer\n\
-         ssl_options.fail_if_no_peer_cert = false\n",
-        file("ca.pem"),
-        file("server.pem"),
-        file("server.key"),
-    ));
+    text.push_str(&pki.listener_conf(tls_port, false));
     std::fs::write(&conf, text).unwrap();
     node.boot();
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use amqp_outbox_e2e::outbox::create_extension;
 use amqp_outbox_e2e::{
     eventually, unique_name, Collector, Ledger, Outbox, PgCluster, PgConfig, PrivateRabbit,
-    Producer, ProducerConfig, Rabbit, Received, Route,
+    Producer, ProducerConfig, Rabbit, Received, World,
 };
 use postgres::Client;
 use serde_json::{json, Value};
@@ -20,62 +20,6 @@ use serde_json::{json, Value};
 const WORKER_UP: Duration = Duration::from_secs(30);
 const ARRIVAL: Duration = Duration::from_secs(30);
 const BULK_ARRIVAL: Duration = Duration::from_secs(150);
-
-/// One test's world: its cluster (extension installed, one broker row), a route on the broker,
-/// and a consumer on the route's queue. Fields drop in order: consumer, route, then cluster.
-struct Fixture {
-    collector: Collector,
-    route: Route,
-    client: Client,
-    outbox: Outbox,
-    cluster: PgCluster,
-}
-
-impl Fixture {
-    /// Cluster with `config`, extension installed, broker row for `endpoint`, and a route +
-    /// consumer declared through `rabbit`.
-    fn new(name: &str, config: PgConfig, rabbit: &Rabbit) -> Fixture {
-        let cluster = PgCluster::new(config);
-        let mut client = cluster.client();
-        let outbox = Outbox::install(&mut client, rabbit.endpoint());
-        let route = rabbit.declare_route(name);
-        let collector = rabbit.consume(&route);
-        collector.wait_connected(Duration::from_secs(10));
-        cluster.wait_for_worker(&mut client, WORKER_UP);
-        Fixture {
-            collector,
-            route,
-            client,
-            outbox,
-            cluster,
-        }
-    }
-
-    fn publish(&mut self, body: &str) {
-        let (ex, rk) = (self.route.exchange.clone(), self.route.routing_key.clone());
-        self.outbox.publish(&mut self.client, &ex, &rk, body);
-    }
-
-    /// Waits until nothing unparked is left in the outbox, then sends a marker through the
-    /// outbox and waits for it: every copy of every earlier message was in the queue before the
-    /// marker was even published, so once the marker is here the consumer has seen them all.
-    fn settle(&mut self) {
-        Outbox::wait_drained(&mut self.client, BULK_ARRIVAL);
-        let marker = unique_name("marker");
-        self.publish(&marker);
-        self.collector.wait_for_body(&marker, ARRIVAL);
-        Outbox::wait_drained(&mut self.client, ARRIVAL);
-    }
-
-    /// Deliveries whose body is not a settle() marker.
-    fn deliveries(&self) -> Vec<Received> {
-        self.collector
-            .deliveries()
-            .into_iter()
-            .filter(|d| !d.text().starts_with("e2e.marker."))
-            .collect()
-    }
-}
 
 /// Reads a header as an integer (the worker may send it as a number or a numeric string).
 fn header_i64(d: &Received, name: &str) -> i64 {
@@ -93,32 +37,10 @@ fn header_i64(d: &Received, name: &str) -> i64 {
     }
 }
 
-fn wait_all_committed_delivered(ledger: &Ledger, collector: &Collector, timeout: Duration) {
-    eventually(timeout, "every committed message to arrive", || {
-        let report = ledger.check(&collector.deliveries());
-        if report.lost.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{} of {} committed messages not arrived yet (e.g. {})",
-                report.lost.len(),
-                report.committed,
-                report
-                    .lost
-                    .iter()
-                    .take(5)
-                    .map(|k| k.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        }
-    });
-}
-
 #[test]
 fn committed_message_arrives_once_with_properties_and_headers() {
     let rabbit = Rabbit::shared();
-    let mut f = Fixture::new("props", PgConfig::default(), &rabbit);
+    let mut f = World::new("props", PgConfig::default(), &rabbit);
     let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
 
     let (pid, started_micros): (i32, i64) = {
@@ -251,7 +173,7 @@ fn committed_message_arrives_once_with_properties_and_headers() {
 #[test]
 fn rollback_publishes_nothing() {
     let rabbit = Rabbit::shared();
-    let mut f = Fixture::new("rollback", PgConfig::default(), &rabbit);
+    let mut f = World::new("rollback", PgConfig::default(), &rabbit);
     let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
     let b = f.outbox.broker_id;
     let c = &mut f.client;
@@ -342,7 +264,7 @@ fn rollback_publishes_nothing() {
 #[test]
 fn ten_thousand_messages_from_eight_sessions_arrive_in_per_session_order() {
     let rabbit = Rabbit::shared();
-    let mut f = Fixture::new("bulk", PgConfig::default(), &rabbit);
+    let mut f = World::new("bulk", PgConfig::default(), &rabbit);
     let ledger = Arc::new(Ledger::new());
     let producers: Vec<Producer> = (0..8)
         .map(|i| {
@@ -364,7 +286,7 @@ fn ten_thousand_messages_from_eight_sessions_arrive_in_per_session_order() {
     assert_eq!(committed, 10_000, "{stats:?}");
     assert_eq!(ledger.committed_count(), 10_000);
 
-    wait_all_committed_delivered(&ledger, &f.collector, BULK_ARRIVAL);
+    ledger.wait_all_arrived(&f.collector, BULK_ARRIVAL);
     f.settle();
     let report = ledger.check(&f.deliveries());
     eprintln!("{report}");
@@ -376,7 +298,7 @@ fn ten_thousand_messages_from_eight_sessions_arrive_in_per_session_order() {
 #[test]
 fn worker_killed_mid_stream_comes_back_and_nothing_is_lost() {
     let rabbit = Rabbit::shared();
-    let mut f = Fixture::new("kill", PgConfig::default(), &rabbit);
+    let mut f = World::new("kill", PgConfig::default(), &rabbit);
     let ledger = Arc::new(Ledger::new());
     // Producers keep committing through every kill (stopped after the last one).
     let producers: Vec<Producer> = (0..3)
@@ -451,7 +373,7 @@ fn worker_killed_mid_stream_comes_back_and_nothing_is_lost() {
         "the stream was too short to be mid-stream: {stats:?}"
     );
 
-    wait_all_committed_delivered(&ledger, &f.collector, BULK_ARRIVAL);
+    ledger.wait_all_arrived(&f.collector, BULK_ARRIVAL);
     f.settle();
     let report = ledger.check(&f.deliveries());
     eprintln!("{report}");
@@ -473,7 +395,7 @@ fn broker_stop_app_mid_stream_loses_nothing() {
         .setting("amqp_outbox.retry_backoff_min", 100)
         .setting("amqp_outbox.retry_backoff_max", 1000)
         .setting("amqp_outbox.confirm_timeout", 5000);
-    let mut f = Fixture::new("stopapp", config, &rabbit);
+    let mut f = World::new("stopapp", config, &rabbit);
     f.route.delete_on_drop = false; // the node goes away with its data
     drop(rabbit);
 
@@ -526,7 +448,7 @@ fn broker_stop_app_mid_stream_loses_nothing() {
     let stats: Vec<_> = producers.into_iter().map(Producer::join).collect();
     eprintln!("producers: {stats:?}");
 
-    wait_all_committed_delivered(&ledger, &f.collector, BULK_ARRIVAL);
+    ledger.wait_all_arrived(&f.collector, BULK_ARRIVAL);
     f.settle();
     let report = ledger.check(&f.deliveries());
     eprintln!("{report}");
@@ -540,7 +462,7 @@ fn unroutable_message_is_parked_while_later_messages_arrive() {
         .setting("amqp_outbox.max_attempts", 3)
         .setting("amqp_outbox.retry_backoff_min", 100)
         .setting("amqp_outbox.retry_backoff_max", 400);
-    let mut f = Fixture::new("unroutable", config, &rabbit);
+    let mut f = World::new("unroutable", config, &rabbit);
     let ex = f.route.exchange.clone();
     let b = f.outbox.broker_id;
 
@@ -661,7 +583,7 @@ fn worker_starts_before_create_extension_and_before_broker() {
 #[test]
 fn table_is_empty_after_delivery() {
     let rabbit = Rabbit::shared();
-    let mut f = Fixture::new("empty", PgConfig::default(), &rabbit);
+    let mut f = World::new("empty", PgConfig::default(), &rabbit);
     let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
     f.client
         .execute(
@@ -833,7 +755,7 @@ fn max_pending_refuses_publishing_over_the_cap() {
 fn large_messages_stay_within_max_in_flight_bytes() {
     let rabbit = Rabbit::shared();
     let config = PgConfig::default().setting("amqp_outbox.max_in_flight_bytes", "'4MB'");
-    let mut f = Fixture::new("large", config, &rabbit);
+    let mut f = World::new("large", config, &rabbit);
     let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
     let pid = f
         .cluster
@@ -868,7 +790,7 @@ fn large_messages_stay_within_max_in_flight_bytes() {
 #[test]
 fn commit_wakes_the_idle_worker_before_its_naptime() {
     let rabbit = Rabbit::shared();
-    let mut f = Fixture::new("wake", PgConfig::default().naptime_ms(60_000), &rabbit);
+    let mut f = World::new("wake", PgConfig::default().naptime_ms(60_000), &rabbit);
     // Connected and idle: the warm-up message goes out at the connection's step.
     f.publish("wake:warm-up");
     f.collector.wait_for_body("wake:warm-up", ARRIVAL);
@@ -890,7 +812,7 @@ fn commit_wakes_the_idle_worker_before_its_naptime() {
 fn disabled_worker_is_not_woken_by_commits_and_delivers_once_enabled() {
     let rabbit = Rabbit::shared();
     let config = PgConfig::default().setting("amqp_outbox.enabled", "off");
-    let mut f = Fixture::new("off", config, &rabbit);
+    let mut f = World::new("off", config, &rabbit);
     let before = Outbox::worker_status(&mut f.client).expect("worker_status");
     for i in 0..50 {
         f.publish(&format!("off:{i}"));
@@ -922,7 +844,7 @@ fn commits_close_together_share_worker_steps() {
     let config = PgConfig::default()
         .naptime_ms(60_000)
         .setting("amqp_outbox.batch_interval", 1000);
-    let mut f = Fixture::new("coalesce", config, &rabbit);
+    let mut f = World::new("coalesce", config, &rabbit);
     f.publish("co:warm-up");
     f.collector.wait_for_body("co:warm-up", ARRIVAL);
     Outbox::wait_drained(&mut f.client, ARRIVAL);

@@ -116,6 +116,16 @@ pub struct Bridge {
 }
 
 impl Bridge {
+    /// A bridge configured with `cfg` alone, once its publishing channel is up; with the
+    /// channel's epoch.
+    pub fn connected(cfg: BrokerConfig) -> (Bridge, u64) {
+        let mut bridge = Bridge::new();
+        let broker_id = cfg.broker_id;
+        bridge.send(Command::Configure(vec![cfg]));
+        let epoch = bridge.wait_connected(broker_id, 0);
+        (bridge, epoch)
+    }
+
     pub fn new() -> Self {
         Bridge {
             handle: Some(amqp_outbox_broker::spawn().expect("spawn")),
@@ -242,27 +252,7 @@ impl Admin {
 
     /// A queue bound to `exchange` with `key`.
     pub fn queue(&mut self, name: &str, exchange: &str, key: &str) {
-        self.rt.block_on(async {
-            self.ch
-                .queue_declare(
-                    name.into(),
-                    QueueDeclareOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-            self.ch
-                .queue_bind(
-                    name.into(),
-                    exchange.into(),
-                    key.into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-        });
-        self.queues.push(name.to_string());
+        self.queue_with_binding_args(name, exchange, key, FieldTable::default());
     }
 
     /// Deletes `queue` (made by someone else) when this Admin is dropped.
