@@ -2,7 +2,7 @@
 //!
 //! Producers record every message they tried to publish, outside the database under test:
 //! committed (COMMIT returned success), aborted (ROLLBACK, an error, a rolled-back savepoint),
-//! or unknown (the connection broke during COMMIT; resolved later with `pg_xact_status`). The
+//! or unknown (the connection broke during COMMIT; resolved later from the database). The
 //! consumer records every delivery. The checker compares the two:
 //!
 //! - lost: committed but never delivered (must be 0),
@@ -73,15 +73,28 @@ impl fmt::Display for MessageKey {
     }
 }
 
+/// `COMMIT_TOKENS`: the table in each test database where a producer's transaction inserts its
+/// token, so that a COMMIT whose answer was lost can be resolved. Created by
+/// [`crate::Producer::spawn`].
+pub const CREATE_COMMIT_TOKENS: &str =
+    "CREATE TABLE IF NOT EXISTS public.e2e_commit_token (token text PRIMARY KEY)";
+pub const INSERT_COMMIT_TOKEN: &str = "INSERT INTO public.e2e_commit_token (token) VALUES ($1)";
+const FIND_COMMIT_TOKEN: &str =
+    "SELECT EXISTS (SELECT 1 FROM public.e2e_commit_token WHERE token = $1)";
+
 /// What a producer knows about one message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Committed,
     Aborted,
-    /// COMMIT's result never came back; `xid` (from `pg_current_xact_id()`) lets the checker's
-    /// caller resolve it with `pg_xact_status` once the fault has healed.
+    /// COMMIT's result never came back. Resolved once the fault has healed: the transaction
+    /// also inserted `token` into `COMMIT_TOKENS`, so it committed if and only if that row
+    /// exists (`xid`, from `pg_current_xact_id()`, only says whether it is still running: a
+    /// crash can lose an unflushed transaction and hand its xid to a later one, whose status
+    /// `pg_xact_status` would then report).
     Unknown {
         xid: Option<String>,
+        token: Option<String>,
     },
 }
 
@@ -116,8 +129,15 @@ impl Ledger {
         self.record(keys, Outcome::Aborted);
     }
 
-    pub fn unknown<'a>(&self, keys: impl IntoIterator<Item = &'a MessageKey>, xid: Option<String>) {
-        self.record(keys, Outcome::Unknown { xid });
+    /// `keys` of one transaction whose COMMIT got no answer; `token` is what it inserted into
+    /// `COMMIT_TOKENS` (None: nothing to look up, it stays unknown).
+    pub fn unknown<'a>(
+        &self,
+        keys: impl IntoIterator<Item = &'a MessageKey>,
+        xid: Option<String>,
+        token: Option<String>,
+    ) {
+        self.record(keys, Outcome::Unknown { xid, token });
     }
 
     pub fn outcome(&self, key: &MessageKey) -> Option<Outcome> {
@@ -176,39 +196,56 @@ impl Ledger {
             .collect()
     }
 
-    /// Resolves every unknown outcome with `pg_xact_status(xid)` ('committed' / 'aborted';
-    /// 'in progress' or NULL stays unknown). Call after the fault has healed.
+    /// Resolves every unknown outcome: committed when its token is in `COMMIT_TOKENS`,
+    /// aborted when not, unless `pg_xact_status` says the transaction is still running (then it
+    /// stays unknown). Call after the fault has healed.
     pub fn resolve_unknown(&self, client: &mut postgres::Client) -> Result<(), String> {
-        let unknown: Vec<(MessageKey, Option<String>)> = self
+        let unknown: Vec<(MessageKey, Option<String>, Option<String>)> = self
             .lock()
             .iter()
             .filter_map(|(k, o)| match o {
-                Outcome::Unknown { xid } => Some((k.clone(), xid.clone())),
+                Outcome::Unknown { xid, token } => Some((k.clone(), xid.clone(), token.clone())),
                 _ => None,
             })
             .collect();
-        let mut by_xid: BTreeMap<String, Option<String>> = BTreeMap::new();
-        for (_, xid) in &unknown {
-            if let Some(x) = xid {
-                if !by_xid.contains_key(x) {
-                    let row = client
-                        .query_one("SELECT pg_catalog.pg_xact_status($1::text::xid8)", &[x])
-                        .map_err(|e| format!("pg_xact_status({x}): {e}"))?;
-                    by_xid.insert(x.clone(), row.get(0));
-                }
+        // One lookup per transaction (its keys share the token).
+        let mut committed: BTreeMap<String, Option<bool>> = BTreeMap::new();
+        for (_, xid, token) in &unknown {
+            let Some(token) = token else { continue };
+            if committed.contains_key(token) {
+                continue;
             }
+            let running = match xid {
+                Some(x) => {
+                    let status: Option<String> = client
+                        .query_one("SELECT pg_catalog.pg_xact_status($1::text::xid8)", &[x])
+                        .map_err(|e| format!("pg_xact_status({x}): {e}"))?
+                        .get(0);
+                    status.as_deref() == Some("in progress")
+                }
+                None => false,
+            };
+            let outcome = if running {
+                None
+            } else {
+                let found: bool = client
+                    .query_one(FIND_COMMIT_TOKEN, &[token])
+                    .map_err(|e| format!("looking up commit token {token}: {e}"))?
+                    .get(0);
+                Some(found)
+            };
+            committed.insert(token.clone(), outcome);
         }
         let mut m = self.lock();
-        for (k, xid) in unknown {
-            let status = xid.as_ref().and_then(|x| by_xid.get(x).cloned().flatten());
-            match status.as_deref() {
-                Some("committed") => {
+        for (k, _, token) in unknown {
+            match token.and_then(|t| committed.get(&t).copied().flatten()) {
+                Some(true) => {
                     m.insert(k, Outcome::Committed);
                 }
-                Some("aborted") => {
+                Some(false) => {
                     m.insert(k, Outcome::Aborted);
                 }
-                _ => {}
+                None => {}
             }
         }
         Ok(())

@@ -271,6 +271,10 @@ pub struct Producer {
 impl Producer {
     pub fn spawn(cluster: &PgCluster, config: ProducerConfig, ledger: Arc<Ledger>) -> Producer {
         let conninfo = cluster.connection_string(&cluster.config().database);
+        cluster
+            .client()
+            .batch_execute(crate::ledger::CREATE_COMMIT_TOKENS)
+            .unwrap_or_else(|e| panic!("creating the producers' commit-token table: {e}"));
         let stop = Arc::new(AtomicBool::new(false));
         let published = Arc::new(AtomicU64::new(0));
         let name = config.name.clone();
@@ -365,7 +369,7 @@ fn produce(
     let mut client = connect_retrying(conninfo, stop)?;
     let mut seq: u64 = 0;
     // Prepared once per connection (forgotten on reconnect).
-    let mut stmt: Option<postgres::Statement> = None;
+    let mut stmt: Option<(postgres::Statement, postgres::Statement)> = None;
     while stats.committed < cfg.max_messages && !stop.load(Ordering::Relaxed) {
         let n = rng
             .gen_range(1..=cfg.max_batch.max(1))
@@ -375,6 +379,8 @@ fn produce(
             .collect();
         seq += n as u64;
         let rollback = rng.gen_bool(cfg.rollback_ratio.clamp(0.0, 1.0));
+        // The transaction's token (see Outcome::Unknown): its first key.
+        let token = keys[0].to_string();
         // Everything up to COMMIT: an error here means the transaction did not commit.
         let body = (|| -> Result<Option<String>, postgres::Error> {
             client.batch_execute("BEGIN")?;
@@ -382,9 +388,13 @@ fn produce(
                 .query_one("SELECT pg_catalog.pg_current_xact_id()::text", &[])?
                 .get(0);
             if stmt.is_none() {
-                stmt = Some(client.prepare("SELECT amqp.publish($1, $2, $3, $4)")?);
+                stmt = Some((
+                    client.prepare("SELECT amqp.publish($1, $2, $3, $4)")?,
+                    client.prepare(crate::ledger::INSERT_COMMIT_TOKEN)?,
+                ));
             }
-            let st = stmt.as_ref().expect("prepared above");
+            let (st, token_st) = stmt.as_ref().expect("prepared above");
+            client.execute(token_st, &[&token])?;
             for k in &keys {
                 client.execute(
                     st,
@@ -434,7 +444,7 @@ fn produce(
                             stats.aborted += n as u64;
                         }
                         Err(_) => {
-                            ledger.unknown(&keys, xid);
+                            ledger.unknown(&keys, xid, Some(token));
                             stats.unknown += n as u64;
                             client = connect_retrying(conninfo, stop)?;
                             stmt = None;

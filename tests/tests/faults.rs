@@ -153,6 +153,20 @@ impl Rig {
         self.ledger.committed([key]);
     }
 
+    /// The route as (broker id, exchange, routing key), and a connection string to the test
+    /// database: for the threads that publish on connections of their own.
+    fn publish_target(&self) -> ((i32, String, String), String) {
+        let route = (
+            self.outbox.broker_id,
+            self.route.exchange.clone(),
+            self.route.routing_key.clone(),
+        );
+        let conninfo = self
+            .cluster
+            .connection_string(&self.cluster.config().database);
+        (route, conninfo)
+    }
+
     /// Waits until the consumer has `n` more deliveries than `since`; on failure says what the
     /// outbox and the worker's connection looked like.
     fn wait_more_deliveries(&mut self, since: usize, n: usize, what: &str) {
@@ -281,7 +295,7 @@ impl Rig {
         let mut notes = vec![note.to_string()];
         if unknown_before > 0 {
             notes.push(format!(
-                "{unknown_before} unknown outcomes, {unknown_after} left after pg_xact_status"
+                "{unknown_before} unknown outcomes, {unknown_after} left unresolved"
             ));
         }
         if !report.unknown_delivered.is_empty() {
@@ -895,16 +909,7 @@ fn case06_unroutable_is_parked_not_delivered_and_others_flow() {
     // The other messages kept flowing meanwhile.
     let stats: Vec<_> = producers.into_iter().map(Producer::wait).collect();
     eprintln!("producers: {stats:?}");
-    let ledger = rig.ledger.clone();
-    let collector = &rig.collector;
-    eventually(ARRIVAL, "the routable messages to arrive", || {
-        let r = ledger.check(&collector.deliveries());
-        if r.lost.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} not arrived", r.lost.len()))
-        }
-    });
+    rig.ledger.wait_all_arrived(&rig.collector, ARRIVAL);
     // Make the route exist, release the parked rows: they are delivered after all.
     rig.node
         .rabbit()
@@ -1005,16 +1010,7 @@ fn case07_poison_messages_are_parked_without_a_reconnect_storm() {
     // Other messages are delivered on time while the poison is retried.
     let stats: Vec<_> = producers.into_iter().map(Producer::wait).collect();
     eprintln!("producers: {stats:?}");
-    let ledger = rig.ledger.clone();
-    let collector = &rig.collector;
-    eventually(ARRIVAL, "the good messages to arrive", || {
-        let r = ledger.check(&collector.deliveries());
-        if r.lost.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} not arrived", r.lost.len()))
-        }
-    });
+    rig.ledger.wait_all_arrived(&rig.collector, ARRIVAL);
     let good_after = t0.elapsed();
     let client = &mut rig.client;
     let parked = eventually(ARRIVAL, "every poison message parked", || {
@@ -1346,14 +1342,7 @@ fn latency_probe(
 fn case10_outage_backlog_drains_with_bounded_memory() {
     let mut rig = Rig::new("10 outage backlog", base_config());
     let n = scaled(100_000);
-    let route = (
-        rig.outbox.broker_id,
-        rig.route.exchange.clone(),
-        rig.route.routing_key.clone(),
-    );
-    let conninfo = rig
-        .cluster
-        .connection_string(&rig.cluster.config().database);
+    let (route, conninfo) = rig.publish_target();
     // Baseline publish() latency, broker up.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let probe = latency_probe(
@@ -2300,14 +2289,7 @@ fn case16_standby_publishes_nothing_until_promoted() {
         "16 standby",
         base_config().setting("amqp_outbox.enabled", "off"),
     );
-    let route = (
-        rig.outbox.broker_id,
-        rig.route.exchange.clone(),
-        rig.route.routing_key.clone(),
-    );
-    let conninfo = rig
-        .cluster
-        .connection_string(&rig.cluster.config().database);
+    let (route, conninfo) = rig.publish_target();
     bulk_publish(
         conninfo.clone(),
         route.clone(),

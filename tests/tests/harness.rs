@@ -198,7 +198,7 @@ fn checker_reports_lost_phantom_duplicates_and_order() {
     let ledger = Ledger::new();
     ledger.committed(&(0..4).map(|i| MessageKey::new("a", i)).collect::<Vec<_>>());
     ledger.aborted(&[MessageKey::new("a", 4)]);
-    ledger.unknown(&[MessageKey::new("a", 5)], None);
+    ledger.unknown(&[MessageKey::new("a", 5)], None, None);
     let deliveries = vec![
         d("a:0", "m0"),
         d("a:2", "m2"),
@@ -217,4 +217,58 @@ fn checker_reports_lost_phantom_duplicates_and_order() {
     assert_eq!(r.unexpected, vec!["zzz".to_string()], "{r}");
     let text = r.to_string();
     assert!(text.contains("a:3") && text.contains("a:4") && text.contains("m2-other"));
+}
+
+/// A COMMIT without an answer is resolved by the token its transaction inserted, not by its xid:
+/// after a crash, the xid of a transaction that never reached the disk can belong to a later
+/// transaction, and `pg_xact_status` then reports that one. A transaction still running stays
+/// unknown.
+#[test]
+fn unknown_commits_are_resolved_by_their_token_not_by_their_xid() {
+    use amqp_outbox_e2e::ledger::{Outcome, CREATE_COMMIT_TOKENS, INSERT_COMMIT_TOKEN};
+    let cluster = PgCluster::new(PgConfig::new().without_preload());
+    let mut client = cluster.client();
+    client.batch_execute(CREATE_COMMIT_TOKENS).unwrap();
+    let xid_of = |c: &mut postgres::Client| -> String {
+        c.query_one("SELECT pg_catalog.pg_current_xact_id()::text", &[])
+            .unwrap()
+            .get(0)
+    };
+    let key = |p: &str, n: u64| MessageKey::new(p, n);
+
+    // Committed, with its token.
+    client.batch_execute("BEGIN").unwrap();
+    let committed_xid = xid_of(&mut client);
+    client.execute(INSERT_COMMIT_TOKEN, &[&"a:0"]).unwrap();
+    client.batch_execute("COMMIT").unwrap();
+    // Still running on another connection.
+    let mut other = cluster.client();
+    other.batch_execute("BEGIN").unwrap();
+    let running_xid = xid_of(&mut other);
+    other.execute(INSERT_COMMIT_TOKEN, &[&"c:0"]).unwrap();
+
+    let ledger = Ledger::new();
+    ledger.unknown(
+        &[key("a", 0), key("a", 1)],
+        Some(committed_xid.clone()),
+        Some("a:0".into()),
+    );
+    // Lost in a crash; its xid now names the committed transaction above.
+    ledger.unknown(&[key("b", 0)], Some(committed_xid), Some("b:0".into()));
+    ledger.unknown(&[key("c", 0)], Some(running_xid), Some("c:0".into()));
+    ledger.unknown(&[key("d", 0)], None, None);
+    ledger.resolve_unknown(&mut client).unwrap();
+
+    assert_eq!(ledger.outcome(&key("a", 0)), Some(Outcome::Committed));
+    assert_eq!(ledger.outcome(&key("a", 1)), Some(Outcome::Committed));
+    assert_eq!(ledger.outcome(&key("b", 0)), Some(Outcome::Aborted));
+    assert!(matches!(
+        ledger.outcome(&key("c", 0)),
+        Some(Outcome::Unknown { .. })
+    ));
+    assert!(matches!(
+        ledger.outcome(&key("d", 0)),
+        Some(Outcome::Unknown { .. })
+    ));
+    other.batch_execute("ROLLBACK").unwrap();
 }
