@@ -61,7 +61,7 @@ CHAOS_RESULTS := target/chaos/results.tsv
 chaos:
 	@mkdir -p $(dir $(CHAOS_RESULTS)); rm -f $(CHAOS_RESULTS); start=$$(date +%s); \
 	AMQP_OUTBOX_CHAOS_SCALE=$(AMQP_OUTBOX_CHAOS_SCALE) AMQP_OUTBOX_CHAOS_RESULTS=$(CURDIR)/$(CHAOS_RESULTS) \
-		$(CARGO) test -p amqp_outbox_e2e --test faults --test ha -- --include-ignored --test-threads=1; rc=$$?; \
+		$(CARGO) test -p amqp_outbox_e2e --no-fail-fast --test faults --test ha -- --include-ignored --test-threads=1; rc=$$?; \
 	$(MAKE) --no-print-directory chaos-table; \
 	echo "make chaos: $$(( $$(date +%s) - start ))s, scale $(AMQP_OUTBOX_CHAOS_SCALE), exit $$rc"; exit $$rc
 

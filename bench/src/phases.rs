@@ -170,30 +170,27 @@ fn pgbench_series(
 /// The publish-cost ratios of one pgbench series: `amqp.publish()` with the worker on and off,
 /// against a plain INSERT, and against PgQ when the series measured it.
 fn publish_figures(run: &mut Run, sec: &str, cfg: &str, s: &Series) {
-    let get = |k: &str| s.get(k).cloned().unwrap_or_default();
+    // (name in the figure, series key, baseline label, target)
+    let baselines = [
+        (
+            "plain INSERT",
+            "insert",
+            "INSERT",
+            Target::RatioAtLeast(0.9),
+        ),
+        ("PgQ", "pgq", "PgQ", Target::RatioAbove(1.0)),
+    ];
     for (mode, key) in [("on", "publish_on"), ("off", "publish_off")] {
-        run.fig(
-            Figure::new(
-                sec,
-                &format!("amqp.publish, worker {mode} / plain INSERT"),
-                cfg,
-                "rows/s",
-            )
-            .samples(get(key))
-            .baseline("INSERT", get("insert"))
-            .target(Target::RatioAtLeast(0.9)),
-        );
-        if s.contains_key("pgq") {
+        for (name, base_key, label, target) in &baselines {
+            let Some(base) = s.get(base_key) else {
+                continue;
+            };
+            let name = format!("amqp.publish, worker {mode} / {name}");
             run.fig(
-                Figure::new(
-                    sec,
-                    &format!("amqp.publish, worker {mode} / PgQ"),
-                    cfg,
-                    "rows/s",
-                )
-                .samples(get(key))
-                .baseline("PgQ", get("pgq"))
-                .target(Target::RatioAbove(1.0)),
+                Figure::new(sec, &name, cfg, "rows/s")
+                    .samples(s.get(key).cloned().unwrap_or_default())
+                    .baseline(label, base.clone())
+                    .target(target.clone()),
             );
         }
     }

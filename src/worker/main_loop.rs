@@ -84,6 +84,9 @@ pub struct Worker {
     pending: std::collections::HashMap<i32, i64>,
     pending_counted_at: Option<Instant>,
     stepped_at: Option<Instant>,
+    /// When refused or nacked messages are due again (earliest first): the worker wakes then
+    /// instead of at its naptime, so retries keep to their backoff.
+    retry_due: std::collections::BinaryHeap<std::cmp::Reverse<Instant>>,
 }
 
 impl Worker {
@@ -110,6 +113,7 @@ impl Worker {
             pending: Default::default(),
             pending_counted_at: None,
             stepped_at: None,
+            retry_due: Default::default(),
         }
     }
 
@@ -165,13 +169,25 @@ impl Worker {
                 }
             }
             let reported = self.report_status();
-            let timeout = if self.more_work {
+            let mut timeout = if self.more_work {
                 Duration::ZERO
             } else if !reported {
                 STATUS_EVERY.min(self.settings.naptime)
             } else {
                 self.settings.naptime
             };
+            // What has come due since this step's claim is claimed by the next one.
+            let now = Instant::now();
+            let mut came_due = false;
+            while self.retry_due.peek().is_some_and(|due| due.0 <= now) {
+                self.retry_due.pop();
+                came_due = true;
+            }
+            if came_due {
+                timeout = Duration::ZERO;
+            } else if let Some(due) = self.retry_due.peek() {
+                timeout = timeout.min(due.0 - now);
+            }
             if let Woken::Events = pg::wait(Some(self.handle.wake_fd()), timeout) {
                 // Drained at the top of the loop.
             }
@@ -351,7 +367,9 @@ impl Worker {
             self.settings.retry_backoff_max,
             nacks - 1,
         );
-        self.held.insert(id, (Instant::now() + delay, nacks));
+        let until = Instant::now() + delay;
+        self.held.insert(id, (until, nacks));
+        self.retry_at(until);
         self.nacked_since_log += 1;
         if self
             .nack_logged_at
@@ -476,6 +494,11 @@ impl Worker {
         Ok(())
     }
 
+    /// Wake up at `when` at the latest (a retry becomes due).
+    fn retry_at(&mut self, when: Instant) {
+        self.retry_due.push(std::cmp::Reverse(when));
+    }
+
     fn record_rejection(
         &mut self,
         client: &mut pgrx::spi::SpiClient<'_>,
@@ -499,9 +522,12 @@ impl Worker {
                     r.attempts
                 );
             } else {
+                let retry_in = r.retry_in.unwrap_or_default();
+                self.retry_at(Instant::now() + retry_in);
                 log!(
-                    "amqp_outbox: message {id} refused (attempt {}), will retry: {error}",
-                    r.attempts
+                    "amqp_outbox: message {id} refused (attempt {}), will retry in {:.2} s: {error}",
+                    r.attempts,
+                    retry_in.as_secs_f64()
                 );
             }
         }

@@ -9,6 +9,7 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use pgrx::JsonB;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 thread_local! {
     /// The worker's hot statements, planned once and kept (re-planned by PostgreSQL itself when
@@ -214,6 +215,8 @@ pub fn delete_delivered(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<us
 pub struct Recorded {
     pub attempts: i32,
     pub parked: bool,
+    /// How long until the retry is due.
+    pub retry_in: Option<Duration>,
 }
 
 /// A refused publish: count the attempt, keep the error, schedule the retry with exponential
@@ -243,11 +246,12 @@ pub fn record_failure(
                             $4::pg_catalog.float8 OPERATOR(pg_catalog.*) \
                             pg_catalog.power(2::pg_catalog.float8, LEAST(attempts, 30))) \
                         OPERATOR(pg_catalog./) 1000 \
-                        OPERATOR(pg_catalog.*) (0.75 OPERATOR(pg_catalog.+) pg_catalog.random() OPERATOR(pg_catalog./) 2)), \
+                        OPERATOR(pg_catalog.*) (0.75 OPERATOR(pg_catalog.+) (pg_catalog.random() OPERATOR(pg_catalog./) 2))), \
                 parked_at = CASE WHEN attempts OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.>=) $3 \
                                  THEN pg_catalog.clock_timestamp() END \
           WHERE id OPERATOR(pg_catalog.=) $1 \
-      RETURNING attempts, parked_at IS NOT NULL",
+      RETURNING attempts, parked_at IS NOT NULL, \
+                pg_catalog.date_part('epoch', next_attempt_at OPERATOR(pg_catalog.-) pg_catalog.clock_timestamp())",
         None,
         &args,
     )?;
@@ -256,6 +260,9 @@ pub fn record_failure(
         out = Some(Recorded {
             attempts: r.get::<i32>(1)?.unwrap_or_default(),
             parked: r.get::<bool>(2)?.unwrap_or(false),
+            retry_in: r
+                .get::<f64>(3)?
+                .map(|secs| Duration::from_secs_f64(secs.max(0.0))),
         });
     }
     Ok(out)

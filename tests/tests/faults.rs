@@ -896,9 +896,10 @@ fn case06_unroutable_is_parked_not_delivered_and_others_flow() {
             err.as_deref().is_some_and(|e| !e.trim().is_empty()),
             "row {id} parked without an error"
         );
-        // Backoff: 200 ms doubling at least three times before the 4th attempt.
+        // Backoff before attempts 2, 3 and 4: 200, 400 and 800 ms, each times a jitter of at
+        // least 0.75 (a row is claimed only once its next_attempt_at has passed).
         assert!(
-            secs.unwrap_or(0.0) >= 0.6,
+            secs.unwrap_or(0.0) >= 0.75 * 1.4 - 0.005,
             "row {id} parked after {secs:?} s: no backoff between attempts"
         );
     }

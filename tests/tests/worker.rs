@@ -868,3 +868,63 @@ fn commits_close_together_share_worker_steps() {
         "{wakeups} commit wake-ups for {steps} steps"
     );
 }
+
+/// A refused message is retried `retry_backoff_min · 2^(attempt − 1)` later (at most
+/// `retry_backoff_max`), times a jitter in [0.75, 1.25), and the worker wakes up for it: with a
+/// naptime of a minute, a message refused four times is parked within seconds.
+#[test]
+fn refused_message_retries_keep_to_the_backoff_without_waiting_for_the_naptime() {
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default()
+        .naptime_ms(60_000)
+        .setting("amqp_outbox.max_attempts", 4)
+        .setting("amqp_outbox.retry_backoff_min", 400)
+        .setting("amqp_outbox.retry_backoff_max", 1000);
+    let mut f = World::new("backoff", config, &rabbit);
+    let id: i64 = f
+        .client
+        .query_one(
+            "SELECT amqp.publish_message($1, $2, 'no-binding-for-this-key', 'backoff:0')",
+            &[&f.outbox.broker_id, &f.route.exchange],
+        )
+        .expect("publish the unroutable message")
+        .get(0);
+    eventually(ARRIVAL, "the refused row to be parked", || {
+        let parked: bool = f
+            .client
+            .query_one(
+                "SELECT parked_at IS NOT NULL FROM amqp.message WHERE id = $1",
+                &[&id],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        parked
+            .then_some(())
+            .ok_or_else(|| "not parked yet".to_string())
+    });
+    // The delays the worker scheduled, as it logged them.
+    let prefix = format!("message {id} refused (attempt ");
+    let delays: Vec<(u32, f64)> = f
+        .cluster
+        .log()
+        .lines()
+        .filter_map(|l| {
+            let rest = &l[l.find(&prefix)? + prefix.len()..];
+            let (attempt, rest) = rest.split_once("), will retry in ")?;
+            let (secs, _) = rest.split_once(" s:")?;
+            Some((attempt.parse().ok()?, secs.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(
+        delays.iter().map(|d| d.0).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "{delays:?}"
+    );
+    for (attempt, secs) in delays {
+        let base = (0.4 * 2f64.powi(attempt as i32 - 1)).min(1.0);
+        assert!(
+            (0.75 * base - 0.005..1.25 * base).contains(&secs),
+            "attempt {attempt}: retry in {secs} s, want {base} s × [0.75, 1.25)"
+        );
+    }
+}
