@@ -206,10 +206,7 @@ pub fn wake_worker() {
 /// A transaction that published committed: wake the worker if it asked for it. Never raises.
 pub fn wake_worker_for_commit() {
     if ready() && COMMIT_WAKE_ARMED.get().swap(false, Ordering::AcqRel) {
-        COUNTERS
-            .get()
-            .commit_wakeups
-            .fetch_add(1, Ordering::Relaxed);
+        count(|c| &c.commit_wakeups, 1);
         wake_worker();
     }
 }

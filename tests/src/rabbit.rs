@@ -647,7 +647,13 @@ async fn collect(
     }
 }
 
-/// One connection's worth of consuming. `Ok` only when asked to stop.
+/// How long the test consumer waits for one basic.ack to go out (a hung broker keeps the
+/// connection open).
+const ACK_WAIT: Duration = Duration::from_secs(5);
+
+/// Consumes `queue` on one connection to `endpoint`, recording each delivery in `state` (before
+/// its ack). Every wait on the broker is bounded, so the collector always gets back to
+/// reconnecting. `Ok` only when `stop` fires.
 async fn consume_once(
     endpoint: &AmqpEndpoint,
     queue: &str,
@@ -655,36 +661,6 @@ async fn consume_once(
     stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), String> {
     let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
-    consume_connection(
-        endpoint,
-        queue,
-        stop,
-        || {
-            let mut st = lock();
-            st.connections += 1;
-            st.connected_to = Some(endpoint.port);
-            st.connections - 1
-        },
-        |received| lock().deliveries.push(received),
-    )
-    .await
-}
-
-/// How long the test consumer waits for one basic.ack to go out (a hung broker keeps the
-/// connection open).
-const ACK_WAIT: Duration = Duration::from_secs(5);
-
-/// Consumes `queue` on one connection to `endpoint`, recording each delivery (before its ack)
-/// with `record`; `consuming` is told once the consumer is set up and returns the connection's
-/// number. Every wait on the broker is bounded, so a collector always gets back to reconnecting.
-/// `Ok` only when `stop` fires.
-async fn consume_connection(
-    endpoint: &AmqpEndpoint,
-    queue: &str,
-    stop: &mut tokio::sync::watch::Receiver<bool>,
-    consuming: impl FnOnce() -> u64,
-    mut record: impl FnMut(Received),
-) -> Result<(), String> {
     let conn = connect(endpoint).await?;
     let consume = async {
         // A node still booting can accept the connection and never answer: bound each step,
@@ -709,7 +685,12 @@ async fn consume_connection(
         let mut consumer = tokio::time::timeout(Duration::from_secs(10), setup)
             .await
             .map_err(|_| format!("consumer setup on {queue} timed out"))??;
-        let connection_no = consuming();
+        let connection_no = {
+            let mut st = lock();
+            st.connections += 1;
+            st.connected_to = Some(endpoint.port);
+            st.connections - 1
+        };
         loop {
             tokio::select! {
                 _ = stop.changed() => return Ok(()),
@@ -734,7 +715,7 @@ async fn consume_connection(
                             connection_no,
                             received_at: Instant::now(),
                         };
-                        record(received);
+                        lock().deliveries.push(received);
                         tokio::time::timeout(ACK_WAIT, d.acker.ack(BasicAckOptions::default()))
                             .await
                             .map_err(|_| format!("basic.ack on {queue} timed out"))?

@@ -3,7 +3,6 @@
 //! stopped and removed on drop), with a TLS listener's port reserved. Listens on 127.0.0.1
 //! only.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use amqp_outbox_testkit::{NodeOptions, RabbitNode};
@@ -13,8 +12,6 @@ use amqp_outbox_testkit::{NodeOptions, RabbitNode};
 pub use amqp_outbox_testkit::rabbitmq_installed;
 
 pub struct Node {
-    pub dir: PathBuf,
-    pub name: String,
     /// The plaintext AMQP port.
     pub port: u16,
     /// The TLS listener's port (configured only when the node was started with one).
@@ -29,7 +26,7 @@ impl Node {
     }
 
     /// A node whose `rabbitmq.conf` gets the lines `extra(&node)` returns (e.g. a TLS listener
-    /// on `node.tls_port` with files in `node.dir`).
+    /// on `node.tls_port`).
     pub fn start_with(extra: impl FnOnce(&Node) -> String) -> Option<Node> {
         let prepared = RabbitNode::prepare(NodeOptions {
             extra_ports: 1,
@@ -37,8 +34,6 @@ impl Node {
         });
         let mut node = match prepared {
             Ok(node) => Node {
-                dir: node.dir().to_path_buf(),
-                name: node.name().to_string(),
                 port: node.port(),
                 tls_port: node.extra_port(0),
                 node,
@@ -57,14 +52,6 @@ impl Node {
             return None;
         }
         Some(node)
-    }
-
-    pub fn file(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.dir
     }
 
     /// `rabbitmqctl -q …`'s standard output, or None when it fails.
