@@ -253,10 +253,11 @@ fn rollback_publishes_nothing() {
     .map(|s| s.to_string())
     .collect();
     assert_eq!(bodies, expected);
+    // settle() may need more than one marker; they are not the test's messages.
     assert_eq!(
-        f.collector.len() - 1,
+        f.deliveries().len(),
         4,
-        "each committed message exactly once (plus one settle marker): {:?}",
+        "each committed message exactly once: {:?}",
         f.collector.bodies()
     );
 }
