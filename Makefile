@@ -36,8 +36,14 @@ all: build
 build:
 	$(CARGO) pgrx package --pg-config $(PG_CONFIG_REAL)
 
+# cargo-pgrx installs the current version's script and the update scripts (A--B); the full
+# scripts of earlier versions (kept so that `CREATE EXTENSION ... VERSION` and the update test
+# can start from them) are copied here.
+OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))
+
 install:
 	$(CARGO) pgrx install --release --pg-config $(PG_CONFIG_REAL) $(PGRX_SUDO)
+	$(if $(PGRX_SUDO),sudo )install -m 644 $(OLD_VERSION_SCRIPTS) $(PG_SHAREDIR)/extension/
 
 installcheck:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck.sh

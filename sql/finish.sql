@@ -2,7 +2,8 @@
 
 -- Direct INSERTs into amqp.message get the producer key of the inserting session too.
 ALTER TABLE @extschema@.message
-    ALTER COLUMN producer_started_at SET DEFAULT @extschema@._producer_started_at();
+    ALTER COLUMN producer_started_at SET DEFAULT @extschema@._producer_started_at(),
+    ALTER COLUMN message_id SET DEFAULT @extschema@._new_message_id();
 
 -- The worker re-reads brokers and declarations after a transaction that changes them commits.
 CREATE TRIGGER broker_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.broker
@@ -45,7 +46,7 @@ CREATE VIEW @extschema@.message_status AS
                 WHEN m.next_attempt_at OPERATOR(pg_catalog.>) pg_catalog.now() THEN 'retry_wait'
                 ELSE 'pending' END AS state,
            m.attempts, m.created_at, m.next_attempt_at, m.parked_at, m.last_error,
-           m.producer_pid, m.producer_started_at
+           m.producer_pid, m.producer_started_at, m.message_id
       FROM @extschema@.message m
       LEFT JOIN @extschema@._in_flight() f ON f.id OPERATOR(pg_catalog.=) m.id;
 COMMENT ON VIEW @extschema@.message_status IS

@@ -137,5 +137,29 @@ ALTER TABLE @extschema@.discarded ADD PRIMARY KEY (id);
 COMMENT ON TABLE @extschema@.discarded IS
     'Parked messages deliberately discarded with amqp.discard(), with who, when and why.';
 
+-- 0.2.0: the message_id is stored in the row (its default, amqp._new_message_id(), is set in
+-- finish.sql), so it never changes across resends, dumps, restores and upgrades. Added after
+-- amqp.discarded was made LIKE amqp.message, so that both tables have the same columns in the
+-- same order whether the extension was created at this version or updated to it.
+ALTER TABLE @extschema@.message ADD COLUMN message_id text NOT NULL,
+    ADD CONSTRAINT message_message_id_valid
+        CHECK (message_id <> '' AND pg_catalog.octet_length(message_id) <= 255);
+ALTER TABLE @extschema@.discarded ADD COLUMN message_id text NOT NULL;
+COMMENT ON COLUMN @extschema@.message.message_id IS
+    'The AMQP message_id: a UUIDv7 made at INSERT, the same on every resend, never repeated (not after a restore or a point-in-time recovery).';
+
+-- Everything in these tables belongs to the user: pg_dump dumps their rows and the sequences
+-- behind their identity columns (nothing is inserted into them at CREATE EXTENSION).
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.broker', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.exchange', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.queue', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.binding', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.message', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.discarded', '');
+SELECT pg_catalog.pg_extension_config_dump(
+    pg_catalog.pg_get_serial_sequence('@extschema@.broker', 'broker_id')::pg_catalog.regclass, '');
+SELECT pg_catalog.pg_extension_config_dump(
+    pg_catalog.pg_get_serial_sequence('@extschema@.message', 'id')::pg_catalog.regclass, '');
+
 REVOKE ALL ON @extschema@.broker, @extschema@.message, @extschema@.exchange,
               @extschema@.queue, @extschema@.binding, @extschema@.discarded FROM PUBLIC;

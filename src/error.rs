@@ -20,11 +20,18 @@ pub enum OutboxError {
         max: usize,
     },
     InvalidHeaders(String),
+    /// Headers whose AMQP encoding is larger than publish() accepts.
+    HeadersTooLarge {
+        bytes: usize,
+        max: usize,
+    },
     InvalidExchangeType(String),
     EmptyExchangeName,
     EmptyName(&'static str),
     /// Queue or binding arguments that are not a JSON object.
     InvalidArguments,
+    /// Queue or binding arguments that AMQP cannot carry.
+    InvalidArgumentValues(String),
     /// amqp.retry()/amqp.discard() of a message that is not parked.
     NotParked(i64),
     /// amqp.last_message_id() before any publish in this session.
@@ -44,9 +51,10 @@ impl OutboxError {
             | InvalidExchangeType(_)
             | EmptyExchangeName
             | EmptyName(_)
-            | InvalidArguments => ERRCODE_INVALID_PARAMETER_VALUE,
+            | InvalidArguments
+            | InvalidArgumentValues(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             NotParked(_) => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-            BodyTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            BodyTooLarge { .. } | HeadersTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             NoMessageYet => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
         }
     }
@@ -66,6 +74,9 @@ impl OutboxError {
                 "amqp_outbox: message body is {bytes} bytes, over amqp_outbox.max_message_size ({max} bytes)"
             ),
             InvalidHeaders(why) => format!("amqp_outbox: invalid headers: {why}"),
+            HeadersTooLarge { bytes, max } => format!(
+                "amqp_outbox: headers take {bytes} bytes in AMQP, more than the {max} bytes a message's headers may take"
+            ),
             InvalidExchangeType(t) => format!(
                 "amqp_outbox: invalid exchange type \"{t}\"; use direct, fanout, topic or headers"
             ),
@@ -74,6 +85,7 @@ impl OutboxError {
             }
             EmptyName(what) => format!("amqp_outbox: {what} must not be empty"),
             InvalidArguments => "amqp_outbox: arguments must be a JSON object".to_string(),
+            InvalidArgumentValues(why) => format!("amqp_outbox: invalid arguments: {why}"),
             NotParked(id) => format!("amqp_outbox: message {id} is not parked"),
             NoMessageYet => {
                 "amqp_outbox: no message has been published in this session yet".to_string()

@@ -26,15 +26,21 @@ pub static RANDOMIZE_HOSTS: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(0);
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
-pub fn init() {
-    GucRegistry::define_string_guc(
-        c"amqp_outbox.database",
-        c"Database whose amqp.message table the background worker publishes.",
-        c"The worker connects to this database and idles until the extension exists there.",
-        &DATABASE,
-        GucContext::Postmaster,
-        GucFlags::default(),
-    );
+/// Defines the settings. `preloading`: `_PG_init` runs while `shared_preload_libraries` is
+/// processed. A server-start setting can only be defined then (PostgreSQL ends the session with
+/// FATAL otherwise), so a backend that loads the library later (CREATE EXTENSION without
+/// preloading) leaves it out and still gets its clear error at the first publish.
+pub fn init(preloading: bool) {
+    if preloading {
+        GucRegistry::define_string_guc(
+            c"amqp_outbox.database",
+            c"Database whose amqp.message table the background worker publishes.",
+            c"The worker connects to this database and idles until the extension exists there.",
+            &DATABASE,
+            GucContext::Postmaster,
+            GucFlags::default(),
+        );
+    }
     GucRegistry::define_bool_guc(
         c"amqp_outbox.enabled",
         c"Whether the background worker publishes messages.",

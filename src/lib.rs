@@ -8,6 +8,7 @@ mod api;
 mod commit_wake;
 mod error;
 mod gucs;
+mod headers;
 mod shmem;
 mod worker;
 
@@ -18,11 +19,13 @@ extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
-    gucs::init();
     // Shared memory and the worker exist only when loaded at server start. A backend that
     // loads the library later (CREATE EXTENSION without preloading) still gets the functions;
     // amqp.publish() then refuses with a hint, since no worker would publish.
-    if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+    // SAFETY: a plain global of the postmaster, read while loading the library.
+    let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    gucs::init(preloading);
+    if preloading {
         shmem::init();
         worker::register();
     }

@@ -19,6 +19,44 @@ pub(crate) fn to_field_table(map: &Map<String, Value>) -> Result<FieldTable, Str
     Ok(table)
 }
 
+/// The encoded size of `map` as an AMQP field table, or why it cannot be one: what `publish()`
+/// checks before a message is stored, so that the worker never gets headers it cannot send.
+pub fn header_table_size(map: &Map<String, Value>) -> Result<usize, String> {
+    to_field_table(map).map(|t| table_size(&t))
+}
+
+/// Bytes of a field table on the wire: its 4-byte length, then name (1 + bytes), type tag and
+/// value per entry.
+pub(crate) fn table_size(table: &FieldTable) -> usize {
+    4 + table
+        .inner()
+        .iter()
+        .map(|(k, v)| 1 + k.as_str().len() + 1 + value_size(v))
+        .sum::<usize>()
+}
+
+fn value_size(value: &AMQPValue) -> usize {
+    match value {
+        AMQPValue::Void => 0,
+        AMQPValue::Boolean(_) | AMQPValue::ShortShortInt(_) | AMQPValue::ShortShortUInt(_) => 1,
+        AMQPValue::ShortInt(_) | AMQPValue::ShortUInt(_) => 2,
+        AMQPValue::LongInt(_) | AMQPValue::LongUInt(_) | AMQPValue::Float(_) => 4,
+        AMQPValue::LongLongInt(_) | AMQPValue::Double(_) | AMQPValue::Timestamp(_) => 8,
+        AMQPValue::DecimalValue(_) => 5,
+        AMQPValue::ShortString(s) => 1 + s.as_str().len(),
+        AMQPValue::LongString(s) => 4 + s.as_bytes().len(),
+        AMQPValue::ByteArray(b) => 4 + b.as_slice().len(),
+        AMQPValue::FieldArray(a) => {
+            4 + a
+                .as_slice()
+                .iter()
+                .map(|v| 1 + value_size(v))
+                .sum::<usize>()
+        }
+        AMQPValue::FieldTable(t) => table_size(t),
+    }
+}
+
 fn to_value(value: &Value) -> Result<AMQPValue, String> {
     Ok(match value {
         Value::Null => AMQPValue::Void,
@@ -58,6 +96,30 @@ mod tests {
             Value::Object(m) => to_field_table(&m).unwrap(),
             _ => panic!("not an object"),
         }
+    }
+
+    #[test]
+    fn sizes_are_the_encoded_bytes() {
+        let size = |v: Value| match v {
+            Value::Object(m) => header_table_size(&m).unwrap(),
+            _ => panic!("not an object"),
+        };
+        assert_eq!(size(json!({})), 4);
+        // name "a": 1 + 1, tag 1, long long 8
+        assert_eq!(size(json!({"a": 1})), 4 + 2 + 1 + 8);
+        // long string: 4 + 3 bytes
+        assert_eq!(size(json!({"s": "héx"})), 4 + 2 + 1 + 4 + 4);
+        // array of a boolean and a void: 4 + (1 + 1) + (1 + 0)
+        assert_eq!(size(json!({"l": [true, null]})), 4 + 2 + 1 + 4 + 2 + 1);
+        // nested table
+        assert_eq!(
+            size(json!({"t": {"b": false}})),
+            4 + 2 + 1 + (4 + 2 + 1 + 1)
+        );
+        let long_name = "n".repeat(256);
+        let mut m = Map::new();
+        m.insert(long_name, json!(1));
+        assert!(header_table_size(&m).is_err());
     }
 
     #[test]

@@ -15,6 +15,7 @@ mod thread;
 mod tls;
 mod wake;
 
+pub use amqp_values::header_table_size;
 pub use thread::spawn;
 
 use std::fmt;
@@ -217,6 +218,9 @@ pub enum Failure {
     /// This message was refused (returned as unroutable, channel error while it was the only
     /// one in flight): count an attempt, back off, park after the limit.
     Rejected,
+    /// This message can never be published as it is (its properties do not fit in one frame
+    /// of this connection, a property AMQP cannot carry): park it at once.
+    Unsendable,
 }
 
 #[derive(Debug)]

@@ -7,7 +7,7 @@
 //! reported exactly once — Confirmed or Failed — before the task ends.
 
 use crate::ack::{self, SharedTracker};
-use crate::amqp_values::{to_field_table, truncate};
+use crate::amqp_values::{table_size, to_field_table, truncate};
 use crate::supervisor::Redactor;
 use crate::thread::EventSink;
 use crate::{Event, Failure, LogLevel, OutboundMessage};
@@ -62,6 +62,8 @@ pub(crate) struct ChannelCtx {
     pub(crate) sink: EventSink,
     pub(crate) redactor: Redactor,
     pub(crate) confirm_timeout: Duration,
+    /// The connection's negotiated frame size: a content header must fit in one frame.
+    pub(crate) frame_max: usize,
     /// True while the broker blocks the connection (resource alarm): lapin then writes nothing,
     /// so missing confirms are not a hang.
     pub(crate) blocked: watch::Receiver<bool>,
@@ -296,8 +298,9 @@ impl Publisher {
                     );
                 }
             } else {
-                match build(&msg) {
-                    Err(e) => self.fail(msg.id, Failure::Rejected, &e),
+                match build(&msg, self.ctx.frame_max) {
+                    // Nothing about the broker can change what is wrong with the message itself.
+                    Err(e) => self.fail(msg.id, Failure::Unsendable, &e),
                     Ok((exchange, routing_key, properties)) => {
                         match self
                             .send(exchange, routing_key, &msg.body, properties, stop)
@@ -778,14 +781,38 @@ fn short(value: &str, what: &str) -> Result<ShortString, String> {
     })
 }
 
-fn build(m: &OutboundMessage) -> Result<(ShortString, ShortString, BasicProperties), String> {
+/// Bytes of a message's content header frame: frame header and end (8); class, weight, body
+/// size and property flags (14); delivery mode, timestamp, message_id and headers (always
+/// present); the optional short strings.
+fn header_frame_size(m: &OutboundMessage, headers: &lapin::types::FieldTable) -> usize {
+    let optional = [&m.content_type, &m.reply_to, &m.correlation_id]
+        .iter()
+        .filter_map(|v| v.as_ref().map(|s| 1 + s.len()))
+        .sum::<usize>();
+    8 + 14 + 1 + 8 + 1 + m.message_id.len() + table_size(headers) + optional
+}
+
+/// The message as lapin publishes it, or why it cannot be published on a connection whose
+/// frames are at most `frame_max` bytes (AMQP does not split a content header across frames).
+fn build(
+    m: &OutboundMessage,
+    frame_max: usize,
+) -> Result<(ShortString, ShortString, BasicProperties), String> {
     let exchange = short(&m.exchange, "exchange name")?;
     let routing_key = short(&m.routing_key, "routing key")?;
+    let headers = to_field_table(&m.headers)?;
+    let size = header_frame_size(m, &headers);
+    if size > frame_max {
+        return Err(format!(
+            "its properties and headers take {size} bytes, more than the broker's frame size \
+             ({frame_max} bytes) allows"
+        ));
+    }
     let mut props = BasicProperties::default()
         .with_delivery_mode(m.delivery_mode)
         .with_message_id(short(&m.message_id, "message_id")?)
         .with_timestamp(m.timestamp)
-        .with_headers(to_field_table(&m.headers)?);
+        .with_headers(headers);
     if let Some(v) = &m.content_type {
         props = props.with_content_type(short(v, "content_type")?);
     }
@@ -822,7 +849,7 @@ mod tests {
 
     #[test]
     fn build_sets_properties() {
-        let (ex, rk, p) = build(&msg()).unwrap();
+        let (ex, rk, p) = build(&msg(), 131_072).unwrap();
         assert_eq!(ex.as_str(), "x");
         assert_eq!(rk.as_str(), "rk");
         assert_eq!(*p.delivery_mode(), Some(2));
@@ -836,10 +863,26 @@ mod tests {
     fn build_rejects_overlong_names_without_panicking() {
         let mut m = msg();
         m.routing_key = "r".repeat(256);
-        assert!(build(&m).unwrap_err().contains("routing key"));
+        assert!(build(&m, 131_072).unwrap_err().contains("routing key"));
         let mut m = msg();
         m.exchange = "e".repeat(300);
-        assert!(build(&m).unwrap_err().contains("exchange"));
+        assert!(build(&m, 131_072).unwrap_err().contains("exchange"));
+    }
+
+    #[test]
+    fn build_refuses_properties_larger_than_a_frame() {
+        let mut m = msg();
+        m.headers
+            .insert("big".into(), serde_json::Value::String("x".repeat(200_000)));
+        let e = build(&m, 131_072).unwrap_err();
+        assert!(e.contains("frame size (131072 bytes)"), "{e}");
+        // The computed size is the frame's: 8 + 14 + delivery mode, timestamp, message_id,
+        // headers (4 + 1 + 3 + 1 + 4 + 200,000) and content_type, correlation_id.
+        let expected = 8 + 14 + 1 + 8 + 4 + (4 + 1 + 3 + 1 + 4 + 200_000) + 17 + 2;
+        assert!(e.contains(&format!("take {expected} bytes")), "{e}");
+        m.headers
+            .insert("big".into(), serde_json::Value::String("x".repeat(100_000)));
+        assert!(build(&m, 131_072).is_ok());
     }
 
     #[test]

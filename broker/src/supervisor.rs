@@ -562,6 +562,7 @@ impl BrokerTask {
                 sink: self.sink.clone(),
                 redactor: self.redactor.clone(),
                 confirm_timeout: self.cfg.confirm_timeout,
+                frame_max: frame_limit(conn.configuration().frame_max()),
                 blocked: blocked_rx.clone(),
                 ack: self.ack_ctx(),
             };
@@ -1073,6 +1074,16 @@ fn exchange_kind(kind: &str) -> ExchangeKind {
 pub(crate) async fn close_connection(conn: &Connection) {
     if conn.status().connected() {
         let _ = tokio::time::timeout(CLOSE_WAIT, conn.close(200, "OK".into())).await;
+    }
+}
+
+/// The frame size to fit content headers into: the negotiated one (0 would mean "no limit",
+/// which RabbitMQ never negotiates; taken as the protocol's largest frame).
+fn frame_limit(negotiated: u32) -> usize {
+    if negotiated == 0 {
+        u32::MAX as usize
+    } else {
+        negotiated as usize
     }
 }
 

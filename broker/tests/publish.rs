@@ -221,6 +221,7 @@ fn missing_exchange_blames_only_the_culprit_and_solo_resend_is_rejected_with_404
                             Failure::Ambiguous | Failure::Transient | Failure::Nacked => {
                                 bridge.publish(B, vec![by_id[id].clone()], true)
                             }
+                            Failure::Unsendable => panic!("a missing exchange is not unsendable"),
                         }
                     } else {
                         assert_ne!(*failure, Failure::Rejected, "{id}: {error}");
@@ -553,4 +554,45 @@ fn connection_loss_fails_in_flight_transient_and_reconnects_with_a_new_epoch() {
             .any(|e| matches!(e, Event::Failed { .. })),
         "nothing was in flight when the connection closed; the test proved little"
     );
+}
+
+/// A message whose properties cannot fit in one frame (a 200 KB header) would make RabbitMQ
+/// close the whole connection (501 FRAME_ERROR) on every try, holding back everything behind
+/// it. It is refused before it is written, as unsendable, and its neighbours go out on the
+/// same connection.
+#[test]
+fn a_message_too_large_for_a_frame_is_unsendable_and_the_connection_stays() {
+    let mut admin = Admin::new();
+    let exchange = unique("frame_x");
+    let queue = unique("frame_q");
+    admin.exchange(&exchange, ExchangeKind::Direct);
+    admin.queue(&queue, &exchange, "rk");
+
+    let (mut bridge, epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
+    let mut msgs: Vec<_> = (1..=5).map(|i| message(i, &exchange, "rk")).collect();
+    msgs[2]
+        .headers
+        .insert("big".into(), serde_json::Value::String("x".repeat(200_000)));
+    bridge.publish(B, msgs, false);
+
+    let mut confirmed = BTreeSet::new();
+    let mut unsendable = None;
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        match e {
+            Event::Confirmed { ids, .. } => confirmed.extend(ids.iter().copied()),
+            Event::Failed {
+                id, failure, error, ..
+            } => {
+                assert_eq!(*id, 3, "{failure:?}: {error}");
+                assert_eq!(*failure, Failure::Unsendable, "{error}");
+                unsendable = Some(error.clone());
+            }
+            Event::Connected { epoch: e, .. } => panic!("reconnected (epoch {e} after {epoch})"),
+            _ => {}
+        }
+        (confirmed.len() == 4 && unsendable.is_some()).then_some(())
+    });
+    let error = unsendable.unwrap_or_default();
+    assert!(error.contains("frame size"), "{error}");
+    assert_eq!(confirmed, [1, 2, 4, 5].into());
 }

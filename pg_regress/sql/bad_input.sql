@@ -98,6 +98,20 @@ SELECT amqp.publish(1, 'ex', 'rk', repeat('x', 1025));
 SELECT amqp.publish(1, 'ex', 'rk', repeat('x', 2049));
 RESET amqp_outbox.max_message_size;
 SELECT amqp.publish(1, 'ex', 'rk', repeat('x', 1025));
+-- Headers the worker could never send are refused here, not parked later: a number out of
+-- range, nesting deeper than 128, a header name over 255 bytes: 22023. Headers larger than
+-- 64 KiB once encoded (a message's properties must fit in one AMQP frame): 54000.
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', '{"f": 1e400}');
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', ('{"n": 1' || repeat('0', 400) || '}')::jsonb);
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', ('{"d": ' || repeat('[', 200) || repeat(']', 200) || '}')::jsonb);
+SELECT amqp.publish_bytes(1, 'ex', 'rk', '\x00'::bytea, jsonb_build_object(repeat('n', 256), 1));
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', jsonb_build_object('big', repeat('x', 200000)));
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', jsonb_build_object('big', repeat('x', 60000))) > 0 AS fits;
+-- The same for queue and binding arguments.
+SELECT amqp.queue_declare(1, 'q', arguments => '{"x-max-length": 1e400}');
+SELECT amqp.queue_bind(1, 'q', 'ex', arguments => jsonb_build_object(repeat('n', 256), 1));
+SELECT count(*) AS stored FROM amqp.message;
+SELECT count(*) AS declared FROM amqp.queue;
 \set ON_ERROR_ROLLBACK off
 ROLLBACK;
 -- Direct INSERTs with bad values are rejected by the table's CHECK constraints (23514).

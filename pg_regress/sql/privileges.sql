@@ -47,6 +47,13 @@ SELECT password FROM amqp.broker WHERE broker_id = 8;
 UPDATE amqp.broker SET port = 5671 WHERE broker_id = 8;
 SELECT amqp.exchange_declare(8, 'x', 'direct', false, true);
 SELECT amqp.retry_all(8);
+-- It discards a parked message without any right on amqp.discarded (which it cannot forge),
+-- recorded under its own name; a message that is not parked: 55000.
+UPDATE amqp.message SET parked_at = now() WHERE body = 'from the app'::bytea;
+SELECT amqp.discard(id, 'not wanted') FROM amqp.message WHERE body = 'from the app'::bytea;
+SELECT amqp.discard(999999);
+INSERT INTO amqp.discarded SELECT * FROM amqp.discarded;
+SELECT discarded_by, reason, convert_from(body, 'UTF8') AS body FROM amqp.discarded;
 RESET ROLE;
 ROLLBACK;
 \set ON_ERROR_ROLLBACK off

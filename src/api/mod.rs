@@ -1,8 +1,11 @@
 //! SQL-callable functions. They run in user backends: no threads, no network.
 
 mod admin;
+mod jsonb_arg;
 mod known_brokers;
+mod message_id;
 mod parked;
 mod publish;
+mod run_as;
 mod status;
 mod topology;

@@ -2,18 +2,25 @@
 //! transaction, and arrange for the worker to be woken when that transaction commits.
 //! Runs in user backends: no threads, no network.
 
+use super::jsonb_arg::JsonbArg;
 use super::known_brokers;
+use super::run_as::{extension_owner, RunAs};
 use crate::error::{OrRaise, OutboxError};
 use crate::{commit_wake, shmem};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
-use pgrx::JsonB;
 use std::cell::{Cell, RefCell};
 
 /// AMQP short strings (exchange, routing key, properties) are at most 255 bytes.
 const SHORTSTR_MAX: usize = 255;
+
+/// The largest encoded header table publish() accepts. A message's properties travel in one
+/// frame, and RabbitMQ's frames are 128 KiB unless configured otherwise: this leaves room for
+/// the other properties and the worker's own headers. (A broker with smaller frames still
+/// refuses larger ones: the worker parks such a message at once, with the reason.)
+const HEADERS_MAX: usize = 64 * 1024;
 
 /// The INSERT, planned once per session and kept across transactions, and the role it runs as.
 struct Insert {
@@ -30,7 +37,7 @@ thread_local! {
 const INSERT_SQL: &str = "\
 INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
                           body, delivery_mode, content_type, reply_to, correlation_id, headers) \
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb) \
 RETURNING id";
 
 /// A message to insert, already checked.
@@ -43,7 +50,8 @@ pub struct NewMessage<'a> {
     pub content_type: Option<&'a str>,
     pub reply_to: Option<&'a str>,
     pub correlation_id: Option<&'a str>,
-    pub headers: Option<JsonB>,
+    /// The headers' jsonb text, checked: a JSON object that AMQP can carry.
+    pub headers: Option<String>,
 }
 
 fn required<T>(value: Option<T>, name: &'static str) -> Result<T, OutboxError> {
@@ -68,15 +76,29 @@ fn delivery_mode(mode: Option<i32>) -> Result<i16, OutboxError> {
     }
 }
 
-fn check_headers(headers: &Option<JsonB>) -> Result<(), OutboxError> {
-    match headers {
-        None => Ok(()),
-        Some(JsonB(serde_json::Value::Object(_))) => Ok(()),
-        Some(JsonB(other)) => Err(OutboxError::InvalidHeaders(format!(
+/// What the worker would refuse is refused here, synchronously: values serde_json cannot hold
+/// (`1e400`, nesting deeper than 128), header names over 255 bytes, tables too large for a frame.
+fn check_headers(headers: Option<JsonbArg>) -> Result<Option<String>, OutboxError> {
+    let Some(JsonbArg(text)) = headers else {
+        return Ok(None);
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        OutboxError::InvalidHeaders(format!("cannot be sent as AMQP field values: {e}"))
+    })?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(OutboxError::InvalidHeaders(format!(
             "expected a JSON object of header names to values, got {}",
-            json_kind(other)
-        ))),
+            json_kind(&value)
+        )));
+    };
+    let bytes = amqp_outbox_broker::header_table_size(&map).map_err(OutboxError::InvalidHeaders)?;
+    if bytes > HEADERS_MAX {
+        return Err(OutboxError::HeadersTooLarge {
+            bytes,
+            max: HEADERS_MAX,
+        });
     }
+    Ok(Some(text))
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {
@@ -97,7 +119,7 @@ impl<'a> NewMessage<'a> {
         exchange: Option<&'a str>,
         routing_key: Option<&'a str>,
         body: Option<&'a [u8]>,
-        headers: Option<JsonB>,
+        headers: Option<JsonbArg>,
         mode: Option<i32>,
         content_type: Option<&'a str>,
         reply_to: Option<&'a str>,
@@ -126,7 +148,7 @@ impl<'a> NewMessage<'a> {
                 max,
             });
         }
-        check_headers(&headers)?;
+        let headers = check_headers(headers)?;
         Ok(NewMessage {
             broker_id,
             exchange,
@@ -184,10 +206,7 @@ impl<'a> NewMessage<'a> {
                 let insert = match insert {
                     Some(insert) => insert,
                     None => {
-                        let owner = Spi::get_one::<pg_sys::Oid>(
-                            "SELECT extowner FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'amqp_outbox'",
-                        )?
-                        .unwrap_or(pg_sys::BOOTSTRAP_SUPERUSERID.into());
+                        let owner = extension_owner();
                         let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
                         let plan = client.prepare_mut(INSERT_SQL, &oids)?.keep();
                         insert.insert(Insert { plan, owner })
@@ -220,38 +239,6 @@ impl<'a> NewMessage<'a> {
         LAST_ID.set(Some(id));
         commit_wake::wake_worker_at_commit();
         id
-    }
-}
-
-/// Runs as another role until dropped, as SECURITY DEFINER would, but only around one statement
-/// and without a `search_path` switch per call. Restricted: the statement may not run code that
-/// assumes the caller's rights. An error in between is cleaned up by PostgreSQL's abort, which
-/// restores the user id too.
-struct RunAs {
-    user: pg_sys::Oid,
-    context: i32,
-}
-
-impl RunAs {
-    fn new(role: pg_sys::Oid) -> Self {
-        let mut user = pg_sys::InvalidOid;
-        let mut context = 0;
-        unsafe {
-            pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
-            pg_sys::SetUserIdAndSecContext(
-                role,
-                context
-                    | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
-                    | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
-            );
-        }
-        RunAs { user, context }
-    }
-}
-
-impl Drop for RunAs {
-    fn drop(&mut self) {
-        unsafe { pg_sys::SetUserIdAndSecContext(self.user, self.context) };
     }
 }
 
@@ -302,7 +289,7 @@ fn publish_message(
     exchange: Option<&str>,
     routing_key: Option<&str>,
     body: Option<&str>,
-    headers: default!(Option<JsonB>, "NULL"),
+    headers: default!(Option<JsonbArg>, "NULL"),
     delivery_mode: default!(Option<i32>, "NULL"),
     content_type: default!(Option<&str>, "NULL"),
     reply_to: default!(Option<&str>, "NULL"),
@@ -331,7 +318,7 @@ fn publish_bytes(
     exchange: Option<&str>,
     routing_key: Option<&str>,
     body: Option<&[u8]>,
-    headers: default!(Option<JsonB>, "NULL"),
+    headers: default!(Option<JsonbArg>, "NULL"),
     delivery_mode: default!(Option<i32>, "NULL"),
     content_type: default!(Option<&str>, "NULL"),
     reply_to: default!(Option<&str>, "NULL"),

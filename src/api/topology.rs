@@ -2,11 +2,11 @@
 //! `amqp.exchange_declare`), queues and bindings. Recorded in tables, transactionally; the
 //! worker re-reads them when a transaction that changed them commits.
 
+use super::jsonb_arg::JsonbArg;
 use crate::commit_wake;
 use crate::error::{OrRaise, OutboxError};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
-use pgrx::JsonB;
 
 const EXCHANGE_TYPES: [&str; 4] = ["direct", "fanout", "topic", "headers"];
 
@@ -76,12 +76,20 @@ fn check_name(value: Option<&str>, what: &'static str) -> Result<(), OutboxError
     }
 }
 
-fn arguments_object(arguments: Option<JsonB>) -> Result<JsonB, OutboxError> {
-    match arguments {
-        None => Ok(JsonB(serde_json::Value::Object(Default::default()))),
-        Some(JsonB(serde_json::Value::Object(map))) => Ok(JsonB(serde_json::Value::Object(map))),
-        Some(_) => Err(OutboxError::InvalidArguments),
-    }
+/// The arguments' jsonb text, checked as the worker will read them: a JSON object whose values
+/// AMQP can carry (see `crate::headers`).
+fn arguments_object(arguments: Option<JsonbArg>) -> Result<String, OutboxError> {
+    let Some(JsonbArg(text)) = arguments else {
+        return Ok("{}".into());
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        OutboxError::InvalidArgumentValues(format!("cannot be sent as AMQP field values: {e}"))
+    })?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(OutboxError::InvalidArguments);
+    };
+    amqp_outbox_broker::header_table_size(&map).map_err(OutboxError::InvalidArgumentValues)?;
+    Ok(text)
 }
 
 /// Runs an upsert that returns true, or nothing when the broker does not exist.
@@ -104,7 +112,7 @@ fn record(sql: &str, broker_id: i32, args: &[DatumWithOid]) {
 
 const UPSERT_QUEUE_SQL: &str = "\
 INSERT INTO amqp.queue (broker_id, queue, durable, auto_delete, arguments) \
-SELECT $1, $2, $3, $4, $5 \
+SELECT $1, $2, $3, $4, $5::pg_catalog.jsonb \
  WHERE EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id OPERATOR(pg_catalog.=) $1) \
 ON CONFLICT (broker_id, queue) DO UPDATE \
    SET durable = excluded.durable, auto_delete = excluded.auto_delete, \
@@ -119,7 +127,7 @@ fn queue_declare(
     queue: Option<&str>,
     durable: default!(Option<bool>, "true"),
     auto_delete: default!(Option<bool>, "false"),
-    arguments: default!(Option<JsonB>, "NULL"),
+    arguments: default!(Option<JsonbArg>, "NULL"),
 ) -> bool {
     let broker_id = broker_id
         .ok_or(OutboxError::NullArgument("broker_id"))
@@ -139,7 +147,7 @@ fn queue_declare(
 
 const UPSERT_BINDING_SQL: &str = "\
 INSERT INTO amqp.binding (broker_id, queue, exchange, routing_key, arguments) \
-SELECT $1, $2, $3, $4, $5 \
+SELECT $1, $2, $3, $4, $5::pg_catalog.jsonb \
  WHERE EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id OPERATOR(pg_catalog.=) $1) \
 ON CONFLICT (broker_id, queue, exchange, routing_key) DO UPDATE \
    SET arguments = excluded.arguments, declared_at = pg_catalog.now() \
@@ -152,7 +160,7 @@ fn queue_bind(
     queue: Option<&str>,
     exchange: Option<&str>,
     routing_key: default!(Option<&str>, "''"),
-    arguments: default!(Option<JsonB>, "NULL"),
+    arguments: default!(Option<JsonbArg>, "NULL"),
 ) -> bool {
     let broker_id = broker_id
         .ok_or(OutboxError::NullArgument("broker_id"))

@@ -51,6 +51,8 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 struct Settlement {
     delivered: Vec<i64>,
     rejected: Vec<(i64, String)>,
+    /// Can never be published as it is: parked at once.
+    unsendable: Vec<(i64, String)>,
     /// Lost (gap rule) or without proof past the timeout: publish again, counting an attempt.
     resend: Vec<(Vec<i64>, &'static str)>,
 }
@@ -62,7 +64,8 @@ pub struct Worker {
     /// The configuration last sent to the AMQP thread.
     brokers: Vec<BrokerConfig>,
     extension_present: bool,
-    message_id_prefix: Option<String>,
+    /// The installed extension version last warned about, while it differs from the library's.
+    announced_version: Option<String>,
     need_reload: bool,
     /// Counts first publishes, for the `test_lose_one_in` fault injection.
     published_count: u64,
@@ -97,7 +100,7 @@ impl Worker {
             flight: Flight::default(),
             brokers: Vec::new(),
             extension_present: false,
-            message_id_prefix: None,
+            announced_version: None,
             need_reload: true,
             published_count: 0,
             swept_at: Instant::now(),
@@ -343,6 +346,11 @@ impl Worker {
                             shmem::count(|c| &c.failed, 1);
                             s.rejected.push((id, error));
                         }
+                        Failure::Unsendable => {
+                            self.flight.broker(broker_id).suspects.remove(&id);
+                            shmem::count(|c| &c.failed, 1);
+                            s.unsendable.push((id, error));
+                        }
                     }
                 }
                 Event::Log { level, message } => match level {
@@ -420,10 +428,22 @@ impl Worker {
             return Vec::new();
         }
         if !self.extension_present {
+            if let Some(version) = queries::version_mismatch() {
+                if self.announced_version.as_deref() != Some(version.as_str()) {
+                    warning!(
+                        "amqp_outbox: the extension in this database is version {version} but the library is {}: messages wait until ALTER EXTENSION amqp_outbox UPDATE",
+                        queries::LIBRARY_VERSION
+                    );
+                    self.announced_version = Some(version);
+                    self.configure(Vec::new());
+                }
+                self.more_work = false;
+                return Vec::new();
+            }
             self.extension_present = true;
             self.announced_missing = false;
+            self.announced_version = None;
             self.need_reload = true;
-            self.message_id_prefix = None;
         }
         let result = Spi::connect_mut(|client| {
             if !settlement.delivered.is_empty() {
@@ -432,6 +452,11 @@ impl Worker {
             for (id, error) in &settlement.rejected {
                 self.record_rejection(client, *id, error)?;
             }
+            for (id, error) in &settlement.unsendable {
+                warning!("amqp_outbox: message {id} parked: {error}");
+                queries::park(client, *id, error)?;
+                shmem::count(|c| &c.parked, 1);
+            }
             for (ids, reason) in &settlement.resend {
                 let parked =
                     queries::record_resend(client, ids, reason, self.settings.max_attempts)?;
@@ -439,9 +464,6 @@ impl Worker {
                     shmem::count(|c| &c.parked, 1);
                     warning!("amqp_outbox: message {id} parked after amqp_outbox.max_attempts attempts: {reason}");
                 }
-            }
-            if self.message_id_prefix.is_none() {
-                self.message_id_prefix = Some(queries::message_id_prefix()?);
             }
             if self.need_reload {
                 let brokers = queries::load_brokers(client, &self.broker_template())?;
@@ -679,7 +701,6 @@ impl Worker {
         rows: Vec<Row>,
         max_size: usize,
     ) -> pgrx::spi::SpiResult<Vec<OutboundMessage>> {
-        let prefix = self.message_id_prefix.clone().unwrap_or_else(|| "0".into());
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             if row.body.len() > max_size {
@@ -692,8 +713,19 @@ impl Worker {
                 shmem::count(|c| &c.parked, 1);
                 continue;
             }
+            let headers = match crate::headers::json_object(row.headers.as_deref()) {
+                Ok(headers) => headers,
+                Err(why) => {
+                    // Retrying cannot help: the row is parked at once, the others go on.
+                    let why = format!("headers {why}");
+                    warning!("amqp_outbox: message {} parked: {why}", row.id);
+                    queries::park(client, row.id, &why)?;
+                    shmem::count(|c| &c.parked, 1);
+                    continue;
+                }
+            };
             let first_attempt = row.attempts == 0;
-            let mut message = to_message(&prefix, row);
+            let mut message = to_message(row, headers);
             message.lose_in_transit = self.lose_this_one(first_attempt);
             out.push(message);
         }
@@ -706,17 +738,16 @@ pub const HEADER_PRODUCER_PID: &str = "x-amqp-outbox-producer-pid";
 pub const HEADER_PRODUCER_START: &str = "x-amqp-outbox-producer-start";
 pub const HEADER_SEQUENCE: &str = "x-amqp-outbox-seq";
 
-fn to_message(prefix: &str, row: Row) -> OutboundMessage {
-    let mut headers = match row.headers {
-        Some(serde_json::Value::Object(map)) => map,
-        _ => serde_json::Map::new(),
-    };
+fn to_message(
+    row: Row,
+    mut headers: serde_json::Map<String, serde_json::Value>,
+) -> OutboundMessage {
     headers.insert(HEADER_PRODUCER_PID.into(), row.producer_pid.into());
     headers.insert(HEADER_PRODUCER_START.into(), row.producer_started_at.into());
     headers.insert(HEADER_SEQUENCE.into(), row.id.into());
     OutboundMessage {
         id: row.id,
-        message_id: format!("{prefix}-{}", row.id),
+        message_id: row.message_id,
         exchange: row.exchange,
         routing_key: row.routing_key,
         body: row.body,
@@ -734,9 +765,18 @@ fn to_message(prefix: &str, row: Row) -> OutboundMessage {
 mod tests {
     use super::*;
 
-    fn row(headers: Option<serde_json::Value>, delivery_mode: i16) -> Row {
+    fn message(headers: Option<serde_json::Value>, delivery_mode: i16) -> OutboundMessage {
+        let headers = match headers {
+            Some(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        to_message(row(delivery_mode), headers)
+    }
+
+    fn row(delivery_mode: i16) -> Row {
         Row {
             id: 42,
+            message_id: "0190f0e2-1c3a-7b41-9d2e-5a6b7c8d9e0f".into(),
             broker_id: 1,
             exchange: "orders".into(),
             routing_key: "order.created".into(),
@@ -745,7 +785,7 @@ mod tests {
             content_type: Some("application/json".into()),
             reply_to: None,
             correlation_id: Some("c-1".into()),
-            headers,
+            headers: None,
             producer_pid: 1234,
             producer_started_at: 1_700_000_000_123_456,
             created_at: 1_700_000_100_999_999,
@@ -755,11 +795,8 @@ mod tests {
 
     #[test]
     fn a_message_carries_its_stable_id_producer_headers_and_properties() {
-        let m = to_message(
-            "abc-4000-5000",
-            row(Some(serde_json::json!({"tenant": "acme"})), 2),
-        );
-        assert_eq!(m.message_id, "abc-4000-5000-42");
+        let m = message(Some(serde_json::json!({"tenant": "acme"})), 2);
+        assert_eq!(m.message_id, "0190f0e2-1c3a-7b41-9d2e-5a6b7c8d9e0f");
         assert_eq!(m.delivery_mode, 2);
         assert_eq!(m.timestamp, 1_700_000_100);
         assert_eq!(m.headers["tenant"], "acme");
@@ -772,13 +809,10 @@ mod tests {
 
     #[test]
     fn producer_headers_win_over_the_callers_and_transient_is_kept() {
-        let m = to_message(
-            "p",
-            row(Some(serde_json::json!({HEADER_SEQUENCE: "forged"})), 1),
-        );
+        let m = message(Some(serde_json::json!({HEADER_SEQUENCE: "forged"})), 1);
         assert_eq!(m.headers[HEADER_SEQUENCE], 42);
         assert_eq!(m.delivery_mode, 1);
-        let m = to_message("p", row(None, 2));
+        let m = message(None, 2);
         assert_eq!(m.headers.len(), 3);
     }
 }

@@ -7,7 +7,6 @@ use amqp_outbox_broker::{
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use pgrx::JsonB;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -59,6 +58,7 @@ const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 /// One claimed row of `amqp.message`.
 pub struct Row {
     pub id: i64,
+    pub message_id: String,
     pub broker_id: i32,
     pub exchange: String,
     pub routing_key: String,
@@ -67,7 +67,9 @@ pub struct Row {
     pub content_type: Option<String>,
     pub reply_to: Option<String>,
     pub correlation_id: Option<String>,
-    pub headers: Option<serde_json::Value>,
+    /// As the text of the jsonb value: parsed by the worker, which parks a row whose headers
+    /// cannot be sent instead of failing the whole claim.
+    pub headers: Option<String>,
     pub producer_pid: i32,
     /// Unix microseconds.
     pub producer_started_at: i64,
@@ -107,16 +109,20 @@ pub fn ack_queue_name() -> String {
     format!("amqp_outbox.ack.{sysid:x}.{dboid:x}")
 }
 
-/// The parts of every message_id that make it unique beyond this table: the cluster's system
-/// identifier, the database and the table (new after a restore or a re-created extension).
-pub fn message_id_prefix() -> SpiResult<String> {
-    let sysid = unsafe { pg_sys::GetSystemIdentifier() };
-    let dboid = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let reloid =
-        Spi::get_one::<pg_sys::Oid>("SELECT 'amqp.message'::pg_catalog.regclass::pg_catalog.oid")?
-            .map(|o| o.to_u32())
-            .unwrap_or(0);
-    Ok(format!("{sysid:x}-{dboid:x}-{reloid:x}"))
+/// The version of the SQL objects this library's statements are written for.
+pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// `Some(installed)` when the extension's SQL objects are at another version than this library
+/// (the library was upgraded and `ALTER EXTENSION amqp_outbox UPDATE` has not run yet): the
+/// tables may lack what the worker reads, so it waits instead of failing on every step.
+pub fn version_mismatch() -> Option<String> {
+    let installed = Spi::get_one::<String>(
+        "SELECT extversion FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'amqp_outbox'",
+    );
+    match installed {
+        Ok(Some(v)) if v != LIBRARY_VERSION => Some(v),
+        _ => None,
+    }
 }
 
 fn unix_micros(ts: Option<TimestampWithTimeZone>) -> i64 {
@@ -129,10 +135,11 @@ fn unix_micros(ts: Option<TimestampWithTimeZone>) -> i64 {
 /// body's size from its pointer, so rows past the budget cost no detoasting.
 const CLAIM_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
-       correlation_id, headers, producer_pid, producer_started_at, created_at, attempts \
+       correlation_id, headers::pg_catalog.text, producer_pid, producer_started_at, created_at, \
+       attempts, message_id \
   FROM (SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, \
                reply_to, correlation_id, headers, producer_pid, producer_started_at, created_at, \
-               attempts, pg_catalog.octet_length(body) AS size, \
+               attempts, message_id, pg_catalog.octet_length(body) AS size, \
                pg_catalog.sum(pg_catalog.octet_length(body)) OVER (ORDER BY id) AS upto \
           FROM amqp.message \
          WHERE broker_id OPERATOR(pg_catalog.=) ANY ($1) \
@@ -146,7 +153,8 @@ SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, 
 
 const CLAIM_BY_ID_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
-       correlation_id, headers, producer_pid, producer_started_at, created_at, attempts \
+       correlation_id, headers::pg_catalog.text, producer_pid, producer_started_at, created_at, \
+       attempts, message_id \
   FROM amqp.message \
  WHERE id OPERATOR(pg_catalog.=) ANY ($1) AND parked_at IS NULL \
  ORDER BY id";
@@ -164,11 +172,12 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
             content_type: r.get::<String>(7)?,
             reply_to: r.get::<String>(8)?,
             correlation_id: r.get::<String>(9)?,
-            headers: r.get::<JsonB>(10)?.map(|j| j.0),
+            headers: r.get::<String>(10)?,
             producer_pid: r.get::<i32>(11)?.unwrap_or_default(),
             producer_started_at: unix_micros(r.get::<TimestampWithTimeZone>(12)?),
             created_at: unix_micros(r.get::<TimestampWithTimeZone>(13)?),
             attempts: r.get::<i32>(14)?.unwrap_or_default(),
+            message_id: r.get::<String>(15)?.unwrap_or_default(),
         });
     }
     Ok(rows)
@@ -376,53 +385,76 @@ pub fn load_brokers(
         }
     }
     let queues = client.select(
-        "SELECT broker_id, queue, durable, auto_delete, arguments FROM amqp.queue \
+        "SELECT broker_id, queue, durable, auto_delete, arguments::pg_catalog.text FROM amqp.queue \
           ORDER BY broker_id, queue",
         None,
         &[],
     )?;
     for r in queues {
         let broker_id = r.get::<i32>(1)?.unwrap_or_default();
+        let name = r.get::<String>(2)?.unwrap_or_default();
+        let Some(arguments) = declaration_arguments(r.get::<String>(5)?, "queue", &name) else {
+            continue;
+        };
         if let Some(b) = brokers.get_mut(&broker_id) {
             b.queues.push(QueueDecl {
-                name: r.get::<String>(2)?.unwrap_or_default(),
+                name,
                 durable: r.get::<bool>(3)?.unwrap_or(true),
                 auto_delete: r.get::<bool>(4)?.unwrap_or(false),
-                arguments: json_object(r.get::<JsonB>(5)?),
+                arguments,
             });
         }
     }
     let bindings = client.select(
-        "SELECT broker_id, queue, exchange, routing_key, arguments FROM amqp.binding \
+        "SELECT broker_id, queue, exchange, routing_key, arguments::pg_catalog.text FROM amqp.binding \
           ORDER BY broker_id, queue, exchange, routing_key",
         None,
         &[],
     )?;
     for r in bindings {
         let broker_id = r.get::<i32>(1)?.unwrap_or_default();
+        let queue = r.get::<String>(2)?.unwrap_or_default();
+        let Some(arguments) =
+            declaration_arguments(r.get::<String>(5)?, "binding of queue", &queue)
+        else {
+            continue;
+        };
         if let Some(b) = brokers.get_mut(&broker_id) {
             b.bindings.push(BindingDecl {
-                queue: r.get::<String>(2)?.unwrap_or_default(),
+                queue,
                 exchange: r.get::<String>(3)?.unwrap_or_default(),
                 routing_key: r.get::<String>(4)?.unwrap_or_default(),
-                arguments: json_object(r.get::<JsonB>(5)?),
+                arguments,
             });
         }
     }
     Ok(brokers.into_values().collect())
 }
 
-fn json_object(value: Option<JsonB>) -> serde_json::Map<String, serde_json::Value> {
-    match value {
-        Some(JsonB(serde_json::Value::Object(map))) => map,
-        _ => serde_json::Map::new(),
+/// A declaration's arguments, or `None` (with a warning) when they cannot be sent: a number
+/// out of range, nesting deeper than the parser allows. Such a declaration is left out; the
+/// others, and publishing, go on.
+fn declaration_arguments(
+    text: Option<String>,
+    what: &str,
+    name: &str,
+) -> Option<serde_json::Map<String, serde_json::Value>> {
+    match crate::headers::json_object(text.as_deref()) {
+        Ok(map) => Some(map),
+        Err(why) => {
+            warning!("amqp_outbox: {what} {name:?} is not declared: its arguments {why}");
+            None
+        }
     }
 }
 
-/// Rows waiting (not parked) per broker, for `amqp_outbox.max_pending`.
+/// The backlog per broker, for `amqp_outbox.max_pending`: rows waiting to be taken by the
+/// broker. Rows the broker refused (waiting for their retry, or parked) are left out: they say
+/// nothing about how fast the broker takes messages, and must not turn publishers away.
 pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::HashMap<i32, i64>> {
     let table = client.select(
-        "SELECT broker_id, pg_catalog.count(*) FROM amqp.message WHERE parked_at IS NULL \
+        "SELECT broker_id, pg_catalog.count(*) FROM amqp.message \
+          WHERE parked_at IS NULL AND attempts OPERATOR(pg_catalog.=) 0 \
           GROUP BY broker_id",
         None,
         &[],

@@ -156,6 +156,66 @@ impl PgCluster {
     }
 
     pub fn try_new(config: PgConfig) -> Result<PgCluster, String> {
+        let mut cluster = PgCluster::empty(config)?;
+        cluster.initdb()?;
+        cluster.start_on_free_port()?;
+        let mut admin = cluster.try_client_db("postgres")?;
+        admin
+            .batch_execute(&format!(
+                "CREATE DATABASE \"{}\"",
+                cluster.config.database.replace('"', "\"\"")
+            ))
+            .map_err(|e| format!("CREATE DATABASE {}: {e}", cluster.config.database))?;
+        Ok(cluster)
+    }
+
+    /// A base backup of `source` (`pg_basebackup`, WAL streamed), not started: once started
+    /// (`start()`), it is `source` as it was when the backup ended, as a point-in-time recovery
+    /// to that moment gives. Same system identifier, databases and tables; its own port,
+    /// directory and `config`'s settings.
+    pub fn from_base_backup(source: &PgCluster, config: PgConfig) -> PgCluster {
+        match PgCluster::try_from_base_backup(source, config) {
+            Ok(c) => c,
+            Err(e) => panic!("cannot make a cluster from a base backup: {e}"),
+        }
+    }
+
+    fn try_from_base_backup(source: &PgCluster, config: PgConfig) -> Result<PgCluster, String> {
+        let mut cluster = PgCluster::empty(config)?;
+        let data = cluster.data_dir();
+        let port = source.port.to_string();
+        let out = cluster.pg_tool(
+            "pg_basebackup",
+            &[
+                "-h".as_ref(),
+                "127.0.0.1".as_ref(),
+                "-p".as_ref(),
+                port.as_ref(),
+                "-U".as_ref(),
+                "postgres".as_ref(),
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-X".as_ref(),
+                "stream".as_ref(),
+                "--no-sync".as_ref(),
+            ],
+        )?;
+        if !out.status.success() {
+            return Err(format!(
+                "pg_basebackup failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        cluster.port = pick_ports(55001, 64000, 1);
+        cluster.write_config()?;
+        Ok(cluster)
+    }
+
+    /// A cluster value with its own directory (owned by `postgres` when we are root), not
+    /// initialised or started yet.
+    fn empty(config: PgConfig) -> Result<PgCluster, String> {
         let install = PgInstall::find()?;
         if config.preload {
             install.check_extension_installed()?;
@@ -169,38 +229,45 @@ impl PgCluster {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
                 .map_err(|e| format!("cannot chown {} to postgres: {e}", dir.path().display()))?;
         }
-        let mut cluster = PgCluster {
+        Ok(PgCluster {
             config,
             install,
             dir: Some(dir),
             port: 0,
             running: false,
-        };
-        cluster.initdb()?;
-        // A port can be taken between our check and the server's bind: try a few.
+        })
+    }
+
+    /// Writes the configuration and starts the server; a port can be taken between our check
+    /// and the server's bind, so a few are tried.
+    fn start_on_free_port(&mut self) -> Result<(), String> {
         let mut last = String::new();
         for _ in 0..3 {
-            cluster.port = pick_ports(55001, 64000, 1);
-            cluster.write_config()?;
-            match cluster.try_start() {
-                Ok(()) => {
-                    last.clear();
-                    break;
-                }
+            self.port = pick_ports(55001, 64000, 1);
+            self.write_config()?;
+            match self.try_start() {
+                Ok(()) => return Ok(()),
                 Err(e) => last = e,
             }
         }
-        if !last.is_empty() {
-            return Err(last);
+        Err(last)
+    }
+
+    /// Runs one of PostgreSQL's programs (`pg_dump`, `pg_restore`, `psql`, …) in the cluster's
+    /// directory, as `postgres` when we are root, and fails with its output unless it succeeds.
+    /// Connection options are the caller's (`-h 127.0.0.1 -p PORT -U postgres`).
+    pub fn run_tool(&self, program: &str, args: &[&str]) -> Result<String, String> {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+        let out = self.pg_tool(program, &args)?;
+        if !out.status.success() {
+            return Err(format!(
+                "{program} {args:?} failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
         }
-        let mut admin = cluster.try_client_db("postgres")?;
-        admin
-            .batch_execute(&format!(
-                "CREATE DATABASE \"{}\"",
-                cluster.config.database.replace('"', "\"\"")
-            ))
-            .map_err(|e| format!("CREATE DATABASE {}: {e}", cluster.config.database))?;
-        Ok(cluster)
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     pub fn config(&self) -> &PgConfig {

@@ -1,0 +1,56 @@
+-- What pg_dump keeps, and the stored message_id that makes a restored message the same message.
+\set VERBOSITY terse
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS amqp_outbox;
+RESET client_min_messages;
+-- Exactly the user's tables and the sequences behind their ids are dumped, with all their rows.
+SELECT x::regclass AS dumped, c.relkind
+  FROM pg_extension e, unnest(e.extconfig) x JOIN pg_class c ON c.oid = x
+ WHERE e.extname = 'amqp_outbox'
+ ORDER BY x::regclass::text;
+SELECT extcondition FROM pg_extension WHERE extname = 'amqp_outbox';
+-- No table or sequence of the extension is left out (the list must grow with the schema).
+SELECT c.oid::regclass AS not_dumped
+  FROM pg_class c
+ WHERE c.relnamespace = 'amqp'::regnamespace AND c.relkind IN ('r', 'p', 'S')
+   AND c.oid <> ALL ((SELECT extconfig FROM pg_extension WHERE extname = 'amqp_outbox')::oid[]);
+-- CREATE EXTENSION fills none of them, so nothing is dumped twice.
+SELECT (SELECT count(*) FROM amqp.broker) + (SELECT count(*) FROM amqp.exchange)
+     + (SELECT count(*) FROM amqp.queue) + (SELECT count(*) FROM amqp.binding)
+     + (SELECT count(*) FROM amqp.message) + (SELECT count(*) FROM amqp.discarded) AS rows_at_create;
+BEGIN;
+INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1');
+SELECT amqp.publish(1, 'orders', 'a', 'one'), amqp.publish(1, 'orders', 'b', 'two'),
+       amqp.publish(1, 'orders', 'c', 'three');
+-- Each message gets its own UUIDv7 when it is inserted, stored in the row.
+SELECT count(DISTINCT message_id) AS distinct_ids,
+       bool_and(message_id ~ '^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$')
+           AS all_uuid_v7
+  FROM amqp.message;
+-- Its leading 48 bits are the time of the INSERT, in milliseconds.
+SELECT bool_and(abs(('x' || lpad(replace(left(message_id, 13), '-', ''), 16, '0'))::bit(64)::bigint
+                    - (extract(epoch FROM clock_timestamp()) * 1000)::bigint) < 60000)
+           AS time_ordered
+  FROM amqp.message;
+-- The views show it.
+SELECT count(*) AS shown FROM amqp.message_status s JOIN amqp.message m USING (message_id);
+-- A direct INSERT gets one too, or keeps the one it brings (a key of the caller's choosing).
+INSERT INTO amqp.message (broker_id, exchange, routing_key, body)
+VALUES (1, 'orders', 'd', 'four');
+INSERT INTO amqp.message (broker_id, exchange, routing_key, body, message_id)
+VALUES (1, 'orders', 'e', 'five', 'order-42-created');
+SELECT routing_key, length(message_id) FROM amqp.message WHERE routing_key IN ('d', 'e') ORDER BY 1;
+-- What AMQP cannot carry is refused.
+SAVEPOINT s;
+INSERT INTO amqp.message (broker_id, exchange, routing_key, body, message_id)
+VALUES (1, 'orders', 'f', 'six', '');
+ROLLBACK TO s;
+INSERT INTO amqp.message (broker_id, exchange, routing_key, body, message_id)
+VALUES (1, 'orders', 'f', 'six', repeat('x', 256));
+ROLLBACK TO s;
+-- A discarded message keeps its message_id.
+SELECT message_id AS discarded_id FROM amqp.message WHERE routing_key = 'a' \gset
+UPDATE amqp.message SET parked_at = now() WHERE routing_key = 'a';
+SELECT amqp.discard(id, 'test') FROM amqp.message WHERE routing_key = 'a';
+SELECT message_id = :'discarded_id' AS same_id FROM amqp.discarded;
+ROLLBACK;

@@ -1,0 +1,241 @@
+//! Hostile input beside good traffic: rows and declarations that no publish path accepts but a
+//! direct INSERT or an admin's UPDATE can write. Each poison is parked (or its declaration left
+//! out) with the reason, the worker keeps its process and its connection, and the good messages
+//! published around it all arrive, once each.
+
+use std::time::Duration;
+
+use amqp_outbox_e2e::{eventually, Outbox, PgConfig, Rabbit, World};
+
+const ARRIVAL: Duration = Duration::from_secs(60);
+
+/// The worker's pid and the broker's channel number (a new channel or connection changes it).
+fn worker_and_channel(w: &mut World) -> (Option<i32>, Option<i64>) {
+    let pid = w.status().worker_pid;
+    let channel: Option<i64> = w
+        .client
+        .query_one(
+            "SELECT channel::bigint FROM amqp.broker_status WHERE broker_id = $1",
+            &[&w.outbox.broker_id],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or(None);
+    (pid, channel)
+}
+
+/// Publishes `n` good messages named `prefix-i`.
+fn publish_good(w: &mut World, prefix: &str, n: usize) {
+    for i in 0..n {
+        w.publish(&format!("{prefix}-{i}"));
+    }
+}
+
+/// Inserts a row directly (as the documented direct INSERT path allows) with these headers;
+/// returns its id.
+fn insert_with_headers(w: &mut World, body: &str, headers: &str) -> i64 {
+    let (ex, rk) = (w.route.exchange.clone(), w.route.routing_key.clone());
+    w.client
+        .query_one(
+            &format!(
+                "INSERT INTO amqp.message (broker_id, exchange, routing_key, body, headers) \
+                 VALUES ($1, $2, $3, convert_to($4, 'UTF8'), {headers}) RETURNING id"
+            ),
+            &[&w.outbox.broker_id, &ex, &rk, &body],
+        )
+        .unwrap_or_else(|e| panic!("direct INSERT with headers {headers}: {e}"))
+        .get(0)
+}
+
+fn wait_parked(w: &mut World, id: i64, reason: &str) -> String {
+    eventually(
+        ARRIVAL,
+        &format!("message {id} parked for {reason}"),
+        || match Outbox::message_status(&mut w.client, id)? {
+            Some(s) if s.state == "parked" => {
+                let error = s.last_error.unwrap_or_default();
+                if error.contains(reason) {
+                    Ok(error)
+                } else {
+                    Err(format!("parked, but last_error is {error:?}"))
+                }
+            }
+            other => Err(format!("{other:?}")),
+        },
+    )
+}
+
+fn assert_each_arrived_once(w: &World, prefix: &str, n: usize) {
+    let counts = w.collector.body_counts();
+    for i in 0..n {
+        let body = format!("{prefix}-{i}");
+        assert_eq!(counts.get(&body), Some(&1), "{body}: {counts:?}");
+    }
+}
+
+#[test]
+fn headers_the_worker_cannot_send_are_parked_at_once_beside_good_traffic() {
+    let rabbit = Rabbit::shared();
+    let mut w = World::new("hostile_headers", PgConfig::default(), &rabbit);
+    publish_good(&mut w, "warmup", 5);
+    w.collector.wait_for_count(5, ARRIVAL);
+    let (pid, channel) = worker_and_channel(&mut w);
+
+    publish_good(&mut w, "before", 50);
+    let poison = [
+        (
+            "1e400",
+            insert_with_headers(&mut w, "p-1e400", "'{\"f\": 1e400}'"),
+            "number out of range",
+        ),
+        (
+            "400 digits",
+            insert_with_headers(
+                &mut w,
+                "p-digits",
+                &format!("'{{\"n\": 1{}}}'", "0".repeat(400)),
+            ),
+            "number out of range",
+        ),
+        (
+            "200-deep",
+            insert_with_headers(
+                &mut w,
+                "p-deep",
+                &format!("'{{\"d\": {}{}}}'", "[".repeat(200), "]".repeat(200)),
+            ),
+            "recursion limit",
+        ),
+        (
+            "256-byte name",
+            insert_with_headers(
+                &mut w,
+                "p-name",
+                &format!("jsonb_build_object('{}', 1)", "n".repeat(256)),
+            ),
+            "255 bytes",
+        ),
+        (
+            "200 KB header",
+            insert_with_headers(
+                &mut w,
+                "p-frame",
+                "jsonb_build_object('big', repeat('x', 200000))",
+            ),
+            "frame size",
+        ),
+    ];
+    // An admin's UPDATE can put the same into a row that was fine.
+    let updated = w.publish_id("p-updated");
+    w.client
+        .execute(
+            "UPDATE amqp.message SET headers = '{\"f\": 1e400}' WHERE id = $1",
+            &[&updated],
+        )
+        .unwrap_or_else(|e| panic!("UPDATE headers: {e}"));
+    publish_good(&mut w, "after", 50);
+
+    for (what, id, reason) in &poison {
+        let error = wait_parked(&mut w, *id, reason);
+        eprintln!("{what}: parked: {error}");
+        let attempts: i32 = w
+            .client
+            .query_one("SELECT attempts FROM amqp.message WHERE id = $1", &[id])
+            .map(|r| r.get(0))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(attempts, 1, "{what}: parked at the first attempt");
+    }
+    wait_parked(&mut w, updated, "number out of range");
+    w.collector.wait_for_count(5 + 100, ARRIVAL);
+    w.settle();
+    assert_each_arrived_once(&w, "before", 50);
+    assert_each_arrived_once(&w, "after", 50);
+    assert!(
+        !w.collector.bodies().iter().any(|b| b.starts_with("p-")),
+        "a poisoned message was delivered"
+    );
+    assert_eq!(
+        worker_and_channel(&mut w),
+        (pid, channel),
+        "the worker restarted or its channel was replaced"
+    );
+
+    // Parked poison can be discarded like any parked message.
+    for (_, id, _) in &poison {
+        let done: bool = w
+            .client
+            .query_one("SELECT amqp.discard($1, 'poison')", &[id])
+            .map(|r| r.get(0))
+            .unwrap_or_else(|e| panic!("amqp.discard({id}): {e}"));
+        assert!(done);
+    }
+}
+
+#[test]
+fn a_declaration_the_worker_cannot_send_is_left_out_and_publishing_goes_on() {
+    let rabbit = Rabbit::shared();
+    let mut w = World::new("hostile_decl", PgConfig::default(), &rabbit);
+    publish_good(&mut w, "warmup", 3);
+    w.collector.wait_for_count(3, ARRIVAL);
+    let pid = w.status().worker_pid;
+    let broker_id = w.outbox.broker_id;
+    let bad = amqp_outbox_e2e::unique_name("bad_args");
+    let good = amqp_outbox_e2e::unique_name("good_args");
+    w.client
+        .execute(
+            "INSERT INTO amqp.queue (broker_id, queue, arguments) \
+             VALUES ($1, $2, '{\"x-max-length\": 1e400}'), ($1, $3, '{\"x-max-length\": 10}')",
+            &[&broker_id, &bad, &good],
+        )
+        .unwrap_or_else(|e| panic!("INSERT INTO amqp.queue: {e}"));
+    publish_good(&mut w, "after", 20);
+    w.collector.wait_for_count(3 + 20, ARRIVAL);
+    assert_each_arrived_once(&w, "after", 20);
+    eventually(ARRIVAL, "the good queue declared", || {
+        match rabbit.queue_counts(&good)? {
+            Some(_) => Ok(()),
+            None => Err("not declared yet".into()),
+        }
+    });
+    let log = w.cluster.log();
+    assert!(
+        log.contains(&format!("queue \"{bad}\" is not declared")),
+        "no warning about the left-out declaration"
+    );
+    assert_eq!(rabbit.queue_counts(&bad).ok().flatten().map(|_| ()), None);
+    assert_eq!(w.status().worker_pid, pid, "the worker restarted");
+    let _ = rabbit.delete_queue(&good);
+}
+
+/// Without `shared_preload_libraries` no worker would publish: `publish()` refuses with 55000
+/// and a hint, and the session goes on (it used to end with FATAL when the library defined its
+/// server-start setting too late).
+#[test]
+fn without_preloading_publish_refuses_with_55000_and_the_session_lives() {
+    let cluster = amqp_outbox_e2e::PgCluster::new(PgConfig::default().without_preload());
+    let mut client = cluster.client();
+    amqp_outbox_e2e::outbox::create_extension(&mut client);
+    client
+        .batch_execute("INSERT INTO amqp.broker (host) VALUES ('127.0.0.1')")
+        .unwrap_or_else(|e| panic!("INSERT INTO amqp.broker: {e}"));
+    let err = client
+        .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'x')", &[])
+        .expect_err("publish without preloading must fail");
+    let db = err
+        .as_db_error()
+        .unwrap_or_else(|| panic!("not a server error: {err}"));
+    assert_eq!(db.code().code(), "55000", "{db:?}");
+    assert!(
+        db.hint().unwrap_or("").contains("shared_preload_libraries"),
+        "{db:?}"
+    );
+    let one: i32 = client
+        .query_one("SELECT 1", &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("the session did not survive: {e}"));
+    assert_eq!(one, 1);
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM amqp.message", &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(rows, 0);
+}

@@ -1,0 +1,661 @@
+//! What a DBA does to a database that holds undelivered messages: `pg_dump`/`pg_restore` it
+//! (custom and plain formats), recover a base backup to an earlier point, update the extension.
+//! Nothing committed may be lost, and every message keeps the `message_id` it was given.
+//!
+//! Each test runs its own PostgreSQL clusters and publishes to the shared RabbitMQ.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use amqp_outbox_e2e::outbox::{add_broker, create_extension};
+use amqp_outbox_e2e::{
+    eventually, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, StopMode,
+};
+use postgres::Client;
+
+const WORKER_UP: Duration = Duration::from_secs(30);
+const BULK_ARRIVAL: Duration = Duration::from_secs(150);
+
+/// The version before this one: `sql/amqp_outbox--<PREVIOUS>.sql` is shipped so that the update
+/// path can be tested (and taken by users who have it installed).
+const PREVIOUS: &str = "0.1.0";
+
+fn disabled() -> PgConfig {
+    PgConfig::default().setting("amqp_outbox.enabled", "off")
+}
+
+/// One message as the producer's database recorded it (`message_id` empty before 0.2.0 stored it).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Row {
+    id: i64,
+    message_id: String,
+    body: Vec<u8>,
+    headers: Option<String>,
+    attempts: i32,
+    last_error: Option<String>,
+    parked: bool,
+}
+
+fn rows(client: &mut Client, table: &str) -> Vec<Row> {
+    let sql = format!(
+        "SELECT id, coalesce(to_jsonb(m) ->> 'message_id', ''), body, headers::text, attempts, \
+                last_error, parked_at IS NOT NULL \
+           FROM amqp.{table} m ORDER BY id"
+    );
+    client
+        .query(&sql, &[])
+        .unwrap_or_else(|e| panic!("reading amqp.{table}: {e}"))
+        .iter()
+        .map(|r| Row {
+            id: r.get(0),
+            message_id: r.get(1),
+            body: r.get(2),
+            headers: r.get(3),
+            attempts: r.get(4),
+            last_error: r.get(5),
+            parked: r.get(6),
+        })
+        .collect()
+}
+
+fn scalar<T: for<'a> postgres::types::FromSql<'a>>(client: &mut Client, sql: &str) -> T {
+    client
+        .query_one(sql, &[])
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
+/// Fills the outbox of a database whose worker is disabled with `n` messages to `exchange`/`key`:
+/// text bodies through `publish()`, JSON headers through `publish_message()`, binary bodies
+/// through `publish_bytes()`; every 100th is parked, every 50th is waiting for a retry, and one
+/// parked message is discarded (by `amqp.discard()`, or with `by_hand` by the statements the
+/// previous version's `amqp.discard()` ran, since the new library's needs the new table).
+fn fill(client: &mut Client, broker_id: i32, exchange: &str, key: &str, n: i32, by_hand: bool) {
+    client
+        .execute(
+            "SELECT CASE g % 3
+                      WHEN 0 THEN amqp.publish($1, $2, $3, 'text-' || g)::int::bigint
+                      WHEN 1 THEN amqp.publish_message($1, $2, $3, 'json-' || g,
+                                      jsonb_build_object('n', g, 'tag', 'ü-' || g))
+                      ELSE amqp.publish_bytes($1, $2, $3,
+                                      '\\x00ff'::bytea || convert_to('bin-' || g, 'UTF8'),
+                                      '{\"kind\": \"bytes\"}')
+                    END
+               FROM generate_series(1, $4::int) g",
+            &[&broker_id, &exchange, &key, &n],
+        )
+        .unwrap_or_else(|e| panic!("publishing {n} messages: {e}"));
+    client
+        .batch_execute(
+            "UPDATE amqp.message SET attempts = 10, last_error = 'refused (test)', parked_at = now()
+              WHERE id % 100 = 7;
+             UPDATE amqp.message SET attempts = 2, last_error = 'nacked (test)',
+                                     next_attempt_at = now() - interval '1 second'
+              WHERE id % 50 = 3;",
+        )
+        .unwrap_or_else(|e| panic!("parking and retrying test rows: {e}"));
+    let parked: i64 = scalar(
+        client,
+        "SELECT min(id) FROM amqp.message WHERE parked_at IS NOT NULL",
+    );
+    let discard = if by_hand {
+        "WITH gone AS (DELETE FROM amqp.message WHERE id = $1 RETURNING *)
+         INSERT INTO amqp.discarded SELECT gone.*, now(), current_user, 'discarded by the test'
+           FROM gone"
+    } else {
+        "SELECT amqp.discard($1, 'discarded by the test')"
+    };
+    client
+        .execute(discard, &[&parked])
+        .unwrap_or_else(|e| panic!("discarding {parked}: {e}"));
+}
+
+/// A second host row for broker `broker_id` (failover), TLS settings filled but off, a declared
+/// exchange, queue and binding: configuration the restored database must keep.
+fn configure(client: &mut Client, broker_id: i32, endpoint: &AmqpEndpoint, names: &str) {
+    client
+        .execute(
+            "INSERT INTO amqp.broker (broker_id, host, port, vhost, username, password,
+                                      tls_server_name)
+             VALUES ($1, 'localhost', $2, $3, $4, $5, 'rabbit.example')",
+            &[
+                &broker_id,
+                &i32::from(endpoint.port),
+                &endpoint.vhost,
+                &endpoint.username,
+                &endpoint.password,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("second host row: {e}"));
+    client
+        .execute(
+            "SELECT amqp.exchange_declare($1, $2 || '.x', 'topic', false, true, false),
+                    amqp.queue_declare($1, $2 || '.q', true, false),
+                    amqp.queue_bind($1, $2 || '.q', $2 || '.x', '#')",
+            &[&broker_id, &names],
+        )
+        .unwrap_or_else(|e| panic!("declarations: {e:?}"));
+}
+
+/// What a DBA would compare: the user's configuration and the outbox, as text.
+fn configuration(client: &mut Client) -> Vec<String> {
+    let mut out = Vec::new();
+    for sql in [
+        "SELECT format('%s', b) FROM amqp.broker b ORDER BY broker_id, host, port",
+        "SELECT format('%s %s %s %s %s', broker_id, exchange, exchange_type, durable, auto_delete)
+           FROM amqp.exchange ORDER BY 1",
+        "SELECT format('%s %s %s %s', broker_id, queue, durable, arguments) FROM amqp.queue ORDER BY 1",
+        "SELECT format('%s %s %s %s', broker_id, queue, exchange, routing_key) FROM amqp.binding ORDER BY 1",
+        "SELECT format('%s %s %s %s', id, message_id, discarded_by, reason) FROM amqp.discarded ORDER BY 1",
+    ] {
+        for r in client
+            .query(sql, &[])
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        {
+            out.push(r.get(0));
+        }
+    }
+    out
+}
+
+fn dump(source: &PgCluster, format: &str, file: &str) -> String {
+    let path = source.dir().join(file).display().to_string();
+    let port = source.port().to_string();
+    let db = source.config().database.clone();
+    source
+        .run_tool(
+            "pg_dump",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                format,
+                "-f",
+                &path,
+                &db,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    path
+}
+
+#[test]
+fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_route("dump");
+    let names = unique_name("dump.decl");
+
+    // The producer's database: worker off, so everything stays in the outbox.
+    let source = PgCluster::new(disabled());
+    let mut src = source.client();
+    create_extension(&mut src);
+    let broker_id = add_broker(&mut src, rabbit.endpoint());
+    configure(&mut src, broker_id, rabbit.endpoint(), &names);
+    fill(
+        &mut src,
+        broker_id,
+        &route.exchange,
+        &route.routing_key,
+        1000,
+        false,
+    );
+    let before = rows(&mut src, "message");
+    let before_config = configuration(&mut src);
+    assert_eq!(before.len(), 999, "1,000 published, one discarded");
+    let parked_before: BTreeSet<i64> = before.iter().filter(|r| r.parked).map(|r| r.id).collect();
+    assert_eq!(parked_before.len(), 9);
+    let max_broker_id: i32 = scalar(&mut src, "SELECT max(broker_id) FROM amqp.broker");
+    let max_id: i64 = scalar(&mut src, "SELECT max(id) FROM amqp.message");
+
+    // Plain format, restored with psql into another database of the same cluster.
+    let plain = dump(&source, "-Fp", "outbox.sql");
+    src.batch_execute("CREATE DATABASE plain_copy")
+        .unwrap_or_else(|e| panic!("CREATE DATABASE plain_copy: {e}"));
+    let port = source.port().to_string();
+    source
+        .run_tool(
+            "psql",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-X",
+                "-q",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-f",
+                &plain,
+                "plain_copy",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut copy = source.client_db("plain_copy");
+    assert_eq!(
+        rows(&mut copy, "message"),
+        before,
+        "plain dump: outbox differs"
+    );
+    assert_eq!(
+        configuration(&mut copy),
+        before_config,
+        "plain dump: configuration differs"
+    );
+
+    // Custom format, restored into another cluster whose worker is on: it delivers the
+    // restored messages with no step after pg_restore.
+    let custom = dump(&source, "-Fc", "outbox.dump");
+    drop(copy);
+    drop(src);
+    let collector = rabbit.consume(&route);
+    collector.wait_connected(Duration::from_secs(10));
+    let target = PgCluster::new(PgConfig::default());
+    let target_port = target.port().to_string();
+    let mut dst = target.client();
+    target.wait_for_worker(&mut dst, WORKER_UP);
+    // pg_restore reads the file as the postgres user; it lies in the source's directory.
+    target
+        .run_tool(
+            "pg_restore",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &target_port,
+                "-U",
+                "postgres",
+                "--exit-on-error",
+                "-d",
+                "e2e",
+                &custom,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        configuration(&mut dst),
+        before_config,
+        "custom dump: configuration differs"
+    );
+
+    let expected: BTreeMap<String, Vec<u8>> = before
+        .iter()
+        .filter(|r| !r.parked)
+        .map(|r| (r.message_id.clone(), r.body.clone()))
+        .collect();
+    assert_eq!(expected.len(), 990);
+    let arrived = collector.wait_for_count(expected.len(), BULK_ARRIVAL);
+    let mut seen: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for d in &arrived {
+        let id = d.message_id.clone().unwrap_or_default();
+        seen.insert(id, d.body.clone());
+    }
+    assert_eq!(
+        seen, expected,
+        "each restored message arrives with the message_id and body it had before the dump"
+    );
+    eventually(
+        Duration::from_secs(60),
+        "the restored outbox to drain",
+        || {
+            let left: i64 = scalar(
+                &mut dst,
+                "SELECT count(*) FROM amqp.message WHERE parked_at IS NULL",
+            );
+            if left == 0 {
+                Ok(())
+            } else {
+                Err(format!("{left} unparked rows left"))
+            }
+        },
+    );
+    let parked_after: Vec<Row> = rows(&mut dst, "message");
+    let parked_expected: Vec<Row> = before.iter().filter(|r| r.parked).cloned().collect();
+    assert_eq!(
+        parked_after, parked_expected,
+        "parked messages stay parked, as they were"
+    );
+
+    // Nothing generated after the restore collides with a restored row.
+    let new_broker: i32 = scalar(
+        &mut dst,
+        "INSERT INTO amqp.broker (host) VALUES ('127.0.0.1') RETURNING broker_id",
+    );
+    assert!(
+        new_broker > max_broker_id,
+        "broker_id {new_broker} reuses a restored one"
+    );
+    let new_id: i64 = scalar(
+        &mut dst,
+        &format!(
+            "SELECT amqp.publish_message({broker_id}, '{}', '{}', 'after-restore')",
+            route.exchange, route.routing_key
+        ),
+    );
+    assert!(
+        new_id > max_id,
+        "message id {new_id} reuses a restored one (max {max_id})"
+    );
+    let new_message_id: String = scalar(
+        &mut dst,
+        &format!("SELECT message_id FROM amqp.message WHERE id = {new_id}"),
+    );
+    assert!(!before.iter().any(|r| r.message_id == new_message_id));
+    let d = collector.wait_for_body("after-restore", Duration::from_secs(30));
+    assert_eq!(d.message_id.as_deref(), Some(new_message_id.as_str()));
+
+    // The worker of the restored database declared the restored topology.
+    let queue = format!("{names}.q");
+    eventually(
+        Duration::from_secs(30),
+        "the restored queue declaration",
+        || match rabbit.queue_counts(&queue)? {
+            Some(_) => Ok(()),
+            None => Err(format!("queue {queue} not declared")),
+        },
+    );
+    let _ = rabbit.delete_queue(&queue);
+    let exchange_count: i64 = scalar(&mut dst, "SELECT count(*) FROM amqp.exchange");
+    assert_eq!(exchange_count, 1);
+}
+
+#[test]
+fn a_copy_recovered_to_an_earlier_point_never_repeats_a_message_id() {
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_route("pitr");
+    let collector = rabbit.consume(&route);
+    collector.wait_connected(Duration::from_secs(10));
+    const N: usize = 200;
+
+    let mut original = PgCluster::new(PgConfig::default());
+    let mut client = original.client();
+    create_extension(&mut client);
+    let broker_id = add_broker(&mut client, rabbit.endpoint());
+    original.wait_for_worker(&mut client, WORKER_UP);
+    // The restore point: a base backup taken before the first set is published.
+    let mut copy = PgCluster::from_base_backup(&original, PgConfig::default());
+
+    let publish = |client: &mut Client, prefix: &str| -> Vec<i64> {
+        client
+            .query(
+                "SELECT amqp.publish_message($1, $2, $3, $4::text || g) \
+                   FROM generate_series(1, $5::int) g",
+                &[
+                    &broker_id,
+                    &route.exchange,
+                    &route.routing_key,
+                    &prefix,
+                    &(N as i32),
+                ],
+            )
+            .unwrap_or_else(|e| panic!("publishing: {e}"))
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let first_ids = publish(&mut client, "first-");
+    let first = collector.wait_for_count(N, BULK_ARRIVAL);
+    drop(client);
+    // The original is gone (the disaster); the copy takes over its broker and queue names.
+    original.stop(StopMode::Fast);
+
+    copy.start();
+    let mut client = copy.client();
+    copy.wait_for_worker(&mut client, WORKER_UP);
+    let second_ids = publish(&mut client, "second-");
+    assert_eq!(
+        first_ids, second_ids,
+        "the recovered copy hands out the same row ids again (the premise of this test)"
+    );
+    let all = collector.wait_for_count(2 * N, BULK_ARRIVAL);
+    let ids = |prefix: &str| -> BTreeSet<String> {
+        all.iter()
+            .filter(|d| d.text().starts_with(prefix))
+            .map(|d| d.message_id.clone().unwrap_or_default())
+            .collect()
+    };
+    let (a, b) = (ids("first-"), ids("second-"));
+    assert_eq!(a.len(), N, "first set: {} distinct message_ids", a.len());
+    assert_eq!(b.len(), N, "second set: {} distinct message_ids", b.len());
+    let shared: Vec<&String> = a.intersection(&b).collect();
+    assert!(
+        shared.is_empty(),
+        "message_ids repeated after recovery: {shared:?}"
+    );
+    assert!(first.iter().all(|d| d.text().starts_with("first-")));
+}
+
+/// The message_id the previous version's worker derived for row `id`: the cluster's system
+/// identifier, the database's and the outbox table's oids, in hex, and the row id.
+fn previous_message_ids(client: &mut Client, table: &str) -> BTreeMap<i64, String> {
+    let r = client
+        .query_one(
+            "SELECT s.system_identifier, d.oid::bigint, 'amqp.message'::regclass::oid::bigint
+               FROM pg_control_system() s, pg_database d WHERE d.datname = current_database()",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("reading the identifiers: {e}"));
+    let (sysid, dboid, reloid): (i64, i64, i64) = (r.get(0), r.get(1), r.get(2));
+    let ids: Vec<i64> = client
+        .query(&format!("SELECT id FROM amqp.{table} ORDER BY id"), &[])
+        .unwrap_or_else(|e| panic!("reading amqp.{table}: {e}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    ids.into_iter()
+        .map(|id| (id, format!("{:x}-{dboid:x}-{reloid:x}-{id}", sysid as u64)))
+        .collect()
+}
+
+fn stored_message_ids(client: &mut Client, table: &str) -> BTreeMap<i64, String> {
+    client
+        .query(
+            &format!("SELECT id, message_id FROM amqp.{table} ORDER BY id"),
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("reading amqp.{table}: {e}"))
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Every object of the extension, described: members, columns (in order, with types, NOT NULL
+/// and defaults), constraints, indexes, triggers, views, functions, privileges, comments,
+/// storage options and what pg_dump keeps. Two databases with equal descriptions have the
+/// same schema.
+const DESCRIBE_SQL: &str = "
+WITH ext AS (SELECT oid, extconfig FROM pg_extension WHERE extname = 'amqp_outbox'),
+     rel AS (SELECT c.* FROM pg_class c WHERE c.relnamespace = 'amqp'::regnamespace)
+SELECT 'member ' || pg_describe_object(classid, objid, objsubid)
+  FROM pg_depend WHERE refclassid = 'pg_extension'::regclass
+   AND refobjid = (SELECT oid FROM ext) AND deptype = 'e'
+UNION ALL
+SELECT format('column %s.%s %s %s notnull=%s default=%s comment=%s', c.relname, a.attnum,
+              a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+              pg_get_expr(d.adbin, d.adrelid), col_description(c.oid, a.attnum))
+  FROM rel c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+  LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
+ WHERE c.relkind IN ('r', 'v', 'S')
+UNION ALL
+SELECT format('relation %s %s acl=%s options=%s comment=%s', relname, relkind, relacl, reloptions,
+              obj_description(oid, 'pg_class'))
+  FROM rel
+UNION ALL
+SELECT format('constraint %s %s %s', conrelid::regclass, conname, pg_get_constraintdef(oid))
+  FROM pg_constraint WHERE connamespace = 'amqp'::regnamespace
+UNION ALL
+SELECT 'index ' || indexdef FROM pg_indexes WHERE schemaname = 'amqp'
+UNION ALL
+SELECT format('trigger %s', pg_get_triggerdef(t.oid))
+  FROM pg_trigger t JOIN rel c ON c.oid = t.tgrelid WHERE NOT t.tgisinternal
+UNION ALL
+SELECT format('view %s %s', relname, pg_get_viewdef(oid)) FROM rel WHERE relkind = 'v'
+UNION ALL
+SELECT format('function %s (%s) returns %s vol=%s par=%s strict=%s secdef=%s src=%s acl=%s config=%s',
+              p.oid::regprocedure, pg_get_function_arguments(p.oid), pg_get_function_result(p.oid),
+              p.provolatile, p.proparallel, p.proisstrict, p.prosecdef, p.prosrc, p.proacl,
+              p.proconfig)
+  FROM pg_proc p WHERE p.pronamespace = 'amqp'::regnamespace
+UNION ALL
+SELECT format('type %s', t.oid::regtype) FROM pg_type t
+ WHERE t.typnamespace = 'amqp'::regnamespace AND t.typrelid = 0 AND t.typelem = 0
+UNION ALL
+SELECT 'dumped ' || x::regclass::text FROM ext, unnest(ext.extconfig) x
+UNION ALL
+SELECT format('schema acl=%s', nspacl) FROM pg_namespace WHERE nspname = 'amqp'
+ORDER BY 1";
+
+fn describe(client: &mut Client) -> Vec<String> {
+    client
+        .query(DESCRIBE_SQL, &[])
+        .unwrap_or_else(|e| panic!("describing the extension: {e}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[test]
+fn update_from_the_previous_version_keeps_every_message_and_its_id() {
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_route("update");
+    let collector = rabbit.consume(&route);
+    collector.wait_connected(Duration::from_secs(10));
+
+    let mut cluster = PgCluster::new(disabled());
+    let mut client = cluster.client();
+    client
+        .batch_execute(&format!(
+            "CREATE EXTENSION amqp_outbox VERSION '{PREVIOUS}'"
+        ))
+        .unwrap_or_else(|e| panic!("CREATE EXTENSION amqp_outbox VERSION '{PREVIOUS}': {e}"));
+    let broker_id = add_broker(&mut client, rabbit.endpoint());
+    // Published through the previous version's SQL functions (the library is already new).
+    fill(
+        &mut client,
+        broker_id,
+        &route.exchange,
+        &route.routing_key,
+        300,
+        true,
+    );
+    let expected = previous_message_ids(&mut client, "message");
+    let expected_discarded = previous_message_ids(&mut client, "discarded");
+    let before = rows(&mut client, "message");
+    assert_eq!(expected_discarded.len(), 1);
+
+    // The new library with the old SQL: the worker waits and says why, nothing is lost.
+    cluster.set_setting("amqp_outbox.enabled", "on");
+    cluster.reload();
+    eventually(
+        Duration::from_secs(30),
+        "the worker's version warning",
+        || {
+            let log = cluster.log();
+            if log.contains(&format!("is version {PREVIOUS} but the library is")) {
+                Ok(())
+            } else {
+                Err(cluster.log_tail(5))
+            }
+        },
+    );
+    assert_eq!(
+        rows(&mut client, "message"),
+        before,
+        "nothing moves before the update"
+    );
+
+    client
+        .batch_execute("ALTER EXTENSION amqp_outbox UPDATE")
+        .unwrap_or_else(|e| panic!("ALTER EXTENSION amqp_outbox UPDATE: {e}"));
+    let version: String = scalar(
+        &mut client,
+        "SELECT extversion FROM pg_extension WHERE extname = 'amqp_outbox'",
+    );
+    let default_version: String = scalar(
+        &mut client,
+        "SELECT default_version FROM pg_available_extensions WHERE name = 'amqp_outbox'",
+    );
+    assert_eq!(version, default_version);
+    assert_ne!(version, PREVIOUS);
+    let stored = stored_message_ids(&mut client, "message");
+    assert_eq!(
+        stored, expected,
+        "the update keeps the message_id each row had"
+    );
+    assert_eq!(
+        stored_message_ids(&mut client, "discarded"),
+        expected_discarded
+    );
+
+    // The worker now delivers the pending rows, each with its message_id.
+    let pending: BTreeMap<String, Vec<u8>> = before
+        .iter()
+        .filter(|r| !r.parked)
+        .map(|r| (expected[&r.id].clone(), r.body.clone()))
+        .collect();
+    let arrived = collector.wait_for_count(pending.len(), BULK_ARRIVAL);
+    let seen: BTreeMap<String, Vec<u8>> = arrived
+        .iter()
+        .map(|d| (d.message_id.clone().unwrap_or_default(), d.body.clone()))
+        .collect();
+    assert_eq!(seen, pending);
+
+    // A parked row stays parked through the update; retried, it goes out with its old id.
+    let parked = before.iter().find(|r| r.parked).expect("a parked row");
+    let still_parked: bool = scalar(
+        &mut client,
+        &format!(
+            "SELECT parked_at IS NOT NULL FROM amqp.message WHERE id = {}",
+            parked.id
+        ),
+    );
+    assert!(still_parked);
+    client
+        .execute("SELECT amqp.retry($1)", &[&parked.id])
+        .unwrap_or_else(|e| panic!("amqp.retry: {e}"));
+    let want = expected[&parked.id].clone();
+    let d = eventually(
+        Duration::from_secs(30),
+        "the retried parked message",
+        || {
+            collector
+                .find_from(0, |d| d.message_id.as_deref() == Some(want.as_str()))
+                .ok_or_else(|| format!("no delivery with message_id {want}"))
+        },
+    );
+    assert_eq!(d.body, parked.body);
+
+    // New messages get new, stored ids.
+    let id: i64 = scalar(
+        &mut client,
+        &format!(
+            "SELECT amqp.publish_message({broker_id}, '{}', '{}', 'after-update')",
+            route.exchange, route.routing_key
+        ),
+    );
+    let message_id: String = scalar(
+        &mut client,
+        &format!("SELECT message_id FROM amqp.message WHERE id = {id}"),
+    );
+    assert_eq!(message_id.len(), 36, "a UUID: {message_id}");
+    let d = collector.wait_for_body("after-update", Duration::from_secs(30));
+    assert_eq!(d.message_id.as_deref(), Some(message_id.as_str()));
+
+    // An updated database has exactly the schema of one created at the new version.
+    client
+        .batch_execute("CREATE DATABASE fresh")
+        .unwrap_or_else(|e| panic!("CREATE DATABASE fresh: {e}"));
+    let mut fresh = cluster.client_db("fresh");
+    create_extension(&mut fresh);
+    let (updated, created) = (describe(&mut client), describe(&mut fresh));
+    let only_updated: Vec<&String> = updated.iter().filter(|l| !created.contains(l)).collect();
+    let only_created: Vec<&String> = created.iter().filter(|l| !updated.contains(l)).collect();
+    assert!(
+        only_updated.is_empty() && only_created.is_empty(),
+        "updated and fresh schemas differ\nonly after the update: {only_updated:#?}\nonly when created: {only_created:#?}"
+    );
+}
