@@ -124,14 +124,29 @@ fn headers_the_worker_cannot_send_are_parked_at_once_beside_good_traffic() {
             "frame size",
         ),
     ];
-    // An admin's UPDATE can put the same into a row that was fine.
-    let updated = w.publish_id("p-updated");
-    w.client
-        .execute(
+    // An admin's UPDATE can put the same into a row that was fine (in the publishing
+    // transaction here, so that the worker cannot have sent the row before).
+    let (ex, rk) = (w.route.exchange.clone(), w.route.routing_key.clone());
+    let updated: i64 = {
+        let mut tx = w
+            .client
+            .transaction()
+            .unwrap_or_else(|e| panic!("BEGIN: {e}"));
+        let id: i64 = tx
+            .query_one(
+                "SELECT amqp.publish_message($1, $2, $3, 'p-updated')",
+                &[&w.outbox.broker_id, &ex, &rk],
+            )
+            .map(|r| r.get(0))
+            .unwrap_or_else(|e| panic!("publish_message: {e}"));
+        tx.execute(
             "UPDATE amqp.message SET headers = '{\"f\": 1e400}' WHERE id = $1",
-            &[&updated],
+            &[&id],
         )
         .unwrap_or_else(|e| panic!("UPDATE headers: {e}"));
+        tx.commit().unwrap_or_else(|e| panic!("COMMIT: {e}"));
+        id
+    };
     publish_good(&mut w, "after", 50);
 
     for (what, id, reason) in &poison {
