@@ -36,7 +36,9 @@ fi
 
 status=0
 # shellcheck disable=SC2086 # REGRESS is a list of test names
-(cd "$WORK" && as_pg "$PG_REGRESS" \
+# RUST_BACKTRACE=1 in the server's environment (as a developer's shell often has): errors must
+# still reach clients without Rust backtraces (bad_input checks their DETAIL).
+(cd "$WORK" && as_pg env RUST_BACKTRACE=1 "$PG_REGRESS" \
     --bindir="$BINDIR" \
     --inputdir="$WORK" \
     --outputdir="$WORK" \

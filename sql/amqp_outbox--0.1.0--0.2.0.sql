@@ -1,6 +1,8 @@
 -- amqp_outbox 0.1.0 -> 0.2.0
 --   * the message_id is stored in amqp.message (and amqp.discarded), made once at INSERT;
---   * pg_dump keeps every row of the user's tables and the sequences behind their ids.
+--   * pg_dump keeps every row of the user's tables and the sequences behind their ids;
+--   * amqp.worker_status says which database the worker serves;
+--   * a failed write to amqp.broker no longer shows the row (and its password).
 \echo Use "ALTER EXTENSION amqp_outbox UPDATE TO '0.2.0'" to load this file. \quit
 
 CREATE FUNCTION @extschema@."_new_message_id"() RETURNS TEXT STRICT VOLATILE PARALLEL SAFE
@@ -59,3 +61,53 @@ CREATE OR REPLACE VIEW @extschema@.message_status AS
 
 REVOKE ALL ON FUNCTION @extschema@._new_message_id() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@._new_message_id() TO amqp_outbox_admin;
+
+CREATE OR REPLACE VIEW @extschema@.worker_status AS
+    SELECT s.*,
+           pg_catalog.current_setting('amqp_outbox.database', true) AS database,
+           pg_catalog.current_setting('amqp_outbox.database', true)
+               IS NOT DISTINCT FROM pg_catalog.current_database() AS serves_this_database
+      FROM @extschema@._worker_status() s;
+COMMENT ON VIEW @extschema@.worker_status IS
+    'The worker''s pid (NULL when not running), its counters since the server started, the database it serves and whether that is this one.';
+
+-- A failed INSERT or UPDATE of amqp.broker would report the whole row ("Failing row contains
+-- ...") to the client and into the server log, password included, even a stored one the
+-- statement did not name. This trigger checks the NOT NULL columns and the CHECK constraints
+-- first and raises the same errors (same SQLSTATE, constraint and column) without the row.
+CREATE FUNCTION @extschema@._broker_check() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $check$
+DECLARE
+    null_column text := CASE WHEN NEW.broker_id IS NULL THEN 'broker_id'
+                             WHEN NEW.host IS NULL THEN 'host'
+                             WHEN NEW.port IS NULL THEN 'port'
+                             WHEN NEW.vhost IS NULL THEN 'vhost'
+                             WHEN NEW.username IS NULL THEN 'username'
+                             WHEN NEW.password IS NULL THEN 'password'
+                             WHEN NEW.proof IS NULL THEN 'proof'
+                             WHEN NEW.tls IS NULL THEN 'tls' END;
+    failed text := CASE WHEN NEW.host = '' THEN 'broker_host_not_empty'
+                        WHEN NEW.port NOT BETWEEN 1 AND 65535 THEN 'broker_port_range'
+                        WHEN NEW.proof NOT IN ('ack_queue', 'confirm') THEN 'broker_proof_valid'
+                        WHEN (NEW.tls_cert_file IS NULL) <> (NEW.tls_key_file IS NULL)
+                            THEN 'broker_tls_client_pair' END;
+BEGIN
+    IF null_column IS NOT NULL THEN
+        RAISE EXCEPTION 'null value in column "%" of relation "broker" violates not-null constraint',
+                        null_column
+            USING ERRCODE = 'not_null_violation', SCHEMA = 'amqp', TABLE = 'broker',
+                  COLUMN = null_column;
+    END IF;
+    IF failed IS NOT NULL THEN
+        RAISE EXCEPTION 'new row for relation "broker" violates check constraint "%"', failed
+            USING ERRCODE = 'check_violation', SCHEMA = 'amqp', TABLE = 'broker',
+                  CONSTRAINT = failed;
+    END IF;
+    RETURN NEW;
+END
+$check$;
+CREATE TRIGGER broker_check BEFORE INSERT OR UPDATE ON @extschema@.broker
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._broker_check();
+
+REVOKE ALL ON FUNCTION @extschema@._broker_check() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@._broker_check() TO amqp_outbox_admin;

@@ -15,11 +15,64 @@ CREATE TRIGGER queue_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @ex
 CREATE TRIGGER binding_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.binding
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 
+-- A failed INSERT or UPDATE of amqp.broker would report the whole row ("Failing row contains
+-- ...") to the client and into the server log, password included, even a stored one the
+-- statement did not name. This trigger checks the NOT NULL columns and the CHECK constraints
+-- first and raises the same errors (same SQLSTATE, constraint and column) without the row.
+CREATE FUNCTION @extschema@._broker_check() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $check$
+DECLARE
+    null_column text := CASE WHEN NEW.broker_id IS NULL THEN 'broker_id'
+                             WHEN NEW.host IS NULL THEN 'host'
+                             WHEN NEW.port IS NULL THEN 'port'
+                             WHEN NEW.vhost IS NULL THEN 'vhost'
+                             WHEN NEW.username IS NULL THEN 'username'
+                             WHEN NEW.password IS NULL THEN 'password'
+                             WHEN NEW.proof IS NULL THEN 'proof'
+                             WHEN NEW.tls IS NULL THEN 'tls' END;
+    failed text := CASE WHEN NEW.host = '' THEN 'broker_host_not_empty'
+                        WHEN NEW.port NOT BETWEEN 1 AND 65535 THEN 'broker_port_range'
+                        WHEN NEW.proof NOT IN ('ack_queue', 'confirm') THEN 'broker_proof_valid'
+                        WHEN (NEW.tls_cert_file IS NULL) <> (NEW.tls_key_file IS NULL)
+                            THEN 'broker_tls_client_pair' END;
+BEGIN
+    IF null_column IS NOT NULL THEN
+        RAISE EXCEPTION 'null value in column "%" of relation "broker" violates not-null constraint',
+                        null_column
+            USING ERRCODE = 'not_null_violation', SCHEMA = 'amqp', TABLE = 'broker',
+                  COLUMN = null_column;
+    END IF;
+    IF failed IS NOT NULL THEN
+        RAISE EXCEPTION 'new row for relation "broker" violates check constraint "%"', failed
+            USING ERRCODE = 'check_violation', SCHEMA = 'amqp', TABLE = 'broker',
+                  CONSTRAINT = failed;
+    END IF;
+    RETURN NEW;
+END
+$check$;
+CREATE TRIGGER broker_check BEFORE INSERT OR UPDATE ON @extschema@.broker
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._broker_check();
+
 -- Views for DBAs. Readable by pg_monitor; they show no secrets.
 CREATE VIEW @extschema@.worker_status AS
-    SELECT * FROM @extschema@._worker_status();
+    SELECT s.*,
+           pg_catalog.current_setting('amqp_outbox.database', true) AS database,
+           pg_catalog.current_setting('amqp_outbox.database', true)
+               IS NOT DISTINCT FROM pg_catalog.current_database() AS serves_this_database
+      FROM @extschema@._worker_status() s;
 COMMENT ON VIEW @extschema@.worker_status IS
-    'The worker''s pid (NULL when not running) and its counters since the server started.';
+    'The worker''s pid (NULL when not running), its counters since the server started, the database it serves and whether that is this one.';
+
+-- Until workers serve every database, one database is served: say so where it is not.
+DO $served$
+BEGIN
+    IF pg_catalog.current_setting('amqp_outbox.database', true) OPERATOR(pg_catalog.<>) pg_catalog.current_database() THEN
+        RAISE WARNING 'amqp_outbox: the worker serves database "%", not this one: messages published here wait until amqp_outbox.database names this database',
+                      pg_catalog.current_setting('amqp_outbox.database', true)
+            USING HINT = 'Set amqp_outbox.database in postgresql.conf and restart the server.';
+    END IF;
+END
+$served$;
 
 CREATE VIEW @extschema@.broker_status AS
     SELECT * FROM @extschema@._broker_status();

@@ -19,6 +19,7 @@ extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    hide_rust_backtraces();
     // Shared memory and the worker exist only when loaded at server start. A backend that
     // loads the library later (CREATE EXTENSION without preloading) still gets the functions;
     // amqp.publish() then refuses with a hint, since no worker would publish.
@@ -28,5 +29,16 @@ pub extern "C-unwind" fn _PG_init() {
     if preloading {
         shmem::init();
         worker::register();
+    }
+}
+
+/// pgrx puts a Rust backtrace into the DETAIL of an error raised through Rust code whenever
+/// `std::backtrace` is enabled, which `RUST_BACKTRACE` in the server's environment does: clients
+/// would see our stack frames. Unless a developer asks for them with `RUST_LIB_BACKTRACE`, they
+/// are turned off for this process (and, set in the postmaster, for every backend it starts).
+fn hide_rust_backtraces() {
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        // Runs while the library is loaded, before this process starts any thread.
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
     }
 }

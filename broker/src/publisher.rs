@@ -8,6 +8,7 @@
 
 use crate::ack::{self, SharedTracker};
 use crate::amqp_values::{table_size, to_field_table, truncate};
+use crate::exchange_probe::{ExchangeProbe, Probe};
 use crate::supervisor::Redactor;
 use crate::thread::EventSink;
 use crate::{Event, Failure, LogLevel, OutboundMessage};
@@ -17,9 +18,11 @@ use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::AMQPErrorKind;
 use lapin::types::ShortString;
+use lapin::Connection;
 use lapin::PublisherConfirm;
 use lapin::{BasicProperties, Channel, Confirmation, ErrorKind};
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -59,6 +62,8 @@ pub(crate) struct ChannelCtx {
     pub(crate) broker_id: i32,
     pub(crate) epoch: u64,
     pub(crate) channel: Channel,
+    /// The channel's connection: exchanges are probed on a channel of their own.
+    pub(crate) conn: Arc<Connection>,
     pub(crate) sink: EventSink,
     pub(crate) redactor: Redactor,
     pub(crate) confirm_timeout: Duration,
@@ -132,6 +137,7 @@ struct Publisher {
     resumed_at: Instant,
     /// Nacks since the last positive confirm.
     nacks_in_a_row: u32,
+    probe: ExchangeProbe,
 }
 
 /// Runs until the channel dies or `stop` fires; reports every message it was given.
@@ -141,6 +147,7 @@ pub(crate) async fn run(
     mut stop: oneshot::Receiver<String>,
 ) -> ChannelEnd {
     let blocked = *ctx.blocked.borrow();
+    let probe = ExchangeProbe::new(ctx.conn.clone(), ctx.confirm_timeout);
     let mut p = Publisher {
         ctx,
         queue: VecDeque::new(),
@@ -157,6 +164,7 @@ pub(crate) async fn run(
         blocked_open: true,
         resumed_at: Instant::now(),
         nacks_in_a_row: 0,
+        probe,
     };
     let end = p.main(&mut jobs, &mut stop).await;
     if let Some(a) = &p.ctx.ack {
@@ -302,53 +310,58 @@ impl Publisher {
                     // Nothing about the broker can change what is wrong with the message itself.
                     Err(e) => self.fail(msg.id, Failure::Unsendable, &e),
                     Ok((exchange, routing_key, properties)) => {
-                        match self
-                            .send(exchange, routing_key, &msg.body, properties, stop)
-                            .await
-                        {
-                            Sent::Ok(confirm) => {
-                                let seq = self.next_seq;
-                                self.next_seq += 1;
-                                if solo {
-                                    self.solo_unsettled += 1;
+                        if let Probe::Missing(e) = self.probe.check(exchange.as_str()).await {
+                            let text = self.describe(&e);
+                            self.fail(msg.id, Failure::Rejected, &text);
+                        } else {
+                            match self
+                                .send(exchange, routing_key, &msg.body, properties, stop)
+                                .await
+                            {
+                                Sent::Ok(confirm) => {
+                                    let seq = self.next_seq;
+                                    self.next_seq += 1;
+                                    if solo {
+                                        self.solo_unsettled += 1;
+                                    }
+                                    self.unsettled.insert(
+                                        seq,
+                                        Pending {
+                                            id: msg.id,
+                                            message_id: msg.message_id.clone(),
+                                            sent_at: Instant::now(),
+                                            solo,
+                                        },
+                                    );
+                                    self.confirms
+                                        .push(async move { (seq, confirm.await) }.boxed());
+                                    if self.ctx.ack.is_some() {
+                                        self.batch_ids.push(msg.id);
+                                    }
+                                    published = true;
                                 }
-                                self.unsettled.insert(
-                                    seq,
-                                    Pending {
-                                        id: msg.id,
-                                        message_id: msg.message_id.clone(),
-                                        sent_at: Instant::now(),
-                                        solo,
-                                    },
-                                );
-                                self.confirms
-                                    .push(async move { (seq, confirm.await) }.boxed());
-                                if self.ctx.ack.is_some() {
-                                    self.batch_ids.push(msg.id);
+                                Sent::Stopped(reason) => {
+                                    self.fail(msg.id, Failure::Transient, &reason);
+                                    self.fail_everything(Failure::Transient, &reason);
+                                    return Some(ChannelEnd::Stopped);
                                 }
-                                published = true;
-                            }
-                            Sent::Stopped(reason) => {
-                                self.fail(msg.id, Failure::Transient, &reason);
-                                self.fail_everything(Failure::Transient, &reason);
-                                return Some(ChannelEnd::Stopped);
-                            }
-                            Sent::Failed(e) => {
-                                // The channel is closing or closed: this one was (probably) not
-                                // sent.
-                                let text = self.describe(&e);
-                                self.fail(
-                                    msg.id,
-                                    Failure::Transient,
-                                    &format!("publishing channel closed: {text}"),
-                                );
-                                return Some(self.dying(Some(e), stop).await);
-                            }
-                            Sent::Hung => {
-                                let text = self.hung_text();
-                                self.fail(msg.id, Failure::Transient, &text);
-                                self.fail_everything(Failure::Transient, &text);
-                                return Some(ChannelEnd::Hung(text));
+                                Sent::Failed(e) => {
+                                    // The channel is closing or closed: this one was (probably) not
+                                    // sent.
+                                    let text = self.describe(&e);
+                                    self.fail(
+                                        msg.id,
+                                        Failure::Transient,
+                                        &format!("publishing channel closed: {text}"),
+                                    );
+                                    return Some(self.dying(Some(e), stop).await);
+                                }
+                                Sent::Hung => {
+                                    let text = self.hung_text();
+                                    self.fail(msg.id, Failure::Transient, &text);
+                                    self.fail_everything(Failure::Transient, &text);
+                                    return Some(ChannelEnd::Hung(text));
+                                }
                             }
                         }
                     }

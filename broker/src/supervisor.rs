@@ -559,6 +559,7 @@ impl BrokerTask {
                 broker_id: self.id(),
                 epoch,
                 channel: channel.clone(),
+                conn: conn.clone(),
                 sink: self.sink.clone(),
                 redactor: self.redactor.clone(),
                 confirm_timeout: self.cfg.confirm_timeout,

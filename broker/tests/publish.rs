@@ -161,6 +161,55 @@ fn unroutable_message_is_rejected_while_its_neighbours_are_confirmed() {
     assert_eq!(admin.queue_len(&queue), 90);
 }
 
+/// A missing exchange is found before the first publish to it (a passive declare on a channel
+/// of its own): the culprit is rejected with the broker's 404 at its first attempt, and the
+/// good messages around it are confirmed once, on the same channel.
+#[test]
+fn missing_exchange_is_rejected_before_publishing_and_its_neighbours_go_out_once() {
+    let mut admin = Admin::new();
+    let exchange = unique("probe_good_x");
+    let queue = unique("probe_good_q");
+    let missing = unique("probe_missing_x");
+    admin.exchange(&exchange, ExchangeKind::Direct);
+    admin.queue(&queue, &exchange, "rk");
+
+    let (mut bridge, epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
+    let bad = 50;
+    let msgs: Vec<_> = (1..=100)
+        .map(|i| message(i, if i == bad { &missing } else { &exchange }, "rk"))
+        .collect();
+    bridge.publish(B, msgs, false);
+    let mut confirmed = BTreeSet::new();
+    let mut rejection = None;
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        match e {
+            Event::Confirmed { ids, .. } => confirmed.extend(ids.iter().copied()),
+            Event::Failed {
+                id, failure, error, ..
+            } => {
+                assert_eq!(*id, bad, "a good message failed: {failure:?} {error}");
+                assert_eq!(*failure, Failure::Rejected, "{error}");
+                rejection = Some(error.clone());
+            }
+            Event::Connected { epoch: e, .. } => panic!("new channel (epoch {e} after {epoch})"),
+            _ => {}
+        }
+        (confirmed.len() == 99 && rejection.is_some()).then_some(())
+    });
+    let rejection = rejection.unwrap_or_default();
+    assert!(
+        rejection.contains("404") && rejection.contains("no exchange"),
+        "{rejection}"
+    );
+    assert_eq!(
+        admin.queue_len(&queue),
+        99,
+        "each good message exactly once"
+    );
+}
+
+/// An exchange deleted after its first publish on this connection is only found by the
+/// channel error: every message is blamed only when it is its own fault.
 #[test]
 fn missing_exchange_blames_only_the_culprit_and_solo_resend_is_rejected_with_404() {
     let mut admin = Admin::new();
@@ -169,8 +218,16 @@ fn missing_exchange_blames_only_the_culprit_and_solo_resend_is_rejected_with_404
     let missing = unique("missing_x");
     admin.exchange(&exchange, ExchangeKind::Direct);
     admin.queue(&queue, &exchange, "rk");
+    admin.exchange(&missing, ExchangeKind::Direct);
 
     let (mut bridge, first_epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
+    // Published once while it exists (unroutable: no queue), so the connection knows it.
+    bridge.publish(B, vec![message(1000, &missing, "rk")], false);
+    bridge.wait_for(Duration::from_secs(10), |e| match e {
+        Event::Failed { id: 1000, .. } => Some(()),
+        _ => None,
+    });
+    admin.delete_exchange(&missing);
 
     let bad = 50;
     let msgs: Vec<_> = (1..=100)

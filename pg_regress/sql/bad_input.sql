@@ -28,6 +28,7 @@ SELECT amqp.publish_bytes(1, 'ex', 'rk', NULL);
 SELECT amqp.publish(999, 'ex', 'rk', 'body');
 SELECT amqp.publish_message(999, 'ex', 'rk', 'body');
 SELECT amqp.publish_bytes(999, 'ex', 'rk', '\x00'::bytea);
+SELECT amqp.disconnect(999);
 -- Over 255 bytes (bytes, not characters: 128 x 'é' is 256 bytes): 22001.
 SELECT amqp.publish(1, repeat('x', 256), 'rk', 'body');
 SELECT amqp.publish(1, repeat('é', 128), 'rk', 'body');
@@ -152,3 +153,26 @@ SELECT what, pg_temp.insert_error(format(
 SELECT count(*) FROM amqp.message;
 ROLLBACK;
 SELECT count(*) FROM amqp.message;
+-- An error PostgreSQL raises inside the extension keeps its own SQLSTATE (25006: a read-only
+-- transaction), and its DETAIL carries no Rust backtrace although the server runs with
+-- RUST_BACKTRACE=1 (scripts/installcheck.sh).
+CREATE FUNCTION pg_temp.error_of(stmt text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    state text;
+    detail text;
+BEGIN
+    EXECUTE stmt;
+    RETURN 'no error';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE, detail = PG_EXCEPTION_DETAIL;
+    RETURN state || CASE WHEN detail ~ '(rust_begin_unwind|\n\s*[0-9]+: )' THEN ' with a backtrace'
+                         ELSE '' END;
+END
+$$;
+INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1');
+BEGIN READ ONLY;
+SELECT pg_temp.error_of('SELECT amqp.publish(1, ''ex'', ''rk'', ''x'')') AS publish;
+SELECT pg_temp.error_of('SELECT amqp.discard(1)') AS discard;
+SELECT pg_temp.error_of('SELECT amqp.queue_declare(1, ''q'')') AS queue_declare;
+ROLLBACK;
+DELETE FROM amqp.broker WHERE broker_id = 1;

@@ -39,3 +39,34 @@ INSERT INTO amqp.broker (port) VALUES (5672);
 SELECT count(*) FROM amqp.broker;
 ROLLBACK;
 SELECT count(*) FROM amqp.broker;
+-- A failed write shows no row, so no password: neither the one written nor a stored one.
+CREATE FUNCTION pg_temp.failure_of(stmt text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    state text;
+    constraint_name text;
+    column_name text;
+    detail text;
+BEGIN
+    EXECUTE stmt;
+    RETURN 'accepted';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE, constraint_name = CONSTRAINT_NAME,
+                            column_name = COLUMN_NAME, detail = PG_EXCEPTION_DETAIL;
+    RETURN concat_ws(' ', state, nullif(constraint_name, ''), nullif(column_name, ''),
+                     coalesce(nullif(detail, ''), '(no detail)'));
+END
+$$;
+INSERT INTO amqp.broker (broker_id, host, password) VALUES (77, 'kept.example', 'stored-s3cret');
+SELECT what, pg_temp.failure_of(stmt) AS failure
+  FROM (VALUES
+    ('port 0',          $q$INSERT INTO amqp.broker (host, port, password) VALUES ('h', 0, 'new-s3cret')$q$),
+    ('empty host',      $q$INSERT INTO amqp.broker (host, password) VALUES ('', 'new-s3cret')$q$),
+    ('bad proof',       $q$INSERT INTO amqp.broker (host, proof, password) VALUES ('h', 'x', 'new-s3cret')$q$),
+    ('cert, no key',    $q$INSERT INTO amqp.broker (host, tls_cert_file, password) VALUES ('h', '/c.pem', 'new-s3cret')$q$),
+    ('NULL password',   $q$INSERT INTO amqp.broker (host, password) VALUES ('h', NULL)$q$),
+    ('NULL broker_id',  $q$INSERT INTO amqp.broker (broker_id, host) VALUES (NULL, 'h')$q$),
+    ('stored, port',    $q$UPDATE amqp.broker SET port = 70000 WHERE broker_id = 77$q$),
+    ('stored, host',    $q$UPDATE amqp.broker SET host = NULL WHERE broker_id = 77$q$),
+    ('valid update',    $q$UPDATE amqp.broker SET port = 5673 WHERE broker_id = 77$q$)
+  ) AS t(what, stmt);
+DELETE FROM amqp.broker WHERE broker_id = 77;

@@ -16,6 +16,13 @@ fn disconnect(broker_id: Option<i32>) {
     let broker_id = broker_id
         .ok_or(OutboxError::NullArgument("broker_id"))
         .or_raise();
+    let known = Spi::get_one_with_args::<bool>(
+        "SELECT EXISTS (SELECT FROM amqp.broker WHERE broker_id OPERATOR(pg_catalog.=) $1)",
+        &[broker_id.into()],
+    );
+    if !matches!(known, Ok(Some(true))) {
+        OutboxError::UnknownBroker(broker_id).raise();
+    }
     shmem::request_disconnect(broker_id);
 }
 

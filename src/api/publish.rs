@@ -32,6 +32,8 @@ struct Insert {
 thread_local! {
     static INSERT: RefCell<Option<Insert>> = const { RefCell::new(None) };
     static LAST_ID: Cell<Option<i64>> = const { Cell::new(None) };
+    /// Whether this session was checked for publishing in a database the worker does not serve.
+    static NOT_SERVED_CHECKED: Cell<bool> = const { Cell::new(false) };
 }
 
 const INSERT_SQL: &str = "\
@@ -173,6 +175,7 @@ impl<'a> NewMessage<'a> {
             .set_hint("Add amqp_outbox to shared_preload_libraries in postgresql.conf and restart the server.")
             .report(PgLogLevel::ERROR);
         }
+        warn_once_if_not_served();
         let started_at = producer_started_at();
         let pid = unsafe { pg_sys::MyProcPid };
         let args: [DatumWithOid; 11] = [
@@ -239,6 +242,40 @@ impl<'a> NewMessage<'a> {
         LAST_ID.set(Some(id));
         commit_wake::wake_worker_at_commit();
         id
+    }
+}
+
+/// Until a worker serves every database, one is served (`amqp_outbox.database`): a session that
+/// publishes in another one is warned once, since its messages wait there.
+fn warn_once_if_not_served() {
+    if NOT_SERVED_CHECKED.replace(true) {
+        return;
+    }
+    let served = crate::gucs::DATABASE
+        .get()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    // SAFETY: MyDatabaseId is set in a backend connected to a database; get_database_name
+    // returns a palloc'd copy of its name, or NULL when it no longer exists.
+    let this = unsafe {
+        let name = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if name.is_null() {
+            return;
+        }
+        std::ffi::CStr::from_ptr(name)
+            .to_string_lossy()
+            .into_owned()
+    };
+    if served != this {
+        ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_WARNING,
+            format!(
+                "amqp_outbox: the worker serves database \"{served}\", not \"{this}\": messages published here wait until amqp_outbox.database names this database"
+            ),
+            "amqp_outbox",
+        )
+        .set_hint("Set amqp_outbox.database in postgresql.conf and restart the server.")
+        .report(PgLogLevel::WARNING);
     }
 }
 

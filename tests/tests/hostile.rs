@@ -254,3 +254,195 @@ fn without_preloading_publish_refuses_with_55000_and_the_session_lives() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(rows, 0);
 }
+
+/// A connection to `db` that collects the WARNING notices the server sends.
+fn client_with_notices(
+    cluster: &amqp_outbox_e2e::PgCluster,
+    db: &str,
+) -> (
+    postgres::Client,
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    use std::str::FromStr;
+    let notices = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = notices.clone();
+    let client = postgres::Config::from_str(&cluster.connection_string(db))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .notice_callback(move |n| {
+            if let Ok(mut v) = sink.lock() {
+                v.push(format!("{}: {}", n.severity(), n.message()));
+            }
+        })
+        .connect(postgres::NoTls)
+        .unwrap_or_else(|e| panic!("connecting to {db}: {e}"));
+    (client, notices)
+}
+
+/// Until a worker serves every database, a database the worker does not serve says so: a
+/// WARNING at CREATE EXTENSION, one at the session's first publish, and `worker_status`.
+#[test]
+fn a_database_the_worker_does_not_serve_says_so() {
+    let cluster = amqp_outbox_e2e::PgCluster::new(PgConfig::default());
+    cluster
+        .client()
+        .batch_execute("CREATE DATABASE elsewhere")
+        .unwrap_or_else(|e| panic!("CREATE DATABASE: {e}"));
+    let (mut client, notices) = client_with_notices(&cluster, "elsewhere");
+    amqp_outbox_e2e::outbox::create_extension(&mut client);
+    client
+        .batch_execute("INSERT INTO amqp.broker (host) VALUES ('127.0.0.1')")
+        .unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..3 {
+        client
+            .batch_execute("SELECT amqp.publish(1, 'ex', 'rk', 'waits')")
+            .unwrap_or_else(|e| panic!("publish: {e}"));
+    }
+    let seen = notices.lock().map(|v| v.clone()).unwrap_or_default();
+    let warnings: Vec<&String> = seen
+        .iter()
+        .filter(|n| n.contains("the worker serves database \"e2e\""))
+        .collect();
+    assert_eq!(
+        warnings.len(),
+        2,
+        "one at CREATE EXTENSION, one at the first publish: {seen:#?}"
+    );
+    let row = client
+        .query_one(
+            "SELECT database, serves_this_database FROM amqp.worker_status",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("amqp.worker_status: {e}"));
+    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("e2e"));
+    assert!(!row.get::<_, bool>(1));
+
+    // The served database says nothing and shows true.
+    let (mut served, notices) = client_with_notices(&cluster, "e2e");
+    amqp_outbox_e2e::outbox::create_extension(&mut served);
+    let serves: bool = served
+        .query_one("SELECT serves_this_database FROM amqp.worker_status", &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(serves);
+    let seen = notices.lock().map(|v| v.clone()).unwrap_or_default();
+    assert!(
+        seen.iter().all(|n| !n.contains("serves database")),
+        "{seen:#?}"
+    );
+}
+
+/// A database in another encoding than UTF-8 is refused at CREATE EXTENSION with 0A000 and a
+/// hint, and nothing is created (text arguments used to fail later with XX000).
+#[test]
+fn a_database_not_in_utf8_is_refused_at_create_extension() {
+    let cluster = amqp_outbox_e2e::PgCluster::new(PgConfig::default());
+    cluster
+        .client()
+        .batch_execute(
+            "CREATE DATABASE latin ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'",
+        )
+        .unwrap_or_else(|e| panic!("CREATE DATABASE latin: {e}"));
+    let mut client = cluster.client_db("latin");
+    let err = client
+        .batch_execute("CREATE EXTENSION amqp_outbox")
+        .expect_err("CREATE EXTENSION in a LATIN1 database must fail");
+    let db = err
+        .as_db_error()
+        .unwrap_or_else(|| panic!("not a server error: {err}"));
+    assert_eq!(db.code().code(), "0A000", "{db:?}");
+    assert!(db.message().contains("LATIN1"), "{db:?}");
+    assert!(db.hint().unwrap_or("").contains("UTF8"), "{db:?}");
+    let schemas: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = 'amqp'",
+            &[],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(schemas, 0, "nothing is left behind");
+}
+
+/// Publishes `n` messages in one transaction: every 30th to an exchange that does not exist
+/// (`poison-<i>`), the others to the route (`<prefix>-<i>`). Returns how many were good.
+fn publish_mixed(w: &mut World, prefix: &str, n: i32, missing: Option<&str>) -> usize {
+    let (ex, rk) = (w.route.exchange.clone(), w.route.routing_key.clone());
+    let missing = missing.unwrap_or("");
+    w.client
+        .execute(
+            "SELECT CASE WHEN $5 <> '' AND g % 30 = 0
+                         THEN amqp.publish($1, $5, $3, 'poison-' || g)
+                         ELSE amqp.publish($1, $2, $3, $4 || '-' || g) END
+               FROM generate_series(1, $6::int) g",
+            &[&w.outbox.broker_id, &ex, &rk, &prefix, &missing, &n],
+        )
+        .unwrap_or_else(|e| panic!("publishing {n}: {e}"));
+    if missing.is_empty() {
+        n as usize
+    } else {
+        (n - n / 30) as usize
+    }
+}
+
+/// Messages to a missing exchange among good ones: the good ones are not slowed down (within
+/// twice their time alone; sub-second runs are compared with a 2 s floor, below which a
+/// shared 2-core machine's noise decides) and none of them is published twice.
+#[test]
+fn refused_messages_neither_slow_down_nor_duplicate_good_ones() {
+    let rabbit = Rabbit::shared();
+    let mut w = World::new("hostile_missing", PgConfig::default(), &rabbit);
+    let missing = amqp_outbox_e2e::unique_name("missing_x");
+
+    let started = std::time::Instant::now();
+    let alone = publish_mixed(&mut w, "alone", 2900, None);
+    w.collector.wait_for_count(alone, ARRIVAL);
+    let alone_took = started.elapsed();
+
+    let before = w.collector.len();
+    let started = std::time::Instant::now();
+    let good = publish_mixed(&mut w, "mixed", 3000, Some(&missing));
+    eventually(ARRIVAL, "the good messages among poison", || {
+        let counts = w.collector.body_counts();
+        let arrived = counts.keys().filter(|b| b.starts_with("mixed-")).count();
+        if arrived == good {
+            Ok(())
+        } else {
+            Err(format!("{arrived} of {good}"))
+        }
+    });
+    let mixed_took = started.elapsed();
+    eprintln!(
+        "2,900 good alone: {alone_took:?}; 2,900 good among 100 refused: {mixed_took:?}; \
+         deliveries since: {}",
+        w.collector.len() - before
+    );
+    let counts = w.collector.body_counts();
+    let twice: Vec<(&String, &usize)> = counts
+        .iter()
+        .filter(|(b, n)| b.starts_with("mixed-") && **n > 1)
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "good messages published twice: {}",
+        twice.len()
+    );
+    assert!(
+        !counts.keys().any(|b| b.starts_with("poison-")),
+        "a message to a missing exchange arrived"
+    );
+    let floor = Duration::from_secs(2);
+    assert!(
+        mixed_took <= 2 * alone_took.max(floor),
+        "good messages took {mixed_took:?} among refused ones, {alone_took:?} alone"
+    );
+    // The refused ones are waiting for a retry with the broker's reason, not lost.
+    let refused: i64 = w
+        .client
+        .query_one(
+            "SELECT count(*) FROM amqp.message WHERE exchange = $1 AND attempts > 0 \
+                AND last_error LIKE '%404%'",
+            &[&missing],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(refused, 100);
+}

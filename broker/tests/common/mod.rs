@@ -250,6 +250,17 @@ impl Admin {
         self.exchanges.push(name.to_string());
     }
 
+    /// Deletes an exchange now.
+    pub fn delete_exchange(&mut self, name: &str) {
+        self.rt
+            .block_on(
+                self.ch
+                    .exchange_delete(name.into(), ExchangeDeleteOptions::default()),
+            )
+            .unwrap();
+        self.exchanges.retain(|e| e != name);
+    }
+
     /// A queue bound to `exchange` with `key`.
     pub fn queue(&mut self, name: &str, exchange: &str, key: &str) {
         self.queue_with_binding_args(name, exchange, key, FieldTable::default());
