@@ -6,6 +6,7 @@ use pgrx::prelude::*;
 
 mod api;
 mod commit_wake;
+mod drop_guard;
 mod error;
 mod gucs;
 mod headers;
@@ -26,6 +27,7 @@ pub extern "C-unwind" fn _PG_init() {
     // SAFETY: a plain global of the postmaster, read while loading the library.
     let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     gucs::init(preloading);
+    drop_guard::install();
     if preloading {
         shmem::init();
         worker::register();

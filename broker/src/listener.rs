@@ -405,7 +405,7 @@ async fn declare_and_consume(
     let channel = conn
         .create_channel()
         .await
-        .map_err(|e| redactor.clean(&describe_error(&e)))?;
+        .map_err(|e| redactor.clean_secrets(&describe_error(&e)))?;
     let declared = channel
         .queue_declare(
             name.clone(),
@@ -427,12 +427,12 @@ async fn declare_and_consume(
                     "broker {}: cannot declare the acknowledgement queue \"{}\": {}",
                     cfg.broker_id,
                     cfg.ack_queue.name,
-                    redactor.clean(&describe_error(&e))
+                    redactor.clean_secrets(&describe_error(&e))
                 ),
             });
             conn.create_channel()
                 .await
-                .map_err(|e| redactor.clean(&describe_error(&e)))?
+                .map_err(|e| redactor.clean_secrets(&describe_error(&e)))?
         }
     };
     channel
@@ -450,7 +450,7 @@ async fn declare_and_consume(
             format!(
                 "cannot consume the acknowledgement queue \"{}\": {}",
                 cfg.ack_queue.name,
-                redactor.clean(&describe_error(&e))
+                redactor.clean_secrets(&describe_error(&e))
             )
         })
 }

@@ -66,8 +66,19 @@ impl Redactor {
         Redactor(Arc::new(secrets))
     }
 
+    /// Masks what stands in a URI's password field (`scheme://user:PASSWORD@host`), by position.
+    /// Safe on any text, also text a user wrote (an exchange name in a broker's error): it never
+    /// looks for the password itself, so such text cannot be used to test a guess.
     pub(crate) fn clean(&self, text: &str) -> String {
-        let mut out = text.to_string();
+        mask_uri_passwords(text)
+    }
+
+    /// For the error texts of the connection step (opening a connection or a channel, the
+    /// connection's own errors), which no user writes: also every known password, and its
+    /// percent-encoded form, wherever it stands. Apply it to the error alone, before the
+    /// `user@host` it is reported with is put in front (a password may equal the user name).
+    pub(crate) fn clean_secrets(&self, text: &str) -> String {
+        let mut out = mask_uri_passwords(text);
         for s in self.0.iter() {
             if out.contains(s.as_str()) {
                 out = out.replace(s.as_str(), "********");
@@ -75,6 +86,34 @@ impl Redactor {
         }
         out
     }
+}
+
+/// `scheme://user:secret@host…` becomes `scheme://user:********@host…`, for every URI in `text`.
+fn mask_uri_passwords(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| matches!(c, '/' | '?' | '#') || c.is_whitespace())
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority
+            .rfind('@')
+            .and_then(|at| authority[..at].find(':').map(|colon| (colon, at)))
+        {
+            Some((colon, at)) => {
+                out.push_str(&authority[..=colon]);
+                out.push_str("********");
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn percent_encode(s: &str) -> String {
@@ -533,7 +572,7 @@ impl BrokerTask {
                 Ok(Ok(Err(e))) => {
                     let error = format!(
                         "{host}: cannot open a publishing channel: {}",
-                        self.redactor.clean(&describe_error(&e))
+                        self.redactor.clean_secrets(&describe_error(&e))
                     );
                     self.report_down(error);
                     close_connection(&conn).await;
@@ -664,7 +703,7 @@ impl BrokerTask {
                     ev = conn_events.next() => {
                         let lost = match ev {
                             Some(lapin::Event::Error(e)) => (!conn.status().connected())
-                                .then(|| self.redactor.clean(&describe_error(&e))),
+                                .then(|| self.redactor.clean_secrets(&describe_error(&e))),
                             Some(lapin::Event::ConnectionBlocked(reason)) => {
                                 blocked_tx.send_replace(true);
                                 self.log(LogLevel::Info, format!(
@@ -859,7 +898,7 @@ pub(crate) async fn open_connection(
     let limit = cfg.connect_timeout;
     match tokio::time::timeout(limit, crate::tls::connect(ep, cfg, props)).await {
         Err(_) => Err(format!("connection timed out after {limit:?}")),
-        Ok(Err(e)) => Err(Redactor::new(std::slice::from_ref(ep)).clean(&e)),
+        Ok(Err(e)) => Err(Redactor::new(std::slice::from_ref(ep)).clean_secrets(&e)),
         Ok(Ok(c)) => Ok(c),
     }
 }
@@ -1130,15 +1169,30 @@ mod tests {
     }
 
     #[test]
-    fn redaction_removes_passwords_and_their_encoding() {
+    fn connection_errors_lose_passwords_and_their_encoding() {
         let r = Redactor::new(&[ep("s3cr/t p@ss"), ep(""), ep("other")]);
         let text = "auth failed for amqp://u:s3cr%2Ft%20p%40ss@h and s3cr/t p@ss, other";
-        let clean = r.clean(text);
+        let clean = r.clean_secrets(text);
         assert!(!clean.contains("s3cr"), "{clean}");
         assert!(!clean.contains("other"), "{clean}");
-        assert!(clean.contains("********"));
+        assert!(clean.contains("amqp://u:********@h"), "{clean}");
         // An empty password redacts nothing.
-        assert_eq!(Redactor::new(&[ep("")]).clean("abc"), "abc");
+        assert_eq!(Redactor::new(&[ep("")]).clean_secrets("abc"), "abc");
+    }
+
+    #[test]
+    fn other_text_is_masked_by_position_only() {
+        // A password cannot be confirmed by naming an exchange after a guess...
+        let r = Redactor::new(&[ep("guest")]);
+        let text = "404 NOT_FOUND - no exchange 'guest' in vhost '/'";
+        assert_eq!(r.clean(text), text);
+        // ...and a user name equal to the password stays readable...
+        assert_eq!(r.clean("guest@127.0.0.1:5672/"), "guest@127.0.0.1:5672/");
+        // ...while a URI's password field is always masked.
+        assert_eq!(
+            r.clean("see amqps://app:hunter2@rabbit:5671/%2F and amqp://h/x"),
+            "see amqps://app:********@rabbit:5671/%2F and amqp://h/x"
+        );
     }
 
     #[test]

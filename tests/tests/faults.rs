@@ -1707,7 +1707,8 @@ fn case12_lifecycle_and_config() {
         if held.is_ok() { "held" } else { "NOT held" }
     ));
 
-    // (e) DROP EXTENSION while the worker publishes: no crash; CREATE EXTENSION again works.
+    // (e) DROP EXTENSION while the worker publishes: refused while messages wait; after they
+    // are deleted, no crash; CREATE EXTENSION again works.
     let b = rig.outbox.broker_id;
     rig.client
         .execute(
@@ -1717,8 +1718,27 @@ fn case12_lifecycle_and_config() {
         .unwrap();
     let worker_before = rig.worker_pid();
     let from = rig.cluster.log().len();
+    // Refused while messages wait (they would be lost); dropped once they are deleted on
+    // purpose, in the same transaction.
+    // (The refused attempt sees a message of its own transaction: the worker may already have
+    // delivered the 2,000.)
+    let refused = {
+        let mut tx = rig.client.transaction().unwrap();
+        tx.execute(
+            "SELECT amqp.publish($1, $2, $3, 'drop:held')",
+            &[&b, &rig.route.exchange, &rig.route.routing_key],
+        )
+        .unwrap();
+        tx.batch_execute("DROP EXTENSION amqp_outbox")
+            .expect_err("DROP EXTENSION with messages in the outbox must be refused")
+    };
+    assert_eq!(
+        refused.as_db_error().map(|e| e.code().code().to_string()),
+        Some("2BP01".to_string()),
+        "{refused}"
+    );
     rig.client
-        .batch_execute("DROP EXTENSION amqp_outbox")
+        .batch_execute("BEGIN; DELETE FROM amqp.message; DROP EXTENSION amqp_outbox; COMMIT")
         .unwrap();
     let cluster = &rig.cluster;
     eventually(

@@ -1,0 +1,116 @@
+//! `DROP EXTENSION amqp_outbox` would drop `amqp.message`, and with it every committed message
+//! not yet delivered, without a word. It is refused while the outbox holds messages; deleting
+//! them first (`DELETE FROM amqp.message`, in the same transaction if you like) says that
+//! losing them is meant. Installed as a ProcessUtility hook, the one place that sees which
+//! extension a DROP names before anything is dropped.
+
+use pgrx::prelude::*;
+use pgrx::PgList;
+use std::ffi::{c_char, CStr};
+
+static mut PREVIOUS: pg_sys::ProcessUtility_hook_type = None;
+
+/// Installs the hook; from `_PG_init`, once per process.
+pub fn install() {
+    // SAFETY: `_PG_init` runs once per process, on its only thread, before any statement.
+    unsafe {
+        PREVIOUS = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(guard);
+    }
+}
+
+#[pg_guard]
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C-unwind" fn guard(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    query_env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    // SAFETY: PostgreSQL hands a valid planned utility statement.
+    if unsafe { drops_this_extension(pstmt) } {
+        refuse_while_messages_wait();
+    }
+    // SAFETY: the same arguments, passed on unchanged.
+    unsafe {
+        match PREVIOUS {
+            Some(previous) => previous(
+                pstmt,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_env,
+                dest,
+                qc,
+            ),
+            None => pg_sys::standard_ProcessUtility(
+                pstmt,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_env,
+                dest,
+                qc,
+            ),
+        }
+    }
+}
+
+/// Whether the statement is a `DROP EXTENSION` naming `amqp_outbox`.
+///
+/// # Safety
+/// `pstmt` is a valid `PlannedStmt` whose `utilityStmt` is a valid node.
+unsafe fn drops_this_extension(pstmt: *mut pg_sys::PlannedStmt) -> bool {
+    // SAFETY: per the contract above; a DropStmt's objects are String nodes for extensions.
+    unsafe {
+        let stmt = (*pstmt).utilityStmt;
+        if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_DropStmt {
+            return false;
+        }
+        let drop = stmt.cast::<pg_sys::DropStmt>();
+        if (*drop).removeType != pg_sys::ObjectType::OBJECT_EXTENSION {
+            return false;
+        }
+        PgList::<pg_sys::Node>::from_pg((*drop).objects)
+            .iter_ptr()
+            .any(|node| {
+                !node.is_null()
+                    && (*node).type_ == pg_sys::NodeTag::T_String
+                    && CStr::from_ptr((*node.cast::<pg_sys::String>()).sval).to_bytes()
+                        == b"amqp_outbox"
+            })
+    }
+}
+
+fn refuse_while_messages_wait() {
+    // SAFETY: a catalog lookup in a backend inside a transaction (utility statements run in one).
+    let installed =
+        unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) } != pg_sys::InvalidOid;
+    if !installed {
+        return;
+    }
+    let waiting = Spi::get_two::<i64, i64>(
+        "SELECT pg_catalog.count(*), pg_catalog.count(parked_at) FROM amqp.message",
+    );
+    let Ok((Some(total), parked)) = waiting else {
+        return;
+    };
+    if total > 0 {
+        pgrx::pg_sys::panic::ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+            format!(
+                "amqp_outbox: amqp.message holds {total} committed messages not delivered yet ({} parked); DROP EXTENSION would lose them",
+                parked.unwrap_or(0)
+            ),
+            "amqp_outbox",
+        )
+        .set_hint("Wait until amqp.outbox_summary is empty and amqp.discard() the parked ones, or DELETE FROM amqp.message first to drop them on purpose.")
+        .report(PgLogLevel::ERROR);
+    }
+}
