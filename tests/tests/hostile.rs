@@ -446,3 +446,46 @@ fn refused_messages_neither_slow_down_nor_duplicate_good_ones() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(refused, 100);
 }
+
+/// `amqp_outbox.max_pending` counts the backlog the broker has yet to take; messages it refused
+/// (waiting for their retry) do not turn publishers away.
+#[test]
+fn refused_messages_do_not_count_against_max_pending() {
+    let rabbit = Rabbit::shared();
+    let mut w = World::new(
+        "hostile_max_pending",
+        PgConfig::default()
+            .setting("amqp_outbox.max_pending", 50)
+            .setting("amqp_outbox.retry_backoff_min", "'30s'")
+            .setting("amqp_outbox.retry_backoff_max", "'60s'"),
+        &rabbit,
+    );
+    let missing = amqp_outbox_e2e::unique_name("missing_x");
+    w.client
+        .execute(
+            "SELECT count(amqp.publish($1, $2, 'rk', 'poison-' || g)) FROM generate_series(1, 100) g",
+            &[&w.outbox.broker_id, &missing],
+        )
+        .unwrap_or_else(|e| panic!("publishing the poison: {e}"));
+    eventually(ARRIVAL, "all 100 refused once and waiting", || {
+        let (refused, pending): (i64, Option<i64>) = w
+            .client
+            .query_one(
+                "SELECT (SELECT count(*) FROM amqp.message WHERE attempts > 0),
+                        (SELECT pending FROM amqp.broker_status WHERE broker_id = $1)",
+                &[&w.outbox.broker_id],
+            )
+            .map(|r| (r.get(0), r.get(1)))
+            .map_err(|e| e.to_string())?;
+        if refused == 100 && pending == Some(0) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{refused} refused, broker_status.pending {pending:?}"
+            ))
+        }
+    });
+    publish_good(&mut w, "good", 20);
+    w.collector.wait_for_count(20, ARRIVAL);
+    assert_each_arrived_once(&w, "good", 20);
+}
