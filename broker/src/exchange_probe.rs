@@ -26,6 +26,7 @@ pub(crate) enum Probe {
 pub(crate) struct ExchangeProbe {
     conn: Arc<Connection>,
     channel: Option<Channel>,
+    /// Exchanges not to ask about again on this connection (found, or not askable).
     known: HashSet<String>,
     timeout: Duration,
 }
@@ -63,17 +64,29 @@ impl ExchangeProbe {
         );
         match tokio::time::timeout(self.timeout, declare).await {
             Ok(Ok(())) => {
-                if self.known.len() >= KNOWN_MAX {
-                    self.known.clear();
-                }
-                self.known.insert(exchange.to_string());
+                self.remember(exchange);
                 self.channel = Some(channel);
                 Probe::Exists
             }
             // The broker closed the probe channel; the next probe opens another.
             Ok(Err(e)) if is_not_found(&e) => Probe::Missing(e),
-            _ => Probe::Unknown,
+            // Another refusal (a user without the right to ask, say): not asked again on this
+            // connection, so that every publish does not cost a channel; the publish tells.
+            Ok(Err(_)) => {
+                self.remember(exchange);
+                Probe::Unknown
+            }
+            Err(_) => Probe::Unknown,
         }
+    }
+}
+
+impl ExchangeProbe {
+    fn remember(&mut self, exchange: &str) {
+        if self.known.len() >= KNOWN_MAX {
+            self.known.clear();
+        }
+        self.known.insert(exchange.to_string());
     }
 }
 

@@ -2403,6 +2403,150 @@ fn case16_standby_publishes_nothing_until_promoted() {
     drop(standby);
 }
 
+// ------------------------------------------------------------------------------------------
+// 17. hostile input beside good traffic
+// ------------------------------------------------------------------------------------------
+
+/// Rows no publish path accepts but a direct INSERT or an UPDATE can write (headers with a
+/// number out of range, 400 digits, 200-deep nesting, a 256-byte name, 200 KB), a queue
+/// declaration with such an argument, and 100 messages to a missing exchange, all while two
+/// producers publish: every poison row is refused or parked, the producers' messages all
+/// arrive, none twice, and the worker keeps its process.
+#[test]
+fn case17_hostile_input_beside_good_traffic() {
+    let mut rig = Rig::new("17 hostile input", base_config());
+    let b = rig.outbox.broker_id;
+    let (ex, rk) = (rig.route.exchange.clone(), rig.route.routing_key.clone());
+    let worker = rig.worker_pid();
+    let producers = rig.producers("hg", 2, scaled(1000), 2, 0.0);
+    let t0 = Instant::now();
+    let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+    let headers = [
+        ("1e400", r#"{"f": 1e400}"#.to_string()),
+        ("digits", format!(r#"{{"n": 1{}}}"#, "0".repeat(400))),
+        ("deep", format!(r#"{{"d": {deep}}}"#)),
+        ("name", format!(r#"{{"{}": 1}}"#, "n".repeat(256))),
+        ("frame", format!(r#"{{"big": "{}"}}"#, "x".repeat(200_000))),
+    ];
+    let mut poison = Vec::new();
+    for (what, h) in &headers {
+        let id: i64 = rig
+            .client
+            .query_one(
+                "INSERT INTO amqp.message (broker_id, exchange, routing_key, body, headers) \
+                 VALUES ($1, $2, $3, convert_to('hx:' || $4, 'UTF8'), $5::text::jsonb) RETURNING id",
+                &[&b, &ex, &rk, what, h],
+            )
+            .unwrap_or_else(|e| panic!("INSERT {what}: {e}"))
+            .get(0);
+        poison.push((*what, id));
+    }
+    let updated: i64 = {
+        let mut tx = rig.client.transaction().unwrap();
+        let id: i64 = tx
+            .query_one(
+                "SELECT amqp.publish_message($1, $2, $3, 'hx:updated')",
+                &[&b, &ex, &rk],
+            )
+            .unwrap()
+            .get(0);
+        tx.execute(
+            "UPDATE amqp.message SET headers = '{\"f\": 1e400}' WHERE id = $1",
+            &[&id],
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        id
+    };
+    poison.push(("update", updated));
+    let bad_queue = unique_name("hostile_q");
+    rig.client
+        .execute(
+            "INSERT INTO amqp.queue (broker_id, queue, arguments) VALUES ($1, $2, '{\"x\": 1e400}')",
+            &[&b, &bad_queue],
+        )
+        .unwrap();
+    let missing = unique_name("hostile_missing_x");
+    rig.client
+        .execute(
+            "SELECT count(amqp.publish($1, $2, $3, 'miss:' || g)) FROM generate_series(1, 100) g",
+            &[&b, &missing, &rk],
+        )
+        .unwrap();
+
+    let stats: Vec<_> = producers.into_iter().map(Producer::wait).collect();
+    eprintln!("producers: {stats:?}");
+    rig.ledger.wait_all_arrived(&rig.collector, ARRIVAL);
+    let good_after = t0.elapsed();
+    let client = &mut rig.client;
+    for (what, id) in &poison {
+        let (attempts, error) = eventually(ARRIVAL, &format!("poison {what} parked"), || {
+            let row = client
+                .query_one(
+                    "SELECT attempts, parked_at IS NOT NULL, last_error FROM amqp.message WHERE id = $1",
+                    &[id],
+                )
+                .map_err(|e| e.to_string())?;
+            let (attempts, parked, error): (i32, bool, Option<String>) =
+                (row.get(0), row.get(1), row.get(2));
+            if parked {
+                Ok((attempts, error.unwrap_or_default()))
+            } else {
+                Err(format!("attempts {attempts}, {error:?}"))
+            }
+        });
+        eprintln!("poison {what} (id {id}) parked after {attempts} attempt(s): {error}");
+        assert_eq!(
+            attempts, 1,
+            "{what}: retrying cannot help, parked at the first attempt"
+        );
+    }
+    let refused: i64 = rig
+        .client
+        .query_one(
+            "SELECT count(*) FROM amqp.message WHERE exchange = $1 AND attempts > 0 \
+                AND last_error LIKE '%404%'",
+            &[&missing],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        refused, 100,
+        "every message to the missing exchange refused with 404"
+    );
+    assert_eq!(rig.worker_pid(), worker, "the worker restarted");
+    rig.client
+        .execute(
+            "SELECT amqp.discard(id, 'hostile') FROM amqp.message WHERE parked_at IS NOT NULL",
+            &[],
+        )
+        .unwrap();
+    rig.client
+        .execute("DELETE FROM amqp.message WHERE exchange = $1", &[&missing])
+        .unwrap();
+    rig.client
+        .execute("DELETE FROM amqp.queue WHERE queue = $1", &[&bad_queue])
+        .unwrap();
+    // No fault of the connection here: not one good message may arrive twice.
+    rig.finish(
+        None,
+        0,
+        &["hx:", "miss:"],
+        &format!(
+            "good messages all in {:.1}s beside 6 poison rows, a poison declaration and 100 \
+             messages to a missing exchange; poison parked at the first attempt",
+            good_after.as_secs_f64()
+        ),
+    );
+    let delivered_poison = rig
+        .collector
+        .bodies()
+        .iter()
+        .filter(|b| b.starts_with("hx:") || b.starts_with("miss:"))
+        .count();
+    assert_eq!(delivered_poison, 0, "a poison message was delivered");
+}
+
 /// Not a FAULTS.md case: the harness's own tools (proxy, memory, results file) work.
 #[test]
 fn chaos_support_tools_work() {
