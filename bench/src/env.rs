@@ -121,7 +121,9 @@ impl Env {
                 "CREATE EXTENSION amqp_outbox;
                  CREATE EXTENSION pgq;
                  SELECT pgq.create_queue('bench');
-                 CREATE TABLE public.plain (LIKE amqp.message INCLUDING ALL);",
+                 CREATE TABLE public.plain (LIKE amqp.message INCLUDING ALL);
+                 -- The baseline row has no message_id: making it is counted against publish().
+                 ALTER TABLE public.plain DROP COLUMN message_id;",
             )
             .map_err(|e| format!("setting up the bench database: {e}"))?;
         let port = i32::from(amqp_port);

@@ -1,5 +1,6 @@
 //! pgbench runs: the same ~100-byte row through `amqp.publish()`, a plain INSERT into a table
-//! with the same columns (`public.plain`, `LIKE amqp.message INCLUDING ALL`), and PgQ's
+//! with the same columns but the stored message_id (`public.plain`, `LIKE amqp.message
+//! INCLUDING ALL` without `message_id`: making the id is counted against publish()), and PgQ's
 //! `pgq.insert_event()`.
 
 use std::process::{Child, Command, Stdio};
