@@ -55,6 +55,9 @@ fn committed_message_arrives_once_with_properties_and_headers() {
         (row.get(0), row.get(1))
     };
     let user_headers = json!({"tenant": "acme", "n": 42, "flag": true, "note": "ünïcode"});
+    // One transaction, so that the stored message_ids can be read before the worker delivers
+    // (and deletes) the rows.
+    f.client.batch_execute("BEGIN").expect("BEGIN");
     let persistent_id: i64 = f
         .client
         .query_one(
@@ -79,6 +82,17 @@ fn committed_message_arrives_once_with_properties_and_headers() {
         .expect("amqp.last_message_id()")
         .get(0);
     assert!(transient_id > persistent_id);
+    let stored: std::collections::BTreeMap<i64, String> = f
+        .client
+        .query(
+            "SELECT id, message_id FROM amqp.message WHERE id IN ($1, $2)",
+            &[&persistent_id, &transient_id],
+        )
+        .expect("reading the stored message_ids")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    f.client.batch_execute("COMMIT").expect("COMMIT");
 
     f.collector.wait_for_body("hello-persistent", ARRIVAL);
     f.collector.wait_for_body("hello-transient", ARRIVAL);
@@ -114,8 +128,7 @@ fn committed_message_arrives_once_with_properties_and_headers() {
     assert_eq!(t.content_type.as_deref(), Some("text/plain"));
     assert_eq!(t.reply_to, None);
     assert_eq!(t.correlation_id, None);
-    // message_id: present, distinct per row, and of the documented form
-    // `<system identifier>-<database oid>-<table oid>-<id>` (hex parts, then the row id).
+    // message_id: the one stored in the row at publish (a UUIDv7), distinct per row.
     let pm = p
         .message_id
         .clone()
@@ -124,29 +137,15 @@ fn committed_message_arrives_once_with_properties_and_headers() {
         .message_id
         .clone()
         .expect("message_id on the transient message");
-    assert!(!pm.is_empty() && !tm.is_empty());
     assert_ne!(pm, tm, "two rows must not share a message_id");
-    assert!(
-        pm.ends_with(&format!("-{persistent_id}")) && tm.ends_with(&format!("-{transient_id}")),
-        "message_id should end with the row id: {pm} (id {persistent_id}), {tm} (id {transient_id})"
-    );
-    assert_eq!(
-        pm.rsplit_once('-').map(|x| x.0),
-        tm.rsplit_once('-').map(|x| x.0),
-        "both message_ids should share the cluster/database/table prefix"
-    );
-    let sysid: String = f
-        .client
-        .query_one(
-            "SELECT to_hex(system_identifier) FROM pg_control_system()",
-            &[],
-        )
-        .expect("pg_control_system()")
-        .get(0);
-    assert!(
-        pm.starts_with(&sysid),
-        "message_id {pm} should start with the system identifier {sysid}"
-    );
+    assert_eq!(Some(&pm), stored.get(&persistent_id));
+    assert_eq!(Some(&tm), stored.get(&transient_id));
+    for id in [&pm, &tm] {
+        assert!(
+            id.len() == 36 && id.as_bytes()[14] == b'7',
+            "message_id {id} is not a UUIDv7"
+        );
+    }
     // Producer headers.
     assert_eq!(header_i64(p, "x-amqp-outbox-producer-pid"), i64::from(pid));
     assert_eq!(header_i64(t, "x-amqp-outbox-producer-pid"), i64::from(pid));
