@@ -473,7 +473,7 @@ impl Standby {
         };
         let mut last = String::new();
         for _ in 0..3 {
-            standby.port = pick_ports(55001, 64000, 1);
+            standby.port = pick_ports(61000, 65000, 1);
             let mut text = format!(
                 "\n# amqp_outbox e2e standby\nport = {}\nunix_socket_directories = '{}'\n",
                 standby.port,

@@ -208,7 +208,7 @@ impl PgCluster {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
-        cluster.port = pick_ports(55001, 64000, 1);
+        cluster.port = pick_ports(61000, 65000, 1);
         cluster.write_config()?;
         Ok(cluster)
     }
@@ -239,11 +239,12 @@ impl PgCluster {
     }
 
     /// Writes the configuration and starts the server; a port can be taken between our check
-    /// and the server's bind, so a few are tried.
+    /// and the server's bind, so a few are tried. Ports are picked above Linux's ephemeral
+    /// range (32768-60999 by default), where outgoing connections do not take them.
     fn start_on_free_port(&mut self) -> Result<(), String> {
         let mut last = String::new();
         for _ in 0..3 {
-            self.port = pick_ports(55001, 64000, 1);
+            self.port = pick_ports(61000, 65000, 1);
             self.write_config()?;
             match self.try_start() {
                 Ok(()) => return Ok(()),
