@@ -6,21 +6,54 @@
 
 use serde_json::{Map, Value};
 
-/// The JSON object in `text` (`None`: an empty one), or why it cannot be sent.
-pub fn json_object(text: Option<&str>) -> Result<Map<String, Value>, String> {
-    let Some(text) = text else {
-        return Ok(Map::new());
-    };
+/// Why a jsonb value cannot be sent as an AMQP field table.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Unsendable {
+    /// serde_json cannot hold it (its error says why: number out of range, recursion limit).
+    Value(String),
+    /// Valid JSON, but not an object (what it is instead).
+    NotObject(&'static str),
+}
+
+impl std::fmt::Display for Unsendable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unsendable::Value(e) => write!(f, "cannot be sent as AMQP field values: {e}"),
+            Unsendable::NotObject(kind) => write!(f, "are {kind}, not a JSON object"),
+        }
+    }
+}
+
+/// The JSON object in `text`, or why it cannot be sent.
+pub fn parse_object(text: &str) -> Result<Map<String, Value>, Unsendable> {
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err("are not a JSON object".into()),
-        Err(e) => Err(format!("cannot be sent as AMQP field values: {e}")),
+        Ok(other) => Err(Unsendable::NotObject(json_kind(&other))),
+        Err(e) => Err(Unsendable::Value(e.to_string())),
+    }
+}
+
+/// The JSON object in `text` (`None`: an empty one), or why it cannot be sent, as text.
+pub fn json_object(text: Option<&str>) -> Result<Map<String, Value>, String> {
+    text.map_or(Ok(Map::new()), |t| {
+        parse_object(t).map_err(|e| e.to_string())
+    })
+}
+
+pub fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::json_object;
+    use super::{json_object, parse_object};
 
     #[test]
     fn objects_parse_and_unsendable_values_are_refused() {
@@ -29,7 +62,10 @@ mod tests {
             json_object(Some(r#"{"a": 1, "b": [true]}"#)).map(|m| m.len()),
             Ok(2)
         );
-        assert!(json_object(Some("[1]")).is_err());
+        assert_eq!(
+            parse_object("[1]").unwrap_err(),
+            super::Unsendable::NotObject("an array")
+        );
         let huge = format!(r#"{{"f": 1{}}}"#, "0".repeat(400));
         let e = json_object(Some(&huge)).unwrap_err();
         assert!(e.contains("number out of range"), "{e}");

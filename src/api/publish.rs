@@ -6,6 +6,7 @@ use super::jsonb_arg::JsonbArg;
 use super::known_brokers;
 use super::run_as::{extension_owner, RunAs};
 use crate::error::{OrRaise, OutboxError};
+use crate::headers::Unsendable;
 use crate::{commit_wake, shmem};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::panic::ErrorReport;
@@ -84,15 +85,14 @@ fn check_headers(headers: Option<JsonbArg>) -> Result<Option<String>, OutboxErro
     let Some(JsonbArg(text)) = headers else {
         return Ok(None);
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-        OutboxError::InvalidHeaders(format!("cannot be sent as AMQP field values: {e}"))
+    let map = crate::headers::parse_object(&text).map_err(|e| {
+        OutboxError::InvalidHeaders(match e {
+            Unsendable::NotObject(kind) => {
+                format!("expected a JSON object of header names to values, got {kind}")
+            }
+            other => other.to_string(),
+        })
     })?;
-    let serde_json::Value::Object(map) = value else {
-        return Err(OutboxError::InvalidHeaders(format!(
-            "expected a JSON object of header names to values, got {}",
-            json_kind(&value)
-        )));
-    };
     let bytes = amqp_outbox_broker::header_table_size(&map).map_err(OutboxError::InvalidHeaders)?;
     if bytes > HEADERS_MAX {
         return Err(OutboxError::HeadersTooLarge {
@@ -101,17 +101,6 @@ fn check_headers(headers: Option<JsonbArg>) -> Result<Option<String>, OutboxErro
         });
     }
     Ok(Some(text))
-}
-
-fn json_kind(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
 }
 
 impl<'a> NewMessage<'a> {

@@ -5,6 +5,7 @@
 use super::jsonb_arg::JsonbArg;
 use crate::commit_wake;
 use crate::error::{OrRaise, OutboxError};
+use crate::headers::Unsendable;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
@@ -82,12 +83,10 @@ fn arguments_object(arguments: Option<JsonbArg>) -> Result<String, OutboxError> 
     let Some(JsonbArg(text)) = arguments else {
         return Ok("{}".into());
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-        OutboxError::InvalidArgumentValues(format!("cannot be sent as AMQP field values: {e}"))
+    let map = crate::headers::parse_object(&text).map_err(|e| match e {
+        Unsendable::NotObject(_) => OutboxError::InvalidArguments,
+        other => OutboxError::InvalidArgumentValues(other.to_string()),
     })?;
-    let serde_json::Value::Object(map) = value else {
-        return Err(OutboxError::InvalidArguments);
-    };
     amqp_outbox_broker::header_table_size(&map).map_err(OutboxError::InvalidArgumentValues)?;
     Ok(text)
 }
