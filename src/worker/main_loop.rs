@@ -453,9 +453,7 @@ impl Worker {
                 self.record_rejection(client, *id, error)?;
             }
             for (id, error) in &settlement.unsendable {
-                warning!("amqp_outbox: message {id} parked: {error}");
-                queries::park(client, *id, error)?;
-                shmem::count(|c| &c.parked, 1);
+                park_now(client, *id, error)?;
             }
             for (ids, reason) in &settlement.resend {
                 let parked =
@@ -708,19 +706,14 @@ impl Worker {
                     "body is {} bytes, over amqp_outbox.max_message_size ({max_size} bytes)",
                     row.body.len()
                 );
-                warning!("amqp_outbox: message {} parked: {why}", row.id);
-                queries::park(client, row.id, &why)?;
-                shmem::count(|c| &c.parked, 1);
+                park_now(client, row.id, &why)?;
                 continue;
             }
             let headers = match crate::headers::json_object(row.headers.as_deref()) {
                 Ok(headers) => headers,
                 Err(why) => {
                     // Retrying cannot help: the row is parked at once, the others go on.
-                    let why = format!("headers {why}");
-                    warning!("amqp_outbox: message {} parked: {why}", row.id);
-                    queries::park(client, row.id, &why)?;
-                    shmem::count(|c| &c.parked, 1);
+                    park_now(client, row.id, &format!("headers {why}"))?;
                     continue;
                 }
             };
@@ -731,6 +724,15 @@ impl Worker {
         }
         Ok(out)
     }
+}
+
+/// Parks a message that can never be published as it is (retrying cannot help), says so in the
+/// log and counts it.
+fn park_now(client: &mut pgrx::spi::SpiClient<'_>, id: i64, why: &str) -> pgrx::spi::SpiResult<()> {
+    warning!("amqp_outbox: message {id} parked: {why}");
+    queries::park(client, id, why)?;
+    shmem::count(|c| &c.parked, 1);
+    Ok(())
 }
 
 /// Header names the worker adds to every message.
