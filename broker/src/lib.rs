@@ -7,6 +7,7 @@
 
 mod ack;
 mod amqp_values;
+pub mod backoff;
 mod exchange_probe;
 mod failover;
 mod listener;

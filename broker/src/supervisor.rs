@@ -19,7 +19,6 @@ use lapin::options::{
 use lapin::types::{FieldTable, ShortString};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPUri, AMQPUserInfo};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use rand::Rng;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -128,20 +127,9 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
-/// Delay before the next full round of connection attempts after `failures` failed rounds:
-/// `min·2^failures` capped at `max`, then jittered down by up to half (never below `min`), so
-/// many workers restarted together do not reconnect in step.
-pub(crate) fn backoff(min: Duration, max: Duration, failures: u32) -> Duration {
-    let max = max.max(min);
-    let cap = min
-        .checked_mul(2u32.saturating_pow(failures.min(31)))
-        .unwrap_or(max)
-        .min(max);
-    let low = (cap / 2).max(min);
-    if cap <= low {
-        return cap;
-    }
-    rand::thread_rng().gen_range(low..=cap)
+/// Until the reconnect driver owns it.
+pub(crate) fn backoff(min: Duration, max: Duration, n: u32) -> Duration {
+    crate::backoff::Backoff::new(min, max).delay(n)
 }
 
 enum BrokerCmd {
@@ -1140,32 +1128,6 @@ mod tests {
             password: password.into(),
             tls: None,
         }
-    }
-
-    #[test]
-    fn backoff_stays_within_bounds() {
-        let min = Duration::from_millis(100);
-        let max = Duration::from_secs(5);
-        for failures in 0..100 {
-            for _ in 0..50 {
-                let d = backoff(min, max, failures);
-                assert!(d >= min && d <= max, "{d:?} for {failures}");
-            }
-        }
-        // Grows: after many failures it is at least half the cap.
-        assert!(backoff(min, max, 40) >= max / 2);
-        // First delay is exactly min..=min (cap = min).
-        assert_eq!(backoff(min, max, 0), min);
-    }
-
-    #[test]
-    fn backoff_tolerates_odd_settings() {
-        assert_eq!(backoff(Duration::ZERO, Duration::ZERO, 3), Duration::ZERO);
-        // max below min: min wins.
-        let d = backoff(Duration::from_secs(2), Duration::from_secs(1), 10);
-        assert_eq!(d, Duration::from_secs(2));
-        let d = backoff(Duration::from_secs(1), Duration::MAX, u32::MAX);
-        assert!(d >= Duration::from_secs(1));
     }
 
     #[test]
