@@ -7,7 +7,7 @@
 //! published before it was routed (or returned, which the confirm tells), and any earlier record
 //! of that channel that has not arrived by then never will: its messages were lost in transit.
 
-use crate::AckQueueConfig;
+use crate::config::{AckQueueConfig, BrokerConfig, ProofMode};
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -100,6 +100,13 @@ pub(crate) fn ack_queue_arguments(cfg: &AckQueueConfig) -> serde_json::Map<Strin
 /// invent a queue) and at most 255 bytes.
 pub(crate) fn valid_queue_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 255
+}
+
+/// The acknowledgement queue, when records are to be published (`AckQueue` mode with a usable
+/// queue name).
+pub(crate) fn queue_in_use(cfg: &BrokerConfig) -> Option<&AckQueueConfig> {
+    (cfg.proof == ProofMode::AckQueue && valid_queue_name(&cfg.ack_queue.name))
+        .then_some(&cfg.ack_queue)
 }
 
 struct EpochLog {

@@ -11,17 +11,18 @@
 
 use crate::ack::{self, SharedTracker};
 use crate::amqp_values::to_field_table;
-use crate::failover::{self, Round};
-use crate::publisher::describe_error;
-use crate::supervisor::{backoff, close_connection, Redactor};
-use crate::thread::{spawn_guarded, EventSink};
-use crate::{BrokerConfig, Endpoint, Event, LogLevel};
-use futures_util::future::FutureExt;
+use crate::bridge::{Event, LogLevel};
+use crate::config::{AckQueueConfig, BrokerConfig, Endpoint};
+use crate::connection::{close_connection, describe_error, open_connection, Redactor};
+use crate::events::{spawn_guarded, EventSink};
+use crate::reconnect::{self, Client, End, Interrupt};
+use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::StreamExt;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::ShortString;
 use lapin::{Connection, Consumer};
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -83,7 +84,6 @@ pub(crate) fn start(
         tracker,
         sink: sink.clone(),
         reported_down: false,
-        failures: 0,
     };
     let task = spawn_guarded(
         sink,
@@ -97,13 +97,6 @@ pub(crate) fn start(
     }
 }
 
-/// Why waiting was cut short.
-enum Interrupt {
-    Stop,
-    /// The hosts, heartbeat or acknowledgement queue changed: connect again at once.
-    Restart,
-}
-
 struct Listener {
     cfg: BrokerConfig,
     cfg_rx: watch::Receiver<BrokerConfig>,
@@ -114,91 +107,27 @@ struct Listener {
     redactor: Redactor,
     /// A loss (or failure to connect) was logged as a warning and no connect since.
     reported_down: bool,
-    failures: u32,
 }
 
 /// What a connection needs; a change of any of these means a new connection.
-fn connection_key(c: &BrokerConfig) -> (&[Endpoint], u16, &crate::AckQueueConfig) {
+fn connection_key(c: &BrokerConfig) -> (&[Endpoint], u16, &AckQueueConfig) {
     (&c.hosts, c.heartbeat_secs, &c.ack_queue)
 }
 
-impl failover::Interruptible for Listener {
-    type Interrupt = Interrupt;
-    fn wait_for<F: std::future::Future + Send>(
-        &mut self,
-        fut: F,
-    ) -> impl std::future::Future<Output = Result<F::Output, Interrupt>> + Send {
-        self.waiting(fut)
-    }
-}
+impl Client for Listener {
+    type Conn = (Connection, Consumer);
 
-impl Listener {
-    fn id(&self) -> i32 {
-        self.cfg.broker_id
+    fn config(&self) -> &BrokerConfig {
+        &self.cfg
     }
 
-    async fn run(mut self) {
-        let mut delay: Option<Duration> = None;
-        loop {
-            if let Some(d) = delay.take() {
-                match self.waiting(tokio::time::sleep(d)).await {
-                    Ok(()) | Err(Interrupt::Restart) => {}
-                    Err(Interrupt::Stop) => return,
-                }
-            }
-            if self.cfg.hosts.is_empty() {
-                match self.waiting(std::future::pending::<()>()).await {
-                    Err(Interrupt::Stop) => return,
-                    _ => continue,
-                }
-            }
-            let cfg = self.cfg.clone();
-            let sink = self.sink.clone();
-            let round =
-                failover::round(&mut self, &cfg, |ep| connect(ep, cfg.clone(), sink.clone())).await;
-            let (ep, (conn, consumer)) = match round {
-                Round::Connected(ep, c) => (ep, c),
-                Round::Interrupted(Interrupt::Stop) => return,
-                Round::Interrupted(Interrupt::Restart) => continue,
-                Round::Failed(errors) => {
-                    self.failures = self.failures.saturating_add(1);
-                    self.down(format!(
-                        "acknowledgement listener cannot connect: {}",
-                        errors.join("; ")
-                    ));
-                    delay = Some(backoff(
-                        self.cfg.reconnect_min,
-                        self.cfg.reconnect_max,
-                        self.failures - 1,
-                    ));
-                    continue;
-                }
-            };
-            self.failures = 0;
-            self.reported_down = false;
-            self.log(
-                LogLevel::Info,
-                format!(
-                    "acknowledgement listener connected to {}, consuming \"{}\"",
-                    ep.display_name(),
-                    self.cfg.ack_queue.name
-                ),
-            );
-            let end = self.consume(&conn, consumer, &ep).await;
-            close_connection(&conn).await;
-            match end {
-                Some(Interrupt::Stop) => return,
-                Some(Interrupt::Restart) => {}
-                None => {
-                    delay = Some(backoff(self.cfg.reconnect_min, self.cfg.reconnect_max, 0));
-                }
-            }
-        }
+    fn connect(&self, ep: Endpoint) -> BoxFuture<'static, Result<Self::Conn, String>> {
+        connect(ep, self.cfg.clone(), self.sink.clone()).boxed()
     }
 
     /// Awaits `fut` while watching for a stop or a configuration change that needs a new
     /// connection.
-    async fn waiting<F: std::future::Future>(&mut self, fut: F) -> Result<F::Output, Interrupt> {
+    async fn wait_for<F: Future + Send>(&mut self, fut: F) -> Result<F::Output, Interrupt> {
         let mut fut = std::pin::pin!(fut);
         loop {
             tokio::select! {
@@ -210,13 +139,48 @@ impl Listener {
                         return Err(Interrupt::Stop);
                     }
                     if self.take_config() {
-                        self.failures = 0;
                         self.reported_down = false;
                         return Err(Interrupt::Restart);
                     }
                 }
             }
         }
+    }
+
+    async fn serve(&mut self, ep: Endpoint, (conn, consumer): Self::Conn) -> End {
+        self.reported_down = false;
+        self.log(
+            LogLevel::Info,
+            format!(
+                "acknowledgement listener connected to {}, consuming \"{}\"",
+                ep.display_name(),
+                self.cfg.ack_queue.name
+            ),
+        );
+        let end = self.consume(&conn, consumer, &ep).await;
+        close_connection(&conn).await;
+        match end {
+            Some(Interrupt::Stop) => End::Stop,
+            Some(Interrupt::Restart) => End::Restart,
+            None => End::Lost,
+        }
+    }
+
+    fn unreachable(&mut self, errors: Vec<String>) {
+        self.down(format!(
+            "acknowledgement listener cannot connect: {}",
+            errors.join("; ")
+        ));
+    }
+}
+
+impl Listener {
+    fn id(&self) -> i32 {
+        self.cfg.broker_id
+    }
+
+    async fn run(mut self) {
+        reconnect::drive(&mut self).await;
     }
 
     /// Takes the latest configuration; true when it needs a new connection.
@@ -239,7 +203,7 @@ impl Listener {
             // Bounded, so a quiet queue still notices a connection that died without telling
             // its consumer.
             let next = tokio::time::timeout(CONNECTION_CHECK, consumer.next());
-            let outcome = match self.waiting(next).await {
+            let outcome = match self.wait_for(next).await {
                 Err(interrupt) => return Some(interrupt),
                 Ok(Err(_quiet)) => {
                     if conn.status().connected() {
@@ -377,7 +341,7 @@ async fn connect(
 ) -> Result<(Connection, Consumer), String> {
     let redactor = Redactor::new(std::slice::from_ref(&ep));
     let limit = cfg.connect_timeout;
-    let conn = crate::supervisor::open_connection(&ep, &cfg, "ack listener").await?;
+    let conn = open_connection(&ep, &cfg, "ack listener").await?;
     match tokio::time::timeout(limit, declare_and_consume(&conn, &cfg, &sink, &redactor)).await {
         Ok(Ok(consumer)) => Ok((conn, consumer)),
         Ok(Err(e)) => {

@@ -8,19 +8,19 @@
 
 use crate::ack::{self, SharedTracker};
 use crate::amqp_values::{table_size, to_field_table, truncate};
+use crate::batch::Batch;
+use crate::bridge::{Event, Failure, LogLevel, OutboundMessage};
+use crate::connection::{better_error, describe_error, message_may_be_at_fault, Redactor};
+use crate::events::EventSink;
 use crate::exchange_probe::{ExchangeProbe, Probe};
-use crate::supervisor::Redactor;
-use crate::thread::EventSink;
-use crate::{Event, Failure, LogLevel, OutboundMessage};
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
-use lapin::protocol::AMQPErrorKind;
 use lapin::types::ShortString;
 use lapin::Connection;
 use lapin::PublisherConfirm;
-use lapin::{BasicProperties, Channel, Confirmation, ErrorKind};
+use lapin::{BasicProperties, Channel, Confirmation};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,10 +38,7 @@ const NACKS_BEFORE_RECONNECT: u32 = 5;
 const CHANNEL_CHECK: Duration = Duration::from_secs(1);
 
 pub(crate) enum Job {
-    Publish {
-        messages: Vec<OutboundMessage>,
-        solo: bool,
-    },
+    Publish(Batch),
     SetConfirmTimeout(Duration),
 }
 
@@ -83,13 +80,6 @@ pub(crate) struct AckCtx {
     pub(crate) tracker: SharedTracker,
 }
 
-struct Queued {
-    msg: OutboundMessage,
-    solo: bool,
-    /// The last message of its Publish command: the batch's record follows it.
-    last: bool,
-}
-
 /// The result of handing one publish to lapin.
 enum Sent {
     Ok(PublisherConfirm),
@@ -109,8 +99,9 @@ type ConfirmResult = (u64, lapin::Result<Confirmation>);
 
 struct Publisher {
     ctx: ChannelCtx,
-    /// Received, not yet published (solo messages wait here until nothing is unsettled).
-    queue: VecDeque<Queued>,
+    /// Received, not yet published (solo messages wait here until nothing is unsettled). What
+    /// is still here when the task ends is failed by the batches themselves.
+    queue: VecDeque<Batch>,
     /// Published on this channel, not yet settled; keyed by publish order.
     unsettled: BTreeMap<u64, Pending>,
     confirms: FuturesUnordered<BoxFuture<'static, ConfirmResult>>,
@@ -170,15 +161,9 @@ pub(crate) async fn run(
     if let Some(a) = &p.ctx.ack {
         ack::lock(&a.tracker).close(p.ctx.epoch);
     }
-    // Anything sent after this point fails at the sender, which then reports it itself.
-    jobs.close();
-    while let Ok(job) = jobs.try_recv() {
-        if let Job::Publish { messages, .. } = job {
-            for m in messages {
-                p.fail(m.id, Failure::Transient, "publishing channel closed");
-            }
-        }
-    }
+    // Batches still queued fail their messages as they are dropped; one sent after this
+    // comes back to its sender, which drops it likewise.
+    drop(jobs);
     end
 }
 
@@ -219,10 +204,10 @@ impl Publisher {
                     }
                 }
                 job = jobs.recv() => match job {
-                    Some(Job::Publish { messages, solo }) => self.enqueue(messages, solo),
+                    Some(Job::Publish(batch)) => self.enqueue(batch),
                     Some(Job::SetConfirmTimeout(d)) => self.ctx.confirm_timeout = d,
                     None => {
-                        self.fail_everything(Failure::Transient, "publisher stopped");
+                        self.fail_everything("publisher stopped");
                         return ChannelEnd::Stopped;
                     }
                 },
@@ -231,7 +216,7 @@ impl Publisher {
                 }
                 _ = tokio::time::sleep_until(sleep_until), if deadline.is_some() => {
                     let text = self.hung_text();
-                    self.fail_everything(Failure::Transient, &text);
+                    self.fail_everything(&text);
                     return ChannelEnd::Hung(text);
                 }
                 _ = check.tick() => {
@@ -254,18 +239,14 @@ impl Publisher {
             "the broker nacked {} publishes in a row; replacing the connection",
             self.nacks_in_a_row
         );
-        self.fail_everything(Failure::Transient, &text);
+        self.fail_everything(&text);
         Some(ChannelEnd::Refusing(text))
     }
 
-    fn enqueue(&mut self, messages: Vec<OutboundMessage>, solo: bool) {
-        let n = messages.len();
-        self.queue
-            .extend(messages.into_iter().enumerate().map(|(i, msg)| Queued {
-                msg,
-                solo,
-                last: i + 1 == n,
-            }));
+    fn enqueue(&mut self, batch: Batch) {
+        if !batch.is_empty() {
+            self.queue.push_back(batch);
+        }
     }
 
     fn on_blocked_change(&mut self, sender_alive: bool) {
@@ -284,14 +265,22 @@ impl Publisher {
     /// for the ones before it to settle. In `AckQueue` mode a record follows the messages of each
     /// Publish command (each message, when solo).
     async fn publish_ready(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
-        while let Some(front) = self.queue.front() {
-            let solo = front.solo;
+        while let Some(front) = self.queue.front_mut() {
+            let solo = front.solo();
             // A solo message goes out alone: after everything before it settled, and before
             // anything after it, so a channel error can only be its own.
             if (solo && !self.unsettled.is_empty()) || self.solo_unsettled > 0 {
                 return None;
             }
-            let Queued { msg, solo, last } = self.queue.pop_front()?;
+            let Some(msg) = front.take_next() else {
+                self.queue.pop_front();
+                continue;
+            };
+            // The last message of its batch: the batch's record follows it.
+            let last = front.is_empty();
+            if last {
+                self.queue.pop_front();
+            }
             let mut published = false;
             if msg.lose_in_transit {
                 // Test hook: as if the message and a record of its own, published just before
@@ -342,7 +331,7 @@ impl Publisher {
                                 }
                                 Sent::Stopped(reason) => {
                                     self.fail(msg.id, Failure::Transient, &reason);
-                                    self.fail_everything(Failure::Transient, &reason);
+                                    self.fail_everything(&reason);
                                     return Some(ChannelEnd::Stopped);
                                 }
                                 Sent::Failed(e) => {
@@ -359,7 +348,7 @@ impl Publisher {
                                 Sent::Hung => {
                                     let text = self.hung_text();
                                     self.fail(msg.id, Failure::Transient, &text);
-                                    self.fail_everything(Failure::Transient, &text);
+                                    self.fail_everything(&text);
                                     return Some(ChannelEnd::Hung(text));
                                 }
                             }
@@ -488,13 +477,13 @@ impl Publisher {
                 None
             }
             Sent::Stopped(reason) => {
-                self.fail_everything(Failure::Transient, &reason);
+                self.fail_everything(&reason);
                 Some(ChannelEnd::Stopped)
             }
             Sent::Failed(e) => Some(self.dying(Some(e), stop).await),
             Sent::Hung => {
                 let text = self.hung_text();
-                self.fail_everything(Failure::Transient, &text);
+                self.fail_everything(&text);
                 Some(ChannelEnd::Hung(text))
             }
         }
@@ -695,10 +684,9 @@ impl Publisher {
         for (_, p) in std::mem::take(&mut self.unsettled) {
             self.fail(p.id, failure, &detail);
         }
-        let queued = format!("publishing channel closed before the message was sent: {text}");
-        for q in std::mem::take(&mut self.queue) {
-            self.fail(q.msg.id, Failure::Transient, &queued);
-        }
+        self.drop_queue(&format!(
+            "publishing channel closed before the message was sent: {text}"
+        ));
         self.clear_in_flight();
         ChannelEnd::Closed(text)
     }
@@ -713,19 +701,26 @@ impl Publisher {
     /// Told to stop (with a reason, or by a dropped sender): everything in flight is retried later.
     fn stopped(&mut self, reason: Result<String, oneshot::error::RecvError>) -> ChannelEnd {
         let reason = reason.unwrap_or_else(|_| "publisher stopped".to_string());
-        self.fail_everything(Failure::Transient, &reason);
+        self.fail_everything(&reason);
         ChannelEnd::Stopped
     }
 
-    fn fail_everything(&mut self, failure: Failure, error: &str) {
+    /// Everything unsettled or queued will be published again later (`Transient`).
+    fn fail_everything(&mut self, error: &str) {
         self.solo_unsettled = 0;
         for (_, p) in std::mem::take(&mut self.unsettled) {
-            self.fail(p.id, failure, error);
+            self.fail(p.id, Failure::Transient, error);
         }
-        for q in std::mem::take(&mut self.queue) {
-            self.fail(q.msg.id, failure, error);
-        }
+        self.drop_queue(error);
         self.clear_in_flight();
+    }
+
+    /// The queued batches fail their messages, with this reason, as they are dropped.
+    fn drop_queue(&mut self, why: &str) {
+        let why = self.ctx.redactor.clean(why);
+        for mut batch in std::mem::take(&mut self.queue) {
+            batch.unsent_because(why.clone());
+        }
     }
 
     /// Forgets every confirm and record still pending (the channel is done).
@@ -755,34 +750,6 @@ fn later(t: Instant, d: Duration) -> Instant {
     t.checked_add(d)
         .or_else(|| t.checked_add(Duration::from_secs(10 * 365 * 86_400)))
         .unwrap_or(t)
-}
-
-/// `404 NOT_FOUND - no exchange 'x' in vhost '/'` for broker errors, lapin's text otherwise.
-pub(crate) fn describe_error(e: &lapin::Error) -> String {
-    match e.kind() {
-        ErrorKind::ProtocolError(a) => format!("{} {}", a.get_id(), a.get_message()),
-        _ => e.to_string(),
-    }
-}
-
-/// Could a message published on the channel have caused this error? Channel-level (soft)
-/// errors: yes (404 no exchange, 403, 406 too large…). Connection-level errors that a malformed
-/// publish provokes: yes. Everything else (I/O, heartbeat, forced close…): no.
-fn message_may_be_at_fault(e: &lapin::Error) -> bool {
-    match e.kind() {
-        ErrorKind::ProtocolError(a) => match a.kind() {
-            AMQPErrorKind::Soft(_) => true,
-            // FRAME_ERROR, SYNTAX_ERROR, COMMAND_INVALID, UNEXPECTED_FRAME.
-            AMQPErrorKind::Hard(_) => matches!(a.get_id(), 501 | 502 | 503 | 505),
-        },
-        _ => false,
-    }
-}
-
-/// Prefer the broker's own explanation over a secondary state error.
-fn better_error(new: &lapin::Error, current: &lapin::Error) -> bool {
-    matches!(new.kind(), ErrorKind::ProtocolError(_))
-        && !matches!(current.kind(), ErrorKind::ProtocolError(_))
 }
 
 fn short(value: &str, what: &str) -> Result<ShortString, String> {
@@ -841,7 +808,6 @@ fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::protocol::{AMQPError, AMQPHardError, AMQPSoftError};
 
     fn msg() -> OutboundMessage {
         OutboundMessage {
@@ -896,29 +862,5 @@ mod tests {
         m.headers
             .insert("big".into(), serde_json::Value::String("x".repeat(100_000)));
         assert!(build(&m, 131_072).is_ok());
-    }
-
-    #[test]
-    fn blame_rules() {
-        let soft: lapin::Error = ErrorKind::ProtocolError(AMQPError::new(
-            AMQPSoftError::NOTFOUND.into(),
-            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
-        ))
-        .into();
-        assert!(message_may_be_at_fault(&soft));
-        assert_eq!(
-            describe_error(&soft),
-            "404 NOT_FOUND - no exchange 'x' in vhost '/'"
-        );
-        let forced: lapin::Error = ErrorKind::ProtocolError(AMQPError::new(
-            AMQPHardError::CONNECTIONFORCED.into(),
-            "CONNECTION_FORCED".into(),
-        ))
-        .into();
-        assert!(!message_may_be_at_fault(&forced));
-        let io: lapin::Error = std::io::Error::other("reset").into();
-        assert!(!message_may_be_at_fault(&io));
-        assert!(better_error(&soft, &io));
-        assert!(!better_error(&io, &soft));
     }
 }

@@ -2,10 +2,9 @@
 //! PostgreSQL's main thread, and lapin's io-loop threads inherit the mask), running a
 //! current-thread tokio runtime with the supervisor.
 
-use crate::{supervisor, wake, BrokerHandle, Command, Event};
-use futures_util::future::FutureExt;
-use std::any::Any;
-use std::future::Future;
+use crate::bridge::{Command, Event};
+use crate::events::{panic_message, EventSink};
+use crate::{supervisor, wake};
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -13,31 +12,12 @@ use std::time::Duration;
 
 pub(crate) const THREAD_NAME: &str = "amqp_outbox-amqp";
 
-/// Where the AMQP side puts events: a std channel, then one wake-up byte if none is pending.
-#[derive(Clone)]
-pub(crate) struct EventSink {
-    events: mpsc::Sender<Event>,
-    wake: wake::WakeSender,
-}
-
-impl EventSink {
-    pub(crate) fn send(&self, event: Event) {
-        // An error means the worker dropped its handle: nobody is listening any more.
-        if self.events.send(event).is_ok() {
-            self.wake.wake();
-        }
-    }
-}
-
 /// Starts the AMQP thread and returns the worker's end of the bridge.
 pub fn spawn() -> io::Result<BrokerHandle> {
     let (wake_rx, wake_tx) = wake::pair()?;
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::unbounded_channel::<Command>();
     let (ev_tx, ev_rx) = mpsc::channel::<Event>();
-    let sink = EventSink {
-        events: ev_tx,
-        wake: wake_tx,
-    };
+    let sink = EventSink::new(ev_tx, wake_tx);
 
     let old_mask = block_all_signals()?;
     let spawned = std::thread::Builder::new()
@@ -107,31 +87,43 @@ fn thread_main(commands: tokio::sync::mpsc::UnboundedReceiver<Command>, sink: Ev
     }
 }
 
-/// Spawns `task` on the current runtime. A panic in a task would otherwise vanish into its
-/// JoinHandle, leaving messages unreported: it becomes a fatal event instead, so the worker
-/// restarts and republishes. `what` names the task in that event.
-pub(crate) fn spawn_guarded(
-    sink: EventSink,
-    what: String,
-    task: impl Future<Output = ()> + Send + 'static,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        if let Err(panic) = AssertUnwindSafe(task).catch_unwind().await {
-            sink.send(Event::Fatal(format!(
-                "{what} panicked: {}",
-                panic_message(&*panic)
-            )));
-        }
-    })
+/// The worker's end of the bridge.
+pub struct BrokerHandle {
+    commands: tokio::sync::mpsc::UnboundedSender<Command>,
+    events: std::sync::mpsc::Receiver<Event>,
+    wake: wake::WakeReceiver,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
-pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".to_string()
+impl BrokerHandle {
+    /// Returns false when the AMQP thread is gone.
+    pub fn send(&self, command: Command) -> bool {
+        self.commands.send(command).is_ok()
+    }
+
+    /// The file descriptor to wait on for readability; it becomes readable when events arrive.
+    pub fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake.fd()
+    }
+
+    /// Takes every pending event (and consumes the wake-ups that announced them).
+    pub fn drain_events(&self) -> Vec<Event> {
+        self.wake.clear();
+        self.events.try_iter().collect()
+    }
+
+    /// Asks the AMQP thread to stop and waits for it, at most `timeout`.
+    pub fn shutdown(mut self, timeout: Duration) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let deadline = std::time::Instant::now() + timeout;
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
     }
 }
 

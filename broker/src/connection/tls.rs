@@ -11,9 +11,8 @@
 //! - Errors name the cause (unknown CA, name mismatch, expired, unreadable file…) and never
 //!   contain file contents (a key file's bytes must not reach a log).
 
-use crate::publisher::describe_error;
-use crate::supervisor::uri_for;
-use crate::{BrokerConfig, Endpoint, TlsOptions};
+use super::errors::describe_error;
+use crate::config::{Endpoint, TlsOptions};
 use lapin::tcp::{AMQPUriTcpExt, RustlsConnector, TLSConfig};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
@@ -35,10 +34,9 @@ pub(crate) struct TlsSetup {
 /// removes passwords, and bounds the whole with its connect timeout).
 pub(crate) async fn connect(
     ep: &Endpoint,
-    cfg: &BrokerConfig,
+    uri: AMQPUri,
     props: ConnectionProperties,
 ) -> Result<Connection, String> {
-    let uri = uri_for(ep, cfg);
     let Some(opts) = &ep.tls else {
         return Connection::connect_uri(uri, props)
             .await
@@ -455,5 +453,5 @@ mod tests {
     }
 
     /// A self-signed CA certificate (no key needed: only parsed here).
-    const TEST_CA: &str = include_str!("../tests/data/unit_ca.pem");
+    const TEST_CA: &str = include_str!("../../tests/data/unit_ca.pem");
 }
