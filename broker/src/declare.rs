@@ -109,12 +109,10 @@ pub(crate) async fn declare(
         })
     };
     let mut channel: Option<Channel> = None;
+    let channel = &mut channel;
     for d in &decls.exchanges {
         let Some(name) = short_name(&d.name, "exchange", &warn) else {
             continue;
-        };
-        let Some(ch) = usable_channel(conn, &mut channel, &warn).await else {
-            return;
         };
         let options = ExchangeDeclareOptions {
             passive: d.passive,
@@ -123,18 +121,19 @@ pub(crate) async fn declare(
             internal: false,
             nowait: false,
         };
-        match ch
-            .exchange_declare(name, exchange_kind(&d.kind), options, FieldTable::default())
-            .await
-        {
-            Ok(()) => channel = Some(ch),
-            // The broker closed that channel; the next declaration opens another.
-            Err(e) => warn(format!(
-                "cannot declare exchange \"{}\" ({}): {}",
-                d.name,
-                d.kind,
-                describe_error(&e)
-            )),
+        let kind = exchange_kind(&d.kind);
+        let done = on_channel(conn, channel, &warn, |ch| async move {
+            ch.exchange_declare(name, kind, options, FieldTable::default())
+                .await
+        })
+        .await;
+        if let Some(Err(e)) = done {
+            warn(format!(
+                "cannot declare exchange \"{}\" ({}): {e}",
+                d.name, d.kind
+            ));
+        } else if done.is_none() {
+            return;
         }
     }
     let ack_queue = decls.ack_queue.as_ref().map(|q| QueueDecl {
@@ -152,18 +151,8 @@ pub(crate) async fn declare(
         let Some(name) = short_name(&d.name, what, &warn) else {
             continue;
         };
-        let args = match to_field_table(&d.arguments) {
-            Ok(a) => a,
-            Err(e) => {
-                warn(format!(
-                    "{what} \"{}\" not declared: arguments: {e}",
-                    d.name
-                ));
-                continue;
-            }
-        };
-        let Some(ch) = usable_channel(conn, &mut channel, &warn).await else {
-            return;
+        let Some(args) = arguments(&d.arguments, &warn, || format!("{what} \"{}\"", d.name)) else {
+            continue;
         };
         let options = QueueDeclareOptions {
             passive: false,
@@ -172,13 +161,14 @@ pub(crate) async fn declare(
             auto_delete: d.auto_delete,
             nowait: false,
         };
-        match ch.queue_declare(name, options, args).await {
-            Ok(_) => channel = Some(ch),
-            Err(e) => warn(format!(
-                "cannot declare {what} \"{}\": {}",
-                d.name,
-                describe_error(&e)
-            )),
+        let done = on_channel(conn, channel, &warn, |ch| async move {
+            ch.queue_declare(name, options, args).await
+        })
+        .await;
+        if let Some(Err(e)) = done {
+            warn(format!("cannot declare {what} \"{}\": {e}", d.name));
+        } else if done.is_none() {
+            return;
         }
     }
     for b in &decls.bindings {
@@ -189,35 +179,67 @@ pub(crate) async fn declare(
         ) else {
             continue;
         };
-        let args = match to_field_table(&b.arguments) {
-            Ok(a) => a,
-            Err(e) => {
-                warn(format!(
-                    "binding of queue \"{}\" to exchange \"{}\" not declared: arguments: {e}",
-                    b.queue, b.exchange
-                ));
-                continue;
-            }
+        let Some(args) = arguments(&b.arguments, &warn, || {
+            format!(
+                "binding of queue \"{}\" to exchange \"{}\"",
+                b.queue, b.exchange
+            )
+        }) else {
+            continue;
         };
-        let Some(ch) = usable_channel(conn, &mut channel, &warn).await else {
+        let done = on_channel(conn, channel, &warn, |ch| async move {
+            ch.queue_bind(queue, exchange, key, QueueBindOptions::default(), args)
+                .await
+        })
+        .await;
+        if let Some(Err(e)) = done {
+            warn(format!(
+                "cannot bind queue \"{}\" to exchange \"{}\" with key \"{}\": {e}",
+                b.queue, b.exchange, b.routing_key
+            ));
+        } else if done.is_none() {
             return;
-        };
-        match ch
-            .queue_bind(queue, exchange, key, QueueBindOptions::default(), args)
-            .await
-        {
-            Ok(()) => channel = Some(ch),
-            Err(e) => warn(format!(
-                "cannot bind queue \"{}\" to exchange \"{}\" with key \"{}\": {}",
-                b.queue,
-                b.exchange,
-                b.routing_key,
-                describe_error(&e)
-            )),
         }
     }
-    if let Some(ch) = channel {
+    if let Some(ch) = channel.take() {
         let _ = ch.close(200, "declared".into()).await;
+    }
+}
+
+/// Runs one declaration on the declaration channel: `None` when no channel can be opened
+/// (nothing more can be declared), else whether the broker took it (its error described). A
+/// refusal closes that channel; the next declaration opens another.
+async fn on_channel<T, Fut>(
+    conn: &Connection,
+    channel: &mut Option<Channel>,
+    warn: &impl Fn(String),
+    op: impl FnOnce(Channel) -> Fut,
+) -> Option<Result<(), String>>
+where
+    Fut: std::future::Future<Output = lapin::Result<T>>,
+{
+    let ch = usable_channel(conn, channel, warn).await?;
+    match op(ch.clone()).await {
+        Ok(_) => {
+            *channel = Some(ch);
+            Some(Ok(()))
+        }
+        Err(e) => Some(Err(describe_error(&e))),
+    }
+}
+
+/// The arguments as an AMQP table, or a warning that `what` is not declared.
+fn arguments(
+    args: &serde_json::Map<String, serde_json::Value>,
+    warn: &impl Fn(String),
+    what: impl FnOnce() -> String,
+) -> Option<FieldTable> {
+    match to_field_table(args) {
+        Ok(a) => Some(a),
+        Err(e) => {
+            warn(format!("{} not declared: arguments: {e}", what()));
+            None
+        }
     }
 }
 
