@@ -68,25 +68,9 @@ impl Drop for Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bridge::fixtures::message;
     use crate::wake;
     use std::sync::mpsc;
-
-    fn message(id: i64) -> OutboundMessage {
-        OutboundMessage {
-            id,
-            exchange: String::new(),
-            routing_key: "k".into(),
-            body: vec![],
-            delivery_mode: 2,
-            content_type: None,
-            reply_to: None,
-            correlation_id: None,
-            message_id: format!("m{id}"),
-            timestamp: 0,
-            headers: Default::default(),
-            lose_in_transit: false,
-        }
-    }
 
     #[test]
     fn a_dropped_batch_fails_what_it_still_holds_with_the_last_reason() {

@@ -134,3 +134,27 @@ pub enum LogLevel {
     Info,
     Warning,
 }
+
+/// Messages for unit tests.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::*;
+
+    /// A persistent message to the default exchange, routing key "k", with no properties.
+    pub(crate) fn message(id: i64) -> OutboundMessage {
+        OutboundMessage {
+            id,
+            exchange: String::new(),
+            routing_key: "k".into(),
+            body: vec![],
+            delivery_mode: 2,
+            content_type: None,
+            reply_to: None,
+            correlation_id: None,
+            message_id: format!("m{id}"),
+            timestamp: 0,
+            headers: Default::default(),
+            lose_in_transit: false,
+        }
+    }
+}

@@ -10,7 +10,8 @@
 //! 2. `bridge` (the Command and Event types), `ack` (acknowledgement records), `connection`
 //!    (open and close one connection, TLS, error texts, redaction), `reconnect` (the one
 //!    reconnect driver: host rounds, backoff, interruptions);
-//! 3. `events` (the event sink, guarded tasks); 4. `batch` (one publish on its way);
+//! 3. `events` (the event sink, guarded tasks), `outbound` (a message as AMQP publishes it);
+//! 4. `batch` (one publish on its way);
 //! 5. what runs on a connection: `publisher` (one publishing channel), `declare`, `listener`
 //!    (the acknowledgement queue's consumer, a reconnect client);
 //! 6. `session` (one broker's publishing connection, a reconnect client);
@@ -27,6 +28,7 @@ mod declare;
 mod events;
 mod exchange_probe;
 mod listener;
+mod outbound;
 mod publisher;
 mod reconnect;
 mod session;

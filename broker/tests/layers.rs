@@ -11,7 +11,7 @@ const LAYERS: &[&[&str]] = &[
     &["config", "amqp_values", "backoff", "wake", "exchange_probe"],
     // The bridge's message types, acknowledgement records, one connection, the reconnect driver.
     &["bridge", "ack", "connection", "reconnect"],
-    &["events"],
+    &["events", "outbound"],
     &["batch"],
     // The clients of a broker and what they do on a connection.
     &["publisher", "declare", "listener"],
