@@ -1,4 +1,4 @@
-//! Support for the fault-injection suite (`tests/faults.rs`, FAULTS.md): the volume knob, the
+//! Support for the fault-injection suite (`tests/faults/`, FAULTS.md): the volume knob, the
 //! results table that `make chaos` prints, the worker's peak memory, a loopback TCP proxy that
 //! can stall or cut connections, a physical standby of a [`PgCluster`], and a few process tools.
 //!
