@@ -234,6 +234,16 @@ impl Admin {
         self.exchanges.retain(|e| e != name);
     }
 
+    /// A uniquely named direct exchange `<prefix>_x…` and queue `<prefix>_q…`, bound with `rk`:
+    /// (exchange, queue).
+    pub fn direct_route(&mut self, prefix: &str) -> (String, String) {
+        let exchange = unique(&format!("{prefix}_x"));
+        let queue = unique(&format!("{prefix}_q"));
+        self.exchange(&exchange, ExchangeKind::Direct);
+        self.queue(&queue, &exchange, "rk");
+        (exchange, queue)
+    }
+
     /// A queue bound to `exchange` with `key`.
     pub fn queue(&mut self, name: &str, exchange: &str, key: &str) {
         self.queue_with_binding_args(name, exchange, key, FieldTable::default());
