@@ -294,6 +294,24 @@ impl Producer {
         }
     }
 
+    /// `n` producers with `template`'s settings, named `<template.name>0`, `<template.name>1`, …
+    pub fn spawn_group(
+        cluster: &PgCluster,
+        template: &ProducerConfig,
+        n: usize,
+        ledger: &Arc<Ledger>,
+    ) -> Vec<Producer> {
+        (0..n)
+            .map(|i| {
+                let config = ProducerConfig {
+                    name: format!("{}{i}", template.name),
+                    ..template.clone()
+                };
+                Producer::spawn(cluster, config, ledger.clone())
+            })
+            .collect()
+    }
+
     /// Messages whose transaction has ended (any outcome) so far.
     pub fn published(&self) -> u64 {
         self.published.load(Ordering::Relaxed)

@@ -107,16 +107,12 @@ impl Rig {
         pause_ms: u64,
         rollback: f64,
     ) -> Vec<Producer> {
-        (0..n)
-            .map(|i| {
-                let mut cfg = self.producer_config(&format!("{prefix}{i}"));
-                cfg.max_messages = max;
-                cfg.max_batch = 10;
-                cfg.rollback_ratio = rollback;
-                cfg.pause = Duration::from_millis(pause_ms);
-                Producer::spawn(&self.cluster, cfg, self.ledger.clone())
-            })
-            .collect()
+        let mut cfg = self.producer_config(prefix);
+        cfg.max_messages = max;
+        cfg.max_batch = 10;
+        cfg.rollback_ratio = rollback;
+        cfg.pause = Duration::from_millis(pause_ms);
+        Producer::spawn_group(&self.cluster, &cfg, n, &self.ledger)
     }
 
     /// A new connection to the test database (after a crash restart), retried.
