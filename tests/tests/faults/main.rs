@@ -53,5 +53,5 @@ fn chaos_support_tools_work() {
     echo.join().unwrap();
     assert_eq!(proxy.accepted(), 1);
     assert!(proc_status_kb(std::process::id() as i32, "VmHWM").unwrap() > 0);
-    let _ = pg_program;
+    let _ = pg_program::<&str>;
 }
