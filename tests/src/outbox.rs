@@ -38,6 +38,18 @@ impl Outbox {
             .map_err(|e| format!("counting amqp.message: {e}"))
     }
 
+    /// Rows to `exchange` the broker refused with 404 (tried, waiting for their retry).
+    pub fn refused_with_404(client: &mut Client, exchange: &str) -> Result<i64, String> {
+        client
+            .query_one(
+                "SELECT count(*) FROM amqp.message WHERE exchange = $1 AND attempts > 0 \
+                    AND last_error LIKE '%404%'",
+                &[&exchange],
+            )
+            .map(|r| r.get(0))
+            .map_err(|e| format!("counting refused rows to {exchange}: {e}"))
+    }
+
     /// All rows in `amqp.message`.
     pub fn rows(client: &mut Client) -> Result<i64, String> {
         client

@@ -381,15 +381,8 @@ fn case17_hostile_input_beside_good_traffic() {
             "{what}: retrying cannot help, parked at the first attempt"
         );
     }
-    let refused: i64 = rig
-        .client
-        .query_one(
-            "SELECT count(*) FROM amqp.message WHERE exchange = $1 AND attempts > 0 \
-                AND last_error LIKE '%404%'",
-            &[&missing],
-        )
-        .unwrap()
-        .get(0);
+    let refused =
+        Outbox::refused_with_404(&mut rig.client, &missing).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         refused, 100,
         "every message to the missing exchange refused with 404"
