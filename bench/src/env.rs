@@ -9,12 +9,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::{PgCluster, PgConfig};
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions, QueuePurgeOptions,
-};
+use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::ExchangeKind;
 use postgres::Client;
 
 /// The database the worker serves.
@@ -56,10 +53,8 @@ pub struct Routes {
 pub struct Env {
     pub cluster: PgCluster,
     pub admin: Client,
-    pub rt: tokio::runtime::Runtime,
-    #[allow(dead_code)] // kept open for `channel`
-    pub amqp: Connection,
-    pub channel: Channel,
+    /// Declares, purges and counts the benchmark's queues.
+    pub amqp: AmqpAdmin,
     pub broker_id: i32,
     pub bindir: PathBuf,
     pub routes: Routes,
@@ -135,27 +130,8 @@ impl Env {
             .map_err(|e| format!("INSERT INTO amqp.broker: {e}"))?
             .get(0);
 
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("bench-amqp")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("tokio runtime: {e}"))?;
-        let uri = format!("amqp://guest:guest@{amqp_host}:{amqp_port}/%2f?heartbeat=30");
-        let (amqp, channel) = rt.block_on(async {
-            let c = tokio::time::timeout(
-                Duration::from_secs(10),
-                Connection::connect(&uri, ConnectionProperties::default()),
-            )
-            .await
-            .map_err(|_| format!("connecting to RabbitMQ at {uri} timed out"))?
-            .map_err(|e| format!("cannot connect to RabbitMQ at {uri}: {e}"))?;
-            let ch = c
-                .create_channel()
-                .await
-                .map_err(|e| format!("channel: {e}"))?;
-            Ok::<_, String>((c, ch))
-        })?;
+        let amqp = AmqpAdmin::connect(&amqp_uri(&amqp_host, amqp_port))
+            .map_err(|e| format!("RabbitMQ: {e}"))?;
         let routes = Routes {
             publish: Route::new("publish", false),
             classic: Route::new("classic", false),
@@ -165,9 +141,7 @@ impl Env {
         let env = Env {
             cluster,
             admin,
-            rt,
             amqp,
-            channel,
             broker_id,
             bindir,
             routes,
@@ -192,101 +166,42 @@ impl Env {
     }
 
     pub fn amqp_uri(&self) -> String {
-        format!(
-            "amqp://guest:guest@{}:{}/%2f?heartbeat=30",
-            self.amqp_host, self.amqp_port
-        )
+        amqp_uri(&self.amqp_host, self.amqp_port)
     }
 
     fn declare(&self, r: &Route) -> Result<(), String> {
-        self.rt.block_on(async {
-            // A leftover of an interrupted run may have other arguments: start afresh.
-            let _ = self
-                .channel
-                .queue_delete(r.queue.as_str().into(), QueueDeleteOptions::default())
-                .await;
-            self.channel
-                .exchange_declare(
-                    r.exchange.as_str().into(),
-                    ExchangeKind::Fanout,
-                    ExchangeDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("exchange.declare {}: {e}", r.exchange))?;
-            let mut args = FieldTable::default();
-            if r.quorum {
-                args.insert(
-                    "x-queue-type".into(),
-                    AMQPValue::LongString("quorum".into()),
-                );
-            }
-            self.channel
-                .queue_declare(
-                    r.queue.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    args,
-                )
-                .await
-                .map_err(|e| format!("queue.declare {}: {e}", r.queue))?;
-            self.channel
-                .queue_bind(
-                    r.queue.as_str().into(),
-                    r.exchange.as_str().into(),
-                    "".into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("queue.bind {}: {e}", r.queue))?;
-            Ok(())
-        })
+        // A leftover of an interrupted run may have other arguments: start afresh.
+        let _ = self.amqp.delete_queue(&r.queue);
+        self.amqp
+            .declare_exchange(&r.exchange, ExchangeKind::Fanout, true)?;
+        let mut args = FieldTable::default();
+        if r.quorum {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        self.amqp.declare_queue(&r.queue, true, args)?;
+        self.amqp
+            .bind_queue(&r.queue, &r.exchange, "", FieldTable::default())
     }
 
     /// Deletes the benchmark's queues and exchanges.
     pub fn cleanup_broker(&self) {
-        for r in self.all_routes() {
-            let _ = self.rt.block_on(async {
-                let _ = self
-                    .channel
-                    .queue_delete(r.queue.as_str().into(), QueueDeleteOptions::default())
-                    .await;
-                self.channel
-                    .exchange_delete(r.exchange.as_str().into(), ExchangeDeleteOptions::default())
-                    .await
-            });
-        }
+        let routes = self.all_routes();
+        let queues: Vec<String> = routes.iter().map(|r| r.queue.clone()).collect();
+        let exchanges: Vec<String> = routes.iter().map(|r| r.exchange.clone()).collect();
+        self.amqp
+            .delete_all(&queues, &exchanges, Duration::from_secs(30));
     }
 
     pub fn purge(&self, queue: &str) -> Result<(), String> {
-        self.rt
-            .block_on(
-                self.channel
-                    .queue_purge(queue.into(), QueuePurgeOptions::default()),
-            )
-            .map(|_| ())
-            .map_err(|e| format!("queue.purge {queue}: {e}"))
+        self.amqp.purge_queue(queue)
     }
 
     /// Ready messages in `queue`.
     pub fn queue_len(&self, queue: &str) -> Result<u64, String> {
-        self.rt
-            .block_on(self.channel.queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            ))
-            .map(|q| u64::from(q.message_count()))
-            .map_err(|e| format!("passive queue.declare {queue}: {e}"))
+        self.amqp.queue_len(queue).map(u64::from)
     }
 
     /// Waits (bounded) until `queue` holds at least `n` messages; returns what it holds.
@@ -428,6 +343,11 @@ impl Env {
         fs::write(&p, text).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
         Ok(p)
     }
+}
+
+/// The shared broker as guest; a long heartbeat, so a loaded run does not lose its connections.
+fn amqp_uri(host: &str, port: u16) -> String {
+    format!("amqp://guest:guest@{host}:{port}/%2f?heartbeat=30")
 }
 
 /// `synchronous_commit` of the cluster: `BENCH_SYNC_COMMIT` (default `off`).

@@ -372,7 +372,6 @@ fn drain_once(
 fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<f64, String> {
     env.purge(&route.queue)?;
     let rate = raw::pipelined(
-        &env.rt,
         &env.amqp_uri(),
         &route.exchange,
         body.as_bytes(),
@@ -597,7 +596,7 @@ pub fn latency(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
     env.set_proof("ack_queue")?;
     let route = env.routes.latency.clone();
     env.purge(&route.queue)?;
-    let consumer = LatencyConsumer::start(&env.rt, &env.amqp_uri(), &route.queue)?;
+    let consumer = LatencyConsumer::start(&env.amqp_uri(), &route.queue)?;
     // Bodies of about 100 bytes: "<16 digits> m " + pad.
     let pad = payload(BODY_SIZE - 19);
     let warmup = Duration::from_secs(1);
@@ -618,15 +617,8 @@ pub fn latency(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
                 consumer.reset();
                 let (sent, conf) = match who {
                     Who::Raw => {
-                        let (sent, c) = raw::paced(
-                            &env.rt,
-                            &env.amqp_uri(),
-                            &route.exchange,
-                            &pad,
-                            rate,
-                            warmup,
-                            secs,
-                        )?;
+                        let (sent, c) =
+                            raw::paced(&env.amqp_uri(), &route.exchange, &pad, rate, warmup, secs)?;
                         (sent, Some(c))
                     }
                     Who::AckQueue | Who::Confirm => {

@@ -7,12 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use amqp_outbox_testkit::amqp_admin::{self, runtime};
 use futures_lite::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::options::BasicPublishOptions;
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
 pub fn now_us() -> i64 {
     SystemTime::now()
@@ -22,20 +20,8 @@ pub fn now_us() -> i64 {
 }
 
 async fn confirm_channel(uri: &str) -> Result<(Connection, Channel), String> {
-    let c = tokio::time::timeout(
-        Duration::from_secs(10),
-        Connection::connect(uri, ConnectionProperties::default()),
-    )
-    .await
-    .map_err(|_| "connect timed out".to_string())?
-    .map_err(|e| format!("connect: {e}"))?;
-    let ch = c
-        .create_channel()
-        .await
-        .map_err(|e| format!("channel: {e}"))?;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| format!("confirm.select: {e}"))?;
+    let c = amqp_admin::connect(uri, amqp_admin::CONNECT_TIMEOUT).await?;
+    let ch = amqp_admin::confirm_channel(&c).await?;
     Ok((c, ch))
 }
 
@@ -54,14 +40,13 @@ fn props() -> BasicProperties {
 /// Publishes `n` persistent, mandatory messages of `body` to `exchange` with up to `window`
 /// unconfirmed; returns messages per second from the first publish to the last confirm.
 pub fn pipelined(
-    rt: &tokio::runtime::Runtime,
     uri: &str,
     exchange: &str,
     body: &[u8],
     n: u64,
     window: usize,
 ) -> Result<f64, String> {
-    rt.block_on(async {
+    runtime().block_on(async {
         let (conn, ch) = confirm_channel(uri).await?;
         let opts = BasicPublishOptions {
             mandatory: true,
@@ -104,37 +89,13 @@ pub struct LatencyConsumer {
 }
 
 impl LatencyConsumer {
-    pub fn start(
-        rt: &tokio::runtime::Runtime,
-        uri: &str,
-        queue: &str,
-    ) -> Result<LatencyConsumer, String> {
+    pub fn start(uri: &str, queue: &str) -> Result<LatencyConsumer, String> {
         let samples = Arc::new(Mutex::new(Vec::new()));
         let received = Arc::new(AtomicU64::new(0));
         let (s2, r2) = (samples.clone(), received.clone());
-        let conn = rt.block_on(async {
-            let c = Connection::connect(uri, ConnectionProperties::default())
-                .await
-                .map_err(|e| format!("consumer connect: {e}"))?;
-            let ch = c
-                .create_channel()
-                .await
-                .map_err(|e| format!("channel: {e}"))?;
-            ch.basic_qos(1000, BasicQosOptions::default())
-                .await
-                .map_err(|e| format!("basic.qos: {e}"))?;
-            let mut consumer = ch
-                .basic_consume(
-                    queue.into(),
-                    "bench-latency".into(),
-                    BasicConsumeOptions {
-                        no_ack: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("basic.consume {queue}: {e}"))?;
+        let conn = runtime().block_on(async {
+            let c = amqp_admin::connect(uri, amqp_admin::CONNECT_TIMEOUT).await?;
+            let mut consumer = amqp_admin::start_consumer(&c, queue, Some(1000), true).await?;
             tokio::spawn(async move {
                 while let Some(Ok(d)) = consumer.next().await {
                     let t = now_us();
@@ -189,7 +150,6 @@ impl LatencyConsumer {
 /// time. Confirms are awaited in order by another task (pipelined, so the rate is not capped
 /// by the round trip). Returns (measured messages sent, confirm latencies in µs).
 pub fn paced(
-    rt: &tokio::runtime::Runtime,
     uri: &str,
     exchange: &str,
     pad: &str,
@@ -197,6 +157,7 @@ pub fn paced(
     warmup: Duration,
     secs: Duration,
 ) -> Result<(u64, Samples), String> {
+    let rt = runtime();
     let (conn, ch) = rt.block_on(confirm_channel(uri))?;
     let (tx, mut rx) =
         tokio::sync::mpsc::unbounded_channel::<(Instant, bool, lapin::PublisherConfirm)>();

@@ -90,6 +90,16 @@ fn ack_bridge(ack_q: &str, quorum: bool) -> (Bridge, u64) {
     (bridge, epoch)
 }
 
+/// A uniquely named acknowledgement queue `<acks>…` (deleted with `admin`; the bridge declares
+/// it) and a target queue `<target>…` bound to `amq.direct` by its own name: (ack queue, target).
+fn acks_and_target(admin: &mut Admin, acks: &str, target: &str) -> (String, String) {
+    let ack_q = unique(acks);
+    admin.cleanup_queue(&ack_q);
+    let queue = unique(target);
+    admin.queue(&queue, "amq.direct", &queue);
+    (ack_q, queue)
+}
+
 fn header_keys(d: &lapin::message::Delivery) -> BTreeSet<String> {
     d.properties
         .headers()
@@ -187,10 +197,7 @@ fn unroutable_message_is_still_rejected_in_ack_queue_mode() {
     let mut admin = Admin::new();
     let ack_q = unique("acks_unroutable");
     admin.cleanup_queue(&ack_q);
-    let exchange = unique("unroutable_ack_x");
-    let queue = unique("unroutable_ack_q");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
+    let (exchange, queue) = admin.direct_route("unroutable_ack");
 
     let (mut bridge, _) = ack_bridge(&ack_q, false);
 
@@ -222,10 +229,7 @@ fn unroutable_message_is_still_rejected_in_ack_queue_mode() {
 #[test]
 fn lose_in_transit_is_reported_lost_and_the_rest_acked() {
     let mut admin = Admin::new();
-    let ack_q = unique("acks_lose");
-    admin.cleanup_queue(&ack_q);
-    let queue = unique("lose_q");
-    admin.queue(&queue, "amq.direct", &queue);
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_lose", "lose_q");
 
     let (mut bridge, epoch) = ack_bridge(&ack_q, false);
 
@@ -286,10 +290,7 @@ fn lose_in_transit_is_reported_lost_and_the_rest_acked() {
 #[test]
 fn records_of_another_session_and_malformed_ones_are_ignored() {
     let mut admin = Admin::new();
-    let ack_q = unique("acks_foreign");
-    admin.cleanup_queue(&ack_q);
-    let queue = unique("foreign_q");
-    admin.queue(&queue, "amq.direct", &queue);
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_foreign", "foreign_q");
 
     let (mut bridge, epoch) = ack_bridge(&ack_q, false);
 
@@ -324,10 +325,7 @@ fn records_of_another_session_and_malformed_ones_are_ignored() {
 #[test]
 fn quorum_ack_queue_is_declared_and_works() {
     let mut admin = Admin::new();
-    let ack_q = unique("acks_quorum");
-    admin.cleanup_queue(&ack_q);
-    let queue = unique("quorum_target_q");
-    admin.queue(&queue, "amq.direct", &queue);
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_quorum", "quorum_target_q");
 
     let (mut bridge, _) = ack_bridge(&ack_q, true);
     let msgs: Vec<_> = (1..=50).map(|i| message(i, "", &queue)).collect();

@@ -22,10 +22,7 @@ fn header<'a>(d: &'a lapin::message::Delivery, key: &str) -> &'a AMQPValue {
 #[test]
 fn batch_of_1000_is_confirmed_and_consumed_with_properties() {
     let mut admin = Admin::new();
-    let exchange = unique("batch_x");
-    let queue = unique("batch_q");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
+    let (exchange, queue) = admin.direct_route("batch");
 
     let mut bridge = Bridge::new();
     // The worker's declaration of an existing exchange (passive) must not disturb anything.
@@ -122,10 +119,7 @@ fn batch_of_1000_is_confirmed_and_consumed_with_properties() {
 #[test]
 fn unroutable_message_is_rejected_while_its_neighbours_are_confirmed() {
     let mut admin = Admin::new();
-    let exchange = unique("unroutable_x");
-    let queue = unique("unroutable_q");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
+    let (exchange, queue) = admin.direct_route("unroutable");
 
     let (mut bridge, _) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
 
@@ -167,11 +161,8 @@ fn unroutable_message_is_rejected_while_its_neighbours_are_confirmed() {
 #[test]
 fn missing_exchange_is_rejected_before_publishing_and_its_neighbours_go_out_once() {
     let mut admin = Admin::new();
-    let exchange = unique("probe_good_x");
-    let queue = unique("probe_good_q");
+    let (exchange, queue) = admin.direct_route("probe_good");
     let missing = unique("probe_missing_x");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
 
     let (mut bridge, epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
     let bad = 50;
@@ -213,11 +204,8 @@ fn missing_exchange_is_rejected_before_publishing_and_its_neighbours_go_out_once
 #[test]
 fn missing_exchange_blames_only_the_culprit_and_solo_resend_is_rejected_with_404() {
     let mut admin = Admin::new();
-    let exchange = unique("good_x");
-    let queue = unique("good_q");
+    let (exchange, queue) = admin.direct_route("good");
     let missing = unique("missing_x");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
     admin.exchange(&missing, ExchangeKind::Direct);
 
     let (mut bridge, first_epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
@@ -516,10 +504,7 @@ fn connection_loss_fails_in_flight_transient_and_reconnects_with_a_new_epoch() {
     }
     let broker_id = 1_000_000 + (std::process::id() % 100_000) as i32;
     let mut admin = Admin::new();
-    let exchange = unique("loss_x");
-    let queue = unique("loss_q");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
+    let (exchange, _queue) = admin.direct_route("loss");
 
     let mut bridge = Bridge::new();
     bridge.send(Command::Configure(vec![config(
@@ -620,10 +605,7 @@ fn connection_loss_fails_in_flight_transient_and_reconnects_with_a_new_epoch() {
 #[test]
 fn a_message_too_large_for_a_frame_is_unsendable_and_the_connection_stays() {
     let mut admin = Admin::new();
-    let exchange = unique("frame_x");
-    let queue = unique("frame_q");
-    admin.exchange(&exchange, ExchangeKind::Direct);
-    admin.queue(&queue, &exchange, "rk");
+    let (exchange, _queue) = admin.direct_route("frame");
 
     let (mut bridge, epoch) = Bridge::connected(config(B, vec![local_endpoint()], vec![]));
     let mut msgs: Vec<_> = (1..=5).map(|i| message(i, &exchange, "rk")).collect();

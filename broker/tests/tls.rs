@@ -159,22 +159,24 @@ fn node_connections(node: &Node, broker_id: i32) -> Vec<String> {
         .collect()
 }
 
-fn skip() -> bool {
+/// Test certificates and a private node with a TLS listener (asking for a client certificate
+/// when `client_cert`); None, said on stderr, where rabbitmq-server or openssl is missing.
+fn tls_node(client_cert: bool) -> Option<(Pki, Node)> {
     if !rabbitmq_installed() || !openssl_installed() {
         eprintln!("rabbitmq-server or openssl is not installed here: skipped");
-        return true;
+        return None;
     }
-    false
+    let pki = make_pki();
+    let node = Node::start_with(|n| pki.listener_conf(n.tls_port, client_cert))
+        .expect("cannot start a private RabbitMQ node");
+    Some((pki, node))
 }
 
 #[test]
 fn verifies_the_ca_and_the_name_and_never_falls_back_to_plaintext() {
-    if skip() {
+    let Some((pki, node)) = tls_node(false) else {
         return;
-    }
-    let pki = make_pki();
-    let node = Node::start_with(|n| pki.listener_conf(n.tls_port, false))
-        .expect("cannot start a private RabbitMQ node");
+    };
     let (plain, tls) = (node.port, node.tls_port);
     let q1 = unique("tls_q1");
     let q2 = unique("tls_q2");
@@ -326,12 +328,9 @@ fn verifies_the_ca_and_the_name_and_never_falls_back_to_plaintext() {
 
 #[test]
 fn a_required_client_certificate_is_sent_when_configured() {
-    if skip() {
+    let Some((pki, node)) = tls_node(true) else {
         return;
-    }
-    let pki = make_pki();
-    let node = Node::start_with(|n| pki.listener_conf(n.tls_port, true))
-        .expect("cannot start a private RabbitMQ node");
+    };
     let q = unique("tls_client_q");
     let with_cert = pki.with_client_cert(pki.tls("ca.pem"));
     let mut missing_key = with_cert.clone();

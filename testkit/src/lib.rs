@@ -1,8 +1,10 @@
-//! Test support shared by the end-to-end tests (`tests/`) and the broker crate's integration
-//! tests: a private RabbitMQ node process ([`RabbitNode`]), TLS test certificates ([`Pki`]), free
-//! ports, bounded polling. Only std and libc (and the `openssl` command), so either test crate
-//! can use it without the other's dependencies.
+//! Test support shared by the end-to-end tests (`tests/`), the broker crate's integration
+//! tests and the benchmark: a private RabbitMQ node process ([`RabbitNode`]), an AMQP admin
+//! client ([`amqp_admin::AmqpAdmin`]), TLS test certificates ([`Pki`]), free ports, bounded
+//! polling. Beyond std it needs only libc, lapin and tokio (and the `openssl` command), so
+//! every user can take it without the others' dependencies.
 
+pub mod amqp_admin;
 mod node;
 mod pki;
 

@@ -1,14 +1,15 @@
-//! Support for the fault-injection suite (`tests/faults.rs`, FAULTS.md): the volume knob, the
+//! Support for the fault-injection suite (`tests/faults/`, FAULTS.md): the volume knob, the
 //! results table that `make chaos` prints, the worker's peak memory, a loopback TCP proxy that
 //! can stall or cut connections, a physical standby of a [`PgCluster`], and a few process tools.
 //!
 //! Only loopback addresses; only processes and clusters the test started.
 
+use std::ffi::OsStr;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use postgres::{Client, NoTls};
 
-use crate::pg::PgInstall;
+use crate::pg::{connection_string, login_args, run_pg_program, PgInstall};
 use crate::{eventually, pick_ports, running_as_root, tail, PgCluster, Report};
 
 /// `AMQP_OUTBOX_CHAOS_SCALE`: a volume multiplier for the fault suite (1 by default; `make
@@ -390,21 +391,13 @@ impl Drop for TcpProxy {
 }
 
 /// Runs one of PostgreSQL's programs (as `postgres` when root) in `cwd`.
-pub fn pg_program(program: &str, args: &[&str], cwd: &Path) -> Result<Output, String> {
+pub fn pg_program<S: AsRef<OsStr>>(
+    program: &str,
+    args: &[S],
+    cwd: &Path,
+) -> Result<Output, String> {
     let install = PgInstall::find()?;
-    let bin = install.bindir.join(program);
-    let mut cmd = if running_as_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(&bin);
-        c
-    } else {
-        Command::new(&bin)
-    };
-    cmd.args(args)
-        .current_dir(cwd)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", bin.display()))
+    run_pg_program(&install.bindir.join(program), args, cwd)
 }
 
 fn ok_or_output(what: &str, out: Output) -> Result<(), String> {
@@ -445,24 +438,20 @@ impl Standby {
             ok_or_output("chown postgres", out)?;
         }
         let data = dir.path().join("data");
-        let port = primary.port().to_string();
         let out = pg_program(
             "pg_basebackup",
-            &[
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &port,
-                "-U",
-                "postgres",
-                "-D",
-                data.to_str().ok_or("non-UTF-8 path")?,
-                "-R",
-                "-X",
-                "stream",
-                "-c",
-                "fast",
-            ],
+            &login_args(
+                primary.port(),
+                [
+                    "-D".as_ref(),
+                    data.as_os_str(),
+                    "-R".as_ref(),
+                    "-X".as_ref(),
+                    "stream".as_ref(),
+                    "-c".as_ref(),
+                    "fast".as_ref(),
+                ],
+            ),
             dir.path(),
         )?;
         ok_or_output("pg_basebackup", out)?;
@@ -523,11 +512,7 @@ impl Standby {
     }
 
     pub fn connection_string(&self, db: &str) -> String {
-        format!(
-            "host=127.0.0.1 port={} user=postgres dbname={db} connect_timeout=10 \
-             application_name=amqp_outbox_e2e",
-            self.port
-        )
+        connection_string(self.port, db)
     }
 
     pub fn client(&self, db: &str) -> Result<Client, String> {

@@ -38,6 +38,18 @@ impl Outbox {
             .map_err(|e| format!("counting amqp.message: {e}"))
     }
 
+    /// Rows to `exchange` the broker refused with 404 (tried, waiting for their retry).
+    pub fn refused_with_404(client: &mut Client, exchange: &str) -> Result<i64, String> {
+        client
+            .query_one(
+                "SELECT count(*) FROM amqp.message WHERE exchange = $1 AND attempts > 0 \
+                    AND last_error LIKE '%404%'",
+                &[&exchange],
+            )
+            .map(|r| r.get(0))
+            .map_err(|e| format!("counting refused rows to {exchange}: {e}"))
+    }
+
     /// All rows in `amqp.message`.
     pub fn rows(client: &mut Client) -> Result<i64, String> {
         client
@@ -292,6 +304,24 @@ impl Producer {
             published,
             name,
         }
+    }
+
+    /// `n` producers with `template`'s settings, named `<template.name>0`, `<template.name>1`, …
+    pub fn spawn_group(
+        cluster: &PgCluster,
+        template: &ProducerConfig,
+        n: usize,
+        ledger: &Arc<Ledger>,
+    ) -> Vec<Producer> {
+        (0..n)
+            .map(|i| {
+                let config = ProducerConfig {
+                    name: format!("{}{i}", template.name),
+                    ..template.clone()
+                };
+                Producer::spawn(cluster, config, ledger.clone())
+            })
+            .collect()
     }
 
     /// Messages whose transaction has ended (any outcome) so far.

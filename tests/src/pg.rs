@@ -4,6 +4,7 @@
 //! `pg_config`). As root, `initdb` and `pg_ctl` refuse to run, so they run as the `postgres` user
 //! (`runuser -u postgres --`) in a temporary directory that user owns.
 
+use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -183,22 +184,18 @@ impl PgCluster {
     fn try_from_base_backup(source: &PgCluster, config: PgConfig) -> Result<PgCluster, String> {
         let mut cluster = PgCluster::empty(config)?;
         let data = cluster.data_dir();
-        let port = source.port.to_string();
         let out = cluster.pg_tool(
             "pg_basebackup",
-            &[
-                "-h".as_ref(),
-                "127.0.0.1".as_ref(),
-                "-p".as_ref(),
-                port.as_ref(),
-                "-U".as_ref(),
-                "postgres".as_ref(),
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-X".as_ref(),
-                "stream".as_ref(),
-                "--no-sync".as_ref(),
-            ],
+            &login_args(
+                source.port,
+                [
+                    "-D".as_ref(),
+                    data.as_os_str(),
+                    "-X".as_ref(),
+                    "stream".as_ref(),
+                    "--no-sync".as_ref(),
+                ],
+            ),
         )?;
         if !out.status.success() {
             return Err(format!(
@@ -256,9 +253,9 @@ impl PgCluster {
 
     /// Runs one of PostgreSQL's programs (`pg_dump`, `pg_restore`, `psql`, …) in the cluster's
     /// directory, as `postgres` when we are root, and fails with its output unless it succeeds.
-    /// Connection options are the caller's (`-h 127.0.0.1 -p PORT -U postgres`).
-    pub fn run_tool(&self, program: &str, args: &[&str]) -> Result<String, String> {
-        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+    /// Connection options are the caller's (see [`PgCluster::run_client`]).
+    pub fn run_tool<S: AsRef<OsStr>>(&self, program: &str, args: &[S]) -> Result<String, String> {
+        let args: Vec<&OsStr> = args.iter().map(|a| a.as_ref()).collect();
         let out = self.pg_tool(program, &args)?;
         if !out.status.success() {
             return Err(format!(
@@ -269,6 +266,11 @@ impl PgCluster {
             ));
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// [`PgCluster::run_tool`] for a client program, logged in to this cluster as `postgres`.
+    pub fn run_client(&self, program: &str, args: &[&str]) -> Result<String, String> {
+        self.run_tool(program, &login_args(self.port, args))
     }
 
     pub fn config(&self) -> &PgConfig {
@@ -311,11 +313,7 @@ impl PgCluster {
 
     /// A libpq connection string for `db` (TCP to 127.0.0.1, user postgres, trust auth).
     pub fn connection_string(&self, db: &str) -> String {
-        format!(
-            "host=127.0.0.1 port={} user=postgres dbname={db} connect_timeout=10 \
-             application_name=amqp_outbox_e2e",
-            self.port
-        )
+        connection_string(self.port, db)
     }
 
     /// A new connection to the test database.
@@ -551,21 +549,9 @@ impl PgCluster {
         Ok(())
     }
 
-    /// Runs one of PostgreSQL's programs, as `postgres` when we are root.
-    fn pg_tool(&self, program: &str, args: &[&std::ffi::OsStr]) -> Result<Output, String> {
-        let bin = self.install.bindir.join(program);
-        let mut cmd = if running_as_root() {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(&bin);
-            c
-        } else {
-            Command::new(&bin)
-        };
-        cmd.args(args)
-            .current_dir(self.dir())
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", bin.display()))
+    /// Runs one of PostgreSQL's programs in the cluster's directory.
+    fn pg_tool<S: AsRef<OsStr>>(&self, program: &str, args: &[S]) -> Result<Output, String> {
+        run_pg_program(&self.install.bindir.join(program), args, self.dir())
     }
 }
 
@@ -638,4 +624,44 @@ fn postgres_user_ids() -> Result<(u32, u32), String> {
         }
     })
     .clone()
+}
+
+/// The options that log a PostgreSQL client program in to the cluster on `port` as `postgres`,
+/// followed by `rest`.
+pub fn login_args<S: AsRef<OsStr>>(port: u16, rest: impl IntoIterator<Item = S>) -> Vec<OsString> {
+    let port = port.to_string();
+    let login = ["-h", "127.0.0.1", "-p", &port, "-U", "postgres"].map(OsString::from);
+    login
+        .into_iter()
+        .chain(rest.into_iter().map(|a| a.as_ref().to_os_string()))
+        .collect()
+}
+
+/// A libpq connection string for database `db` of the cluster on `port`.
+pub fn connection_string(port: u16, db: &str) -> String {
+    format!(
+        "host=127.0.0.1 port={port} user=postgres dbname={db} connect_timeout=10 \
+         application_name=amqp_outbox_e2e"
+    )
+}
+
+/// Runs PostgreSQL's program `bin` in `cwd`, as `postgres` when we are root (initdb and the
+/// server refuse to run as root).
+pub fn run_pg_program<S: AsRef<OsStr>>(
+    bin: &Path,
+    args: &[S],
+    cwd: &Path,
+) -> Result<Output, String> {
+    let mut cmd = if running_as_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(bin);
+        c
+    } else {
+        Command::new(bin)
+    };
+    cmd.args(args)
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", bin.display()))
 }

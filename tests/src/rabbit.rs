@@ -5,32 +5,18 @@
 //! helpers here are synchronous, so tests stay plain `#[test]` functions.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use amqp_outbox_testkit::amqp_admin::{self, runtime, AmqpAdmin};
 use futures_lite::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::BasicAckOptions;
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, ExchangeKind};
 
 use crate::{eventually, unique_name};
 
-/// The process-wide runtime the AMQP clients run on.
-pub fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("e2e-amqp")
-            .enable_all()
-            .build()
-            .expect("cannot build the tokio runtime for the AMQP clients")
-    })
-}
+pub use amqp_outbox_testkit::amqp_admin::QueueCounts;
 
 /// Where a broker listens and how to log in.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,31 +63,11 @@ impl AmqpEndpoint {
     }
 }
 
-async fn connect(endpoint: &AmqpEndpoint) -> Result<Connection, String> {
-    let uri = endpoint.uri();
-    match tokio::time::timeout(
-        Duration::from_secs(10),
-        Connection::connect(&uri, ConnectionProperties::default()),
-    )
-    .await
-    {
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(format!(
-            "cannot connect to {}:{}: {e}",
-            endpoint.host, endpoint.port
-        )),
-        Err(_) => Err(format!(
-            "connecting to {}:{} timed out",
-            endpoint.host, endpoint.port
-        )),
-    }
-}
-
-/// A connection and a channel to a broker, for declaring and deleting test topology.
+/// The testkit's admin client on one broker, with the e2e tests' conventions: uniquely named
+/// durable objects that go away with their [`Route`], and panics where a test cannot go on.
 pub struct Rabbit {
     endpoint: AmqpEndpoint,
-    connection: Connection,
-    channel: Channel,
+    admin: AmqpAdmin,
 }
 
 impl Rabbit {
@@ -111,18 +77,8 @@ impl Rabbit {
     }
 
     pub fn connect(endpoint: AmqpEndpoint) -> Result<Rabbit, String> {
-        runtime().block_on(async {
-            let connection = connect(&endpoint).await?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| format!("cannot open a channel: {e}"))?;
-            Ok(Rabbit {
-                endpoint,
-                connection,
-                channel,
-            })
-        })
+        let admin = AmqpAdmin::connect(&endpoint.uri())?;
+        Ok(Rabbit { endpoint, admin })
     }
 
     pub fn endpoint(&self) -> &AmqpEndpoint {
@@ -144,41 +100,21 @@ impl Rabbit {
             routing_key: binding_key.to_string(),
             delete_on_drop: true,
         };
-        let r = runtime().block_on(async {
-            self.channel
-                .exchange_declare(
-                    route.exchange.as_str().into(),
-                    kind,
-                    ExchangeDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
+        let r = self
+            .admin
+            .declare_exchange(&route.exchange, kind, true)
+            .and_then(|()| {
+                self.admin
+                    .declare_queue(&route.queue, true, FieldTable::default())
+            })
+            .and_then(|()| {
+                self.admin.bind_queue(
+                    &route.queue,
+                    &route.exchange,
+                    binding_key,
                     FieldTable::default(),
                 )
-                .await
-                .map_err(|e| format!("exchange.declare {}: {e}", route.exchange))?;
-            self.channel
-                .queue_declare(
-                    route.queue.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("queue.declare {}: {e}", route.queue))?;
-            self.channel
-                .queue_bind(
-                    route.queue.as_str().into(),
-                    route.exchange.as_str().into(),
-                    binding_key.into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("queue.bind {} to {}: {e}", route.queue, route.exchange))
-        });
+            });
         if let Err(e) = r {
             panic!("cannot declare the test route on {:?}: {e}", self.endpoint);
         }
@@ -188,37 +124,10 @@ impl Rabbit {
     /// Publishes one message directly (not through the outbox), waiting for the broker's
     /// confirm. For testing the harness and for foreign messages in a queue.
     pub fn publish(&self, exchange: &str, routing_key: &str, body: &[u8]) -> Result<(), String> {
-        runtime().block_on(async {
-            // A channel of its own with confirms: an error (404) closes only this one.
-            let ch = self
-                .connection
-                .create_channel()
-                .await
-                .map_err(|e| format!("cannot open a channel: {e}"))?;
-            ch.confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| format!("confirm.select: {e}"))?;
-            let confirm = ch
-                .basic_publish(
-                    exchange.into(),
-                    routing_key.into(),
-                    BasicPublishOptions::default(),
-                    body,
-                    BasicProperties::default()
-                        .with_message_id(format!("direct-{}", String::from_utf8_lossy(body)).into())
-                        .with_delivery_mode(2),
-                )
-                .await
-                .map_err(|e| format!("basic.publish: {e}"))?
-                .await
-                .map_err(|e| format!("publish confirm: {e}"))?;
-            let _ = ch.close(200, "done".into()).await;
-            if confirm.is_ack() {
-                Ok(())
-            } else {
-                Err(format!("not confirmed: {confirm:?}"))
-            }
-        })
+        let properties = BasicProperties::default()
+            .with_message_id(format!("direct-{}", String::from_utf8_lossy(body)).into())
+            .with_delivery_mode(2);
+        self.admin.publish(exchange, routing_key, body, properties)
     }
 
     /// A consumer on `route`'s queue that records every delivery (see [`Collector`]).
@@ -230,20 +139,10 @@ impl Rabbit {
     /// exchange `""` and routes by the queue's name). Deleted when the route is dropped.
     pub fn declare_queue(&self, prefix: &str) -> Route {
         let queue = format!("{}.q", unique_name(prefix));
-        let r = runtime().block_on(async {
-            self.channel
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("queue.declare {queue}: {e}"))
-        });
-        if let Err(e) = r {
+        if let Err(e) = self
+            .admin
+            .declare_queue(&queue, true, FieldTable::default())
+        {
             panic!("cannot declare a test queue on {:?}: {e}", self.endpoint);
         }
         Route {
@@ -255,93 +154,25 @@ impl Rabbit {
         }
     }
 
-    /// A passive `queue.declare` on a channel of its own: `Some(counts)` when the queue exists,
-    /// `None` when the broker answers 404. `messages` counts ready messages only (not those
-    /// delivered to a consumer and not yet acknowledged).
+    /// `Some(counts)` when the queue exists, `None` when the broker answers 404. `messages`
+    /// counts ready messages only (not those delivered to a consumer and not yet acknowledged).
     pub fn queue_counts(&self, queue: &str) -> Result<Option<QueueCounts>, String> {
-        runtime().block_on(async {
-            let ch = self
-                .connection
-                .create_channel()
-                .await
-                .map_err(|e| format!("cannot open a channel: {e}"))?;
-            let r = ch
-                .queue_declare(
-                    queue.into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            match r {
-                Ok(q) => {
-                    let _ = ch.close(200, "done".into()).await;
-                    Ok(Some(QueueCounts {
-                        messages: q.message_count(),
-                        consumers: q.consumer_count(),
-                    }))
-                }
-                Err(e) if e.to_string().contains("NOT_FOUND") || e.to_string().contains("404") => {
-                    Ok(None)
-                }
-                Err(e) => Err(format!("passive queue.declare {queue}: {e}")),
-            }
-        })
+        self.admin.queue_counts(queue)
     }
 
     /// Binds an existing queue to an existing exchange with `binding_key`.
     pub fn bind_queue(&self, queue: &str, exchange: &str, binding_key: &str) {
-        let r = runtime().block_on(async {
-            self.channel
-                .queue_bind(
-                    queue.into(),
-                    exchange.into(),
-                    binding_key.into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| format!("queue.bind {queue} to {exchange} ({binding_key}): {e}"))
-        });
-        if let Err(e) = r {
+        if let Err(e) = self
+            .admin
+            .bind_queue(queue, exchange, binding_key, FieldTable::default())
+        {
             panic!("{e}");
         }
     }
 
-    /// Deletes a queue (if it exists) on a channel of its own.
+    /// Deletes a queue (if it exists).
     pub fn delete_queue(&self, queue: &str) -> Result<(), String> {
-        runtime().block_on(async {
-            let ch = self
-                .connection
-                .create_channel()
-                .await
-                .map_err(|e| format!("cannot open a channel: {e}"))?;
-            ch.queue_delete(queue.into(), QueueDeleteOptions::default())
-                .await
-                .map_err(|e| format!("queue.delete {queue}: {e}"))?;
-            let _ = ch.close(200, "done".into()).await;
-            Ok(())
-        })
-    }
-}
-
-/// What a passive `queue.declare` tells about a queue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QueueCounts {
-    /// Messages ready for delivery.
-    pub messages: u32,
-    pub consumers: u32,
-}
-
-impl Drop for Rabbit {
-    fn drop(&mut self) {
-        let conn = &self.connection;
-        runtime().block_on(async {
-            let _ =
-                tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
-        });
+        self.admin.delete_queue(queue)
     }
 }
 
@@ -362,27 +193,16 @@ impl Drop for Route {
         if !self.delete_on_drop {
             return;
         }
-        let endpoint = self.endpoint.clone();
-        let exchange = self.exchange.clone();
-        let queue = self.queue.clone();
-        runtime().block_on(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), async move {
-                let conn = connect(&endpoint).await?;
-                let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-                let _ = ch
-                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                    .await;
-                // The default exchange (a queue-only route) cannot be deleted.
-                if !exchange.is_empty() {
-                    let _ = ch
-                        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-                        .await;
-                }
-                let _ = conn.close(200, "bye".into()).await;
-                Ok::<(), String>(())
-            })
-            .await;
-        });
+        // A connection of its own: the Rabbit that declared the route may be gone. The default
+        // exchange (a queue-only route) cannot be deleted.
+        let timeout = Duration::from_secs(5);
+        if let Ok(admin) = AmqpAdmin::connect_within(&self.endpoint.uri(), timeout) {
+            let exchanges: Vec<String> = Some(self.exchange.clone())
+                .filter(|e| !e.is_empty())
+                .into_iter()
+                .collect();
+            admin.delete_all(std::slice::from_ref(&self.queue), &exchanges, timeout);
+        }
     }
 }
 
@@ -661,30 +481,15 @@ async fn consume_once(
     stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), String> {
     let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
-    let conn = connect(endpoint).await?;
+    let conn = amqp_admin::connect(&endpoint.uri(), amqp_admin::CONNECT_TIMEOUT).await?;
     let consume = async {
-        // A node still booting can accept the connection and never answer: bound each step,
+        // A node still booting can accept the connection and never answer: bound the setup,
         // so the consumer tries again instead of waiting forever.
-        let setup = async {
-            let ch = conn
-                .create_channel()
-                .await
-                .map_err(|e| format!("channel: {e}"))?;
-            ch.basic_qos(500, BasicQosOptions::default())
-                .await
-                .map_err(|e| format!("basic.qos: {e}"))?;
-            ch.basic_consume(
-                queue.into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| format!("basic.consume {queue} on port {}: {e}", endpoint.port))
-        };
+        let setup = amqp_admin::start_consumer(&conn, queue, Some(500), false);
         let mut consumer = tokio::time::timeout(Duration::from_secs(10), setup)
             .await
-            .map_err(|_| format!("consumer setup on {queue} timed out"))??;
+            .map_err(|_| format!("consumer setup on {queue} timed out"))?
+            .map_err(|e| format!("{e} (port {})", endpoint.port))?;
         let connection_no = {
             let mut st = lock();
             st.connections += 1;

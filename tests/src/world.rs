@@ -7,8 +7,8 @@ use postgres::Client;
 
 use crate::outbox::{add_broker_with_proof, create_extension};
 use crate::{
-    eventually, unique_name, AmqpEndpoint, Collector, Outbox, PgCluster, PgConfig, Rabbit,
-    Received, Route, WorkerStatus,
+    eventually, unique_name, AmqpEndpoint, Collector, Outbox, PgCluster, PgConfig, ProducerConfig,
+    Rabbit, Received, Route, WorkerStatus,
 };
 
 const WORKER_UP: Duration = Duration::from_secs(30);
@@ -78,6 +78,16 @@ impl World {
     pub fn publish(&mut self, body: &str) {
         let (ex, rk) = (self.route.exchange.clone(), self.route.routing_key.clone());
         self.outbox.publish(&mut self.client, &ex, &rk, body);
+    }
+
+    /// [`ProducerConfig::new`]'s defaults for a producer `name` publishing to the route.
+    pub fn producer_config(&self, name: &str) -> ProducerConfig {
+        ProducerConfig::new(
+            name,
+            self.outbox.broker_id,
+            &self.route.exchange,
+            &self.route.routing_key,
+        )
     }
 
     /// `amqp.publish_message` to the route; returns the row id.

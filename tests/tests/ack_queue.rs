@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 use amqp_outbox_e2e::outbox::add_broker;
 use amqp_outbox_e2e::{
     eventually, try_eventually, unique_name, AmqpEndpoint, Collector, Ledger, MessageKey,
-    MessageStatus, Outbox, PgConfig, PrivateRabbit, Producer, ProducerConfig, Rabbit, Received,
-    Route, World,
+    MessageStatus, Outbox, PgConfig, PrivateRabbit, Producer, Rabbit, Received, Route, World,
 };
 use lapin::ExchangeKind;
 use postgres::Client;
@@ -47,20 +46,11 @@ fn spawn_producers(
     messages: u64,
     ledger: &Arc<Ledger>,
 ) -> Vec<Producer> {
-    (0..n)
-        .map(|i| {
-            let mut cfg = ProducerConfig::new(
-                &format!("{prefix}{i}"),
-                w.outbox.broker_id,
-                &w.route.exchange,
-                &w.route.routing_key,
-            );
-            cfg.max_messages = messages;
-            cfg.max_batch = 8;
-            cfg.pause = Duration::from_millis(3);
-            Producer::spawn(&w.cluster, cfg, ledger.clone())
-        })
-        .collect()
+    let mut cfg = w.producer_config(prefix);
+    cfg.max_messages = messages;
+    cfg.max_batch = 8;
+    cfg.pause = Duration::from_millis(3);
+    Producer::spawn_group(&w.cluster, &cfg, n, ledger)
 }
 
 /// How many of these rows are still in `amqp.message`.

@@ -435,15 +435,8 @@ fn refused_messages_neither_slow_down_nor_duplicate_good_ones() {
         "good messages took {mixed_took:?} among refused ones, {alone_took:?} alone"
     );
     // The refused ones are waiting for a retry with the broker's reason, not lost.
-    let refused: i64 = w
-        .client
-        .query_one(
-            "SELECT count(*) FROM amqp.message WHERE exchange = $1 AND attempts > 0 \
-                AND last_error LIKE '%404%'",
-            &[&missing],
-        )
-        .map(|r| r.get(0))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let refused =
+        Outbox::refused_with_404(&mut w.client, &missing).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(refused, 100);
 }
 

@@ -160,24 +160,9 @@ fn configuration(client: &mut Client) -> Vec<String> {
 
 fn dump(source: &PgCluster, format: &str, file: &str) -> String {
     let path = source.dir().join(file).display().to_string();
-    let port = source.port().to_string();
     let db = source.config().database.clone();
     source
-        .run_tool(
-            "pg_dump",
-            &[
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &port,
-                "-U",
-                "postgres",
-                format,
-                "-f",
-                &path,
-                &db,
-            ],
-        )
+        .run_client("pg_dump", &[format, "-f", &path, &db])
         .unwrap_or_else(|e| panic!("{e}"));
     path
 }
@@ -214,17 +199,10 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     let plain = dump(&source, "-Fp", "outbox.sql");
     src.batch_execute("CREATE DATABASE plain_copy")
         .unwrap_or_else(|e| panic!("CREATE DATABASE plain_copy: {e}"));
-    let port = source.port().to_string();
     source
-        .run_tool(
+        .run_client(
             "psql",
             &[
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &port,
-                "-U",
-                "postgres",
                 "-X",
                 "-q",
                 "-v",
@@ -255,26 +233,11 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     let collector = rabbit.consume(&route);
     collector.wait_connected(Duration::from_secs(10));
     let target = PgCluster::new(PgConfig::default());
-    let target_port = target.port().to_string();
     let mut dst = target.client();
     target.wait_for_worker(&mut dst, WORKER_UP);
     // pg_restore reads the file as the postgres user; it lies in the source's directory.
     target
-        .run_tool(
-            "pg_restore",
-            &[
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &target_port,
-                "-U",
-                "postgres",
-                "--exit-on-error",
-                "-d",
-                "e2e",
-                &custom,
-            ],
-        )
+        .run_client("pg_restore", &["--exit-on-error", "-d", "e2e", &custom])
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         configuration(&mut dst),

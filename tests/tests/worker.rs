@@ -12,7 +12,7 @@ use std::time::Duration;
 use amqp_outbox_e2e::outbox::create_extension;
 use amqp_outbox_e2e::{
     eventually, unique_name, Collector, Ledger, Outbox, PgCluster, PgConfig, PrivateRabbit,
-    Producer, ProducerConfig, Rabbit, Received, World,
+    Producer, Rabbit, Received, World,
 };
 use postgres::Client;
 use serde_json::{json, Value};
@@ -266,20 +266,11 @@ fn ten_thousand_messages_from_eight_sessions_arrive_in_per_session_order() {
     let rabbit = Rabbit::shared();
     let mut f = World::new("bulk", PgConfig::default(), &rabbit);
     let ledger = Arc::new(Ledger::new());
-    let producers: Vec<Producer> = (0..8)
-        .map(|i| {
-            let mut cfg = ProducerConfig::new(
-                &format!("s{i}"),
-                f.outbox.broker_id,
-                &f.route.exchange,
-                &f.route.routing_key,
-            );
-            cfg.max_messages = 1250;
-            cfg.max_batch = 25;
-            cfg.rollback_ratio = 0.05;
-            Producer::spawn(&f.cluster, cfg, ledger.clone())
-        })
-        .collect();
+    let mut cfg = f.producer_config("s");
+    cfg.max_messages = 1250;
+    cfg.max_batch = 25;
+    cfg.rollback_ratio = 0.05;
+    let producers = Producer::spawn_group(&f.cluster, &cfg, 8, &ledger);
     let stats: Vec<_> = producers.into_iter().map(Producer::wait).collect();
     let committed: u64 = stats.iter().map(|s| s.committed).sum();
     let aborted: u64 = stats.iter().map(|s| s.aborted).sum();
@@ -301,21 +292,12 @@ fn worker_killed_mid_stream_comes_back_and_nothing_is_lost() {
     let mut f = World::new("kill", PgConfig::default(), &rabbit);
     let ledger = Arc::new(Ledger::new());
     // Producers keep committing through every kill (stopped after the last one).
-    let producers: Vec<Producer> = (0..3)
-        .map(|i| {
-            let mut cfg = ProducerConfig::new(
-                &format!("k{i}"),
-                f.outbox.broker_id,
-                &f.route.exchange,
-                &f.route.routing_key,
-            );
-            cfg.max_messages = 100_000;
-            cfg.max_batch = 10;
-            cfg.rollback_ratio = 0.05;
-            cfg.pause = Duration::from_millis(15);
-            Producer::spawn(&f.cluster, cfg, ledger.clone())
-        })
-        .collect();
+    let mut cfg = f.producer_config("k");
+    cfg.max_messages = 100_000;
+    cfg.max_batch = 10;
+    cfg.rollback_ratio = 0.05;
+    cfg.pause = Duration::from_millis(15);
+    let producers = Producer::spawn_group(&f.cluster, &cfg, 3, &ledger);
 
     const KILLS: usize = 4;
     let mut previous: Option<i32> = None;
@@ -400,20 +382,11 @@ fn broker_stop_app_mid_stream_loses_nothing() {
     drop(rabbit);
 
     let ledger = Arc::new(Ledger::new());
-    let producers: Vec<Producer> = (0..3)
-        .map(|i| {
-            let mut cfg = ProducerConfig::new(
-                &format!("b{i}"),
-                f.outbox.broker_id,
-                &f.route.exchange,
-                &f.route.routing_key,
-            );
-            cfg.max_messages = 4000;
-            cfg.max_batch = 10;
-            cfg.pause = Duration::from_millis(3);
-            Producer::spawn(&f.cluster, cfg, ledger.clone())
-        })
-        .collect();
+    let mut cfg = f.producer_config("b");
+    cfg.max_messages = 4000;
+    cfg.max_batch = 10;
+    cfg.pause = Duration::from_millis(3);
+    let producers = Producer::spawn_group(&f.cluster, &cfg, 3, &ledger);
     let published = |ps: &[Producer]| ps.iter().map(Producer::published).sum::<u64>();
 
     f.collector.wait_for_count(300, ARRIVAL);

@@ -10,11 +10,10 @@ use amqp_outbox_broker::{
     AckQueueConfig, BrokerConfig, BrokerHandle, Command, Endpoint, Event, ExchangeDecl,
     OutboundMessage, ProofMode,
 };
-use futures_util::StreamExt;
+use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
 use lapin::message::Delivery;
-use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::ExchangeKind;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -207,58 +206,42 @@ impl Drop for Bridge {
     }
 }
 
-/// An independent lapin connection for setting up and checking; deletes what it declared.
+/// The testkit's admin client on the shared broker, with these tests' conventions: non-durable
+/// objects, deleted when the Admin is dropped, and a panic where a test cannot go on.
 pub struct Admin {
-    pub rt: tokio::runtime::Runtime,
-    conn: Connection,
-    pub ch: Channel,
+    amqp: AmqpAdmin,
     exchanges: Vec<String>,
     queues: Vec<String>,
 }
 
 impl Admin {
     pub fn new() -> Self {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let (conn, ch) = rt.block_on(async {
-            let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                .await
-                .expect("admin connection");
-            let ch = conn.create_channel().await.unwrap();
-            (conn, ch)
-        });
         Admin {
-            rt,
-            conn,
-            ch,
+            amqp: AmqpAdmin::connect(AMQP_URL).expect("admin connection"),
             exchanges: vec![],
             queues: vec![],
         }
     }
 
     pub fn exchange(&mut self, name: &str, kind: ExchangeKind) {
-        self.rt
-            .block_on(self.ch.exchange_declare(
-                name.into(),
-                kind,
-                ExchangeDeclareOptions::default(),
-                FieldTable::default(),
-            ))
-            .unwrap();
+        self.amqp.declare_exchange(name, kind, false).unwrap();
         self.exchanges.push(name.to_string());
     }
 
     /// Deletes an exchange now.
     pub fn delete_exchange(&mut self, name: &str) {
-        self.rt
-            .block_on(
-                self.ch
-                    .exchange_delete(name.into(), ExchangeDeleteOptions::default()),
-            )
-            .unwrap();
+        self.amqp.delete_exchange(name).unwrap();
         self.exchanges.retain(|e| e != name);
+    }
+
+    /// A uniquely named direct exchange `<prefix>_x…` and queue `<prefix>_q…`, bound with `rk`:
+    /// (exchange, queue).
+    pub fn direct_route(&mut self, prefix: &str) -> (String, String) {
+        let exchange = unique(&format!("{prefix}_x"));
+        let queue = unique(&format!("{prefix}_q"));
+        self.exchange(&exchange, ExchangeKind::Direct);
+        self.queue(&queue, &exchange, "rk");
+        (exchange, queue)
     }
 
     /// A queue bound to `exchange` with `key`.
@@ -284,150 +267,47 @@ impl Admin {
         key: &str,
         arguments: FieldTable,
     ) {
-        self.rt.block_on(async {
-            self.ch
-                .queue_declare(
-                    name.into(),
-                    QueueDeclareOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-            self.ch
-                .queue_bind(
-                    name.into(),
-                    exchange.into(),
-                    key.into(),
-                    QueueBindOptions::default(),
-                    arguments,
-                )
-                .await
-                .unwrap();
-        });
+        self.amqp
+            .declare_queue(name, false, FieldTable::default())
+            .unwrap();
+        self.amqp
+            .bind_queue(name, exchange, key, arguments)
+            .unwrap();
         self.queues.push(name.to_string());
     }
 
-    /// Publishes a raw message to `queue` through the default exchange (with confirms off).
+    /// Publishes a raw message (no properties) to `queue` through the default exchange.
     pub fn publish_raw(&self, queue: &str, body: &[u8]) {
-        self.rt
-            .block_on(self.ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                body,
-                lapin::BasicProperties::default(),
-            ))
+        self.amqp
+            .publish("", queue, body, lapin::BasicProperties::default())
             .unwrap();
     }
 
-    /// Whether `queue` exists (a passive declare on a throwaway channel: a 404 closes it).
     pub fn queue_exists(&self, queue: &str) -> bool {
-        self.rt.block_on(async {
-            let ch = self.conn.create_channel().await.unwrap();
-            let ok = ch
-                .queue_declare(
-                    queue.into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .is_ok();
-            if ok {
-                let _ = ch.close(200, "ok".into()).await;
-            }
-            ok
-        })
+        self.amqp.queue_counts(queue).unwrap().is_some()
     }
 
-    /// Declares `queue` durable with `arguments` on a throwaway channel; the broker's error text
-    /// when it refuses (e.g. 406 for inequivalent arguments).
+    /// Declares `queue` durable with `arguments`; the broker's error text when it refuses
+    /// (e.g. 406 for inequivalent arguments).
     pub fn try_declare_durable(&self, queue: &str, arguments: FieldTable) -> Result<(), String> {
-        self.rt.block_on(async {
-            let ch = self.conn.create_channel().await.unwrap();
-            let res = ch
-                .queue_declare(
-                    queue.into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    arguments,
-                )
-                .await;
-            match res {
-                Ok(_) => {
-                    let _ = ch.close(200, "ok".into()).await;
-                    Ok(())
-                }
-                Err(e) => Err(e.to_string()),
-            }
-        })
+        self.amqp.declare_queue(queue, true, arguments)
     }
 
     /// Consumes `n` messages from `queue` (fails after `timeout`).
     pub fn consume(&self, queue: &str, n: usize, timeout: Duration) -> Vec<Delivery> {
-        self.rt.block_on(async {
-            let mut consumer = self
-                .ch
-                .basic_consume(
-                    queue.into(),
-                    "".into(),
-                    BasicConsumeOptions {
-                        no_ack: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-            let mut out = Vec::with_capacity(n);
-            let deadline = tokio::time::Instant::now() + timeout;
-            while out.len() < n {
-                match tokio::time::timeout_at(deadline, consumer.next()).await {
-                    Ok(Some(Ok(d))) => out.push(d),
-                    other => panic!("consumed {} of {n}: {other:?}", out.len()),
-                }
-            }
-            out
-        })
+        self.amqp
+            .consume(queue, n, timeout)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     pub fn queue_len(&self, queue: &str) -> u32 {
-        self.rt
-            .block_on(self.ch.queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            ))
-            .unwrap()
-            .message_count()
+        self.amqp.queue_len(queue).unwrap()
     }
 }
 
 impl Drop for Admin {
     fn drop(&mut self) {
-        let queues = std::mem::take(&mut self.queues);
-        let exchanges = std::mem::take(&mut self.exchanges);
-        let _ = self.rt.block_on(async {
-            // A fresh channel: the test may have broken the admin one.
-            let ch = self.conn.create_channel().await?;
-            for q in queues {
-                let _ = ch
-                    .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                    .await;
-            }
-            for e in exchanges {
-                let _ = ch
-                    .exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
-                    .await;
-            }
-            self.conn.close(200, "bye".into()).await
-        });
+        self.amqp
+            .delete_all(&self.queues, &self.exchanges, Duration::from_secs(10));
     }
 }

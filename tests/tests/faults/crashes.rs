@@ -1,0 +1,114 @@
+//! Cases 2 and 3: the worker or PostgreSQL dies under load.
+
+use std::time::{Duration, Instant};
+
+use amqp_outbox_e2e::chaos::send_signal;
+use amqp_outbox_e2e::{eventually, StopMode};
+
+use super::harness::*;
+
+// ------------------------------------------------------------------------------------------
+// 2. worker killed
+// ------------------------------------------------------------------------------------------
+
+#[test]
+fn case02_worker_killed_comes_back_and_loses_nothing() {
+    let mut rig = Rig::new("2 worker killed", base_config());
+    let producers = rig.producers("wk", 3, u64::MAX, 10, 0.05);
+    let terminations = 3;
+    let mut previous: Option<i32> = None;
+    let mut restart_times = Vec::new();
+    for kill in 0..=terminations {
+        let since = rig.collector.len();
+        rig.wait_more_deliveries(since, 200, &format!("deliveries before kill #{kill}"));
+        let pid = rig.worker_pid().expect("worker running");
+        assert_ne!(Some(pid), previous, "the killed worker is still there");
+        let t = Instant::now();
+        if kill < terminations {
+            // SIGTERM through pg_terminate_backend: the worker must exit non-zero (restart).
+            let ok: bool = rig
+                .client
+                .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+                .unwrap()
+                .get(0);
+            assert!(ok);
+        } else {
+            // SIGKILL: the postmaster restarts the whole cluster (crash recovery).
+            send_signal(pid, libc::SIGKILL).unwrap();
+            rig.reconnect();
+        }
+        let cluster = &rig.cluster;
+        let client = &mut rig.client;
+        let new = eventually(WORKER_UP, "the worker back", || {
+            if client.is_closed() {
+                *client = cluster.try_client()?;
+            }
+            match cluster.worker_pid(client) {
+                Ok(Some(p)) if p != pid => Ok(p),
+                Ok(other) => Err(format!("worker {other:?}")),
+                Err(e) => {
+                    if let Ok(c) = cluster.try_client() {
+                        *client = c;
+                    }
+                    Err(e)
+                }
+            }
+        });
+        restart_times.push(t.elapsed());
+        eprintln!("kill #{kill}: worker {pid} -> {new} in {:?}", t.elapsed());
+        previous = Some(pid);
+    }
+    let heal_at = Instant::now();
+    rig.wait_more_deliveries(rig.collector.len(), 200, "deliveries after the last kill");
+    let stats = join_all(producers);
+    eprintln!("producers: {stats:?}");
+    let max_restart = restart_times.iter().max().copied().unwrap_or_default();
+    let report = rig.finish(
+        Some(heal_at),
+        (terminations + 1) * MAX_IN_FLIGHT,
+        &[],
+        &format!(
+            "{terminations}x pg_terminate_backend + 1x kill -9; worker back in max {:.1}s",
+            max_restart.as_secs_f64()
+        ),
+    );
+    assert!(report.committed > 1000, "{report}");
+    // bgw_restart_time is 5 s; allow for a loaded machine (and crash recovery after kill -9).
+    assert!(
+        max_restart < Duration::from_secs(30),
+        "worker restart took {max_restart:?}"
+    );
+}
+
+// ------------------------------------------------------------------------------------------
+// 3. PostgreSQL crash
+// ------------------------------------------------------------------------------------------
+
+#[test]
+fn case03_postgres_immediate_stop_under_load() {
+    let mut rig = Rig::new("3 PostgreSQL crash", base_config());
+    let producers = rig.producers("pc", 4, u64::MAX, 3, 0.1);
+    let since = rig.collector.len();
+    rig.wait_more_deliveries(since, 500, "deliveries before the crash");
+    rig.cluster.stop(StopMode::Immediate);
+    rig.cluster.start();
+    let heal_at = Instant::now();
+    rig.reconnect();
+    wait_published(
+        &producers,
+        500,
+        "producers to commit again after the restart",
+    );
+    let stats = join_all(producers);
+    eprintln!("producers: {stats:?}");
+    let unknown: u64 = stats.iter().map(|s| s.unknown).sum();
+    let report = rig.finish(
+        Some(heal_at),
+        MAX_IN_FLIGHT + CONSUMER_PREFETCH,
+        &[],
+        &format!(
+            "pg_ctl stop -m immediate + start; {unknown} messages with COMMIT outcome unknown"
+        ),
+    );
+    assert!(report.aborted > 0, "{report}");
+}
