@@ -4,7 +4,7 @@
 #   make install         install it into the PostgreSQL that PG_CONFIG names
 #   make installcheck    SQL contract tests (pg_regress, private temporary instance)
 #   make test            every tier: install, installcheck, broker unit tests, end-to-end tests
-#                        (including the fast fault-injection cases of tests/tests/faults.rs)
+#                        (including the fast fault-injection cases of tests/tests/faults/)
 #   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt lint        cargo fmt --check, cargo clippy -D warnings
