@@ -26,6 +26,7 @@ SELECT 'amqp.broker'::pg_catalog.regclass::pg_catalog.oid, \
        pg_catalog.array_agg(DISTINCT broker_id) FROM amqp.broker";
 
 /// Runs in the middle of cache invalidation processing: only forgets, never raises.
+#[pg_guard]
 unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     // Borrowed elsewhere only around a lookup, which runs no invalidation; be safe anyway.
     let _ = KNOWN.try_with(|k| {
