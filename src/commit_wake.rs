@@ -14,6 +14,9 @@ static RELOAD_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 
 fn register() {
     if !REGISTERED.swap(true, Ordering::Relaxed) {
+        // SAFETY: on the backend's main thread, once per process (the flag above). The callback
+        // has PostgreSQL's XactCallback signature, lives as long as the library and ignores
+        // its (null) argument.
         unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
     }
 }
