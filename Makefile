@@ -3,11 +3,14 @@
 #   make                 build the extension (release)
 #   make install         install it into the PostgreSQL that PG_CONFIG names
 #   make installcheck    SQL contract tests (pg_regress, private temporary instance)
-#   make test            every tier: install, installcheck, broker unit tests, end-to-end tests
-#                        (including the fast fault-injection cases of tests/tests/faults/)
+#   make test            make lint, then every tier: install, installcheck, broker unit tests,
+#                        end-to-end tests (including the fast fault-injection cases of
+#                        tests/tests/faults/)
 #   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
-#   make fmt lint        cargo fmt --check, cargo clippy -D warnings
+#   make fmt             cargo fmt --check
+#   make lint            scripts/lint.sh: fmt, clippy -D warnings (SAFETY comments), no pgrx in the
+#                        AMQP crate, #[pg_guard] on every C entry point
 #   make run / stop      demo: private cluster on port 54329 publishing to local RabbitMQ
 #   make bench           benchmarks, quick sizes (under 20 minutes); bench/results/latest.{md,json}
 #   make bench-full      benchmarks, full sizes (1,000,000-message backlog, longer runs)
@@ -81,7 +84,7 @@ chaos-table:
 
 # Runs every tier and reports each (with its duration); a failed install skips the rest.
 TEST_TIERS := test-unit installcheck test-broker test-e2e
-test:
+test: lint
 	@passed=; failed=; skipped=; installed=; \
 	for t in install $(TEST_TIERS); do \
 		if [ "$$t" != install ] && [ -z "$$installed" ]; then skipped="$$skipped $$t"; continue; fi; \
@@ -101,7 +104,7 @@ fmt:
 	$(CARGO) fmt --all -- --check
 
 lint:
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	CARGO="$(CARGO)" scripts/lint.sh
 
 # Benchmarks (bench/): a private PostgreSQL cluster with the library preloaded and the local
 # RabbitMQ at 127.0.0.1:5672. PgQ is the baseline of the publish cost: installed if missing.

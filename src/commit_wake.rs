@@ -5,7 +5,7 @@
 //! would take the whole cluster down, so it only reads a flag and sets a latch.
 
 use crate::shmem;
-use pgrx::pg_sys;
+use pgrx::{pg_guard, pg_sys};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static REGISTERED: AtomicBool = AtomicBool::new(false);
@@ -14,6 +14,9 @@ static RELOAD_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 
 fn register() {
     if !REGISTERED.swap(true, Ordering::Relaxed) {
+        // SAFETY: on the backend's main thread, once per process (the flag above). The callback
+        // has PostgreSQL's XactCallback signature, lives as long as the library and ignores
+        // its (null) argument.
         unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
     }
 }
@@ -30,6 +33,7 @@ pub fn reload_worker_at_commit() {
     RELOAD_AT_COMMIT.store(true, Ordering::Relaxed);
 }
 
+#[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(
     event: pg_sys::XactEvent::Type,
     _arg: *mut std::ffi::c_void,

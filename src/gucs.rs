@@ -215,6 +215,8 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    // SAFETY: in `_PG_init` on the process's only thread, after the GUCs above are defined; the
+    // prefix is a static C string (PostgreSQL keeps its own copy).
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"amqp_outbox".as_ptr()) };
 }
 

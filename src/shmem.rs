@@ -8,20 +8,28 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering}
 /// Address of the worker's `PGPROC` latch, or 0 when no worker runs. Shared memory is mapped at
 /// the same address in every process forked from the postmaster, so the pointer is valid in all
 /// backends. A stale pointer (worker gone, slot reused) only causes a spurious wake-up.
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static WORKER_LATCH: PgAtomic<AtomicUsize> = unsafe { PgAtomic::new(c"amqp_outbox_worker_latch") };
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static WORKER_PID: PgAtomic<AtomicI32> = unsafe { PgAtomic::new(c"amqp_outbox_worker_pid") };
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"amqp_outbox_counters") };
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static REQUESTS: PgLwLock<Requests> = unsafe { PgLwLock::new(c"amqp_outbox_requests") };
 /// amqp.broker or amqp.exchange changed: the worker re-reads them. An atomic, so a commit
 /// callback can set it without taking a lock.
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static RELOAD: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"amqp_outbox_reload") };
 /// The worker is about to look for committed rows and wants the next commit to wake it. The
 /// first commit after that clears it and sets the latch; later ones skip the latch, which is
 /// already set, so a busy database does not signal the worker once per commit.
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static COMMIT_WAKE_ARMED: PgAtomic<AtomicBool> =
     unsafe { PgAtomic::new(c"amqp_outbox_commit_wake_armed") };
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static BROKER_STATES: PgLwLock<BrokerStates> =
     unsafe { PgLwLock::new(c"amqp_outbox_broker_states") };
+// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
 static IN_FLIGHT: PgLwLock<InFlightTable> = unsafe { PgLwLock::new(c"amqp_outbox_in_flight") };
 
 /// Set in `_PG_init` of the postmaster; inherited by every backend it forks.
@@ -61,6 +69,7 @@ impl Default for InFlightTable {
         }
     }
 }
+// SAFETY: plain `Copy` data (integers and bools, no pointers), meaningful in every process.
 unsafe impl PGRXSharedMemory for InFlightTable {}
 
 pub fn report_in_flight(entries: &[(i64, bool)]) {
@@ -150,6 +159,8 @@ impl Default for BrokerStates {
         }
     }
 }
+// SAFETY: plain `Copy` data (integers, bools, byte arrays, no pointers), meaningful in every
+// process.
 unsafe impl PGRXSharedMemory for BrokerStates {}
 
 /// What the worker reports about one broker.
@@ -162,6 +173,7 @@ pub struct BrokerReport<'a> {
     pub in_flight: usize,
     pub pending: i64,
 }
+// SAFETY: only atomics, no pointers; every access is atomic, so processes may share them.
 unsafe impl PGRXSharedMemory for Counters {}
 
 const MAX_REQUESTS: usize = 32;
@@ -174,6 +186,7 @@ pub struct Requests {
     /// More requests than fit: reopen every connection.
     overflow: bool,
 }
+// SAFETY: plain `Copy` data (integers and a bool, no pointers), meaningful in every process.
 unsafe impl PGRXSharedMemory for Requests {}
 
 pub fn init() {
@@ -199,6 +212,9 @@ pub fn wake_worker() {
     }
     let latch = WORKER_LATCH.get().load(Ordering::Acquire);
     if latch != 0 {
+        // SAFETY: called on a PostgreSQL thread (a backend or the worker's main thread). The
+        // address is a PGPROC's latch in shared memory, mapped at the same address in every
+        // process; if the worker is gone, it is still a valid latch (a spurious wake-up).
         unsafe { pg_sys::SetLatch(latch as *mut pg_sys::Latch) };
     }
 }
@@ -304,6 +320,7 @@ pub fn report_brokers(reports: &[BrokerReport<'_>]) {
     if !ready() {
         return;
     }
+    // SAFETY: only reads the clock; called on the worker's main thread.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let mut states = BROKER_STATES.exclusive();
     let old = *states;

@@ -132,6 +132,7 @@ mod tests {
     use super::*;
 
     fn current_mask() -> libc::sigset_t {
+        // SAFETY: sigset_t is plain data; pthread_sigmask only writes the mask it is given.
         unsafe {
             let mut m: libc::sigset_t = std::mem::zeroed();
             libc::pthread_sigmask(libc::SIG_SETMASK, std::ptr::null(), &mut m);
@@ -140,6 +141,7 @@ mod tests {
     }
 
     fn is_blocked(m: &libc::sigset_t, sig: libc::c_int) -> bool {
+        // SAFETY: `m` is a valid, initialised signal set.
         unsafe { libc::sigismember(m, sig) == 1 }
     }
 

@@ -61,7 +61,10 @@ fn amqp_threads_block_signals_and_the_caller_does_not() {
         assert!(blocked(*mask, libc::SIGINT), "{name}: {mask:x}");
     }
     // The spawning thread got its own mask back.
+    // SAFETY: sigset_t is plain data, valid when zeroed.
     let mut mine: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a null new mask only reads the current one into `mine`.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, std::ptr::null(), &mut mine) };
+    // SAFETY: `mine` was filled by pthread_sigmask.
     assert_eq!(unsafe { libc::sigismember(&mine, libc::SIGTERM) }, 0);
 }

@@ -26,6 +26,7 @@ SELECT 'amqp.broker'::pg_catalog.regclass::pg_catalog.oid, \
        pg_catalog.array_agg(DISTINCT broker_id) FROM amqp.broker";
 
 /// Runs in the middle of cache invalidation processing: only forgets, never raises.
+#[pg_guard]
 unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     // Borrowed elsewhere only around a lookup, which runs no invalidation; be safe anyway.
     let _ = KNOWN.try_with(|k| {
@@ -41,6 +42,8 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
 /// the extension's owner (the table holds passwords; callers need no rights on it).
 pub fn exists(client: &pgrx::spi::SpiClient<'_>, broker_id: i32) -> pgrx::spi::SpiResult<bool> {
     if !CALLBACK_REGISTERED.replace(true) {
+        // SAFETY: on the backend's main thread, once per process (the flag above). The callback
+        // has PostgreSQL's RelcacheCallbackFunction signature and lives as long as the library.
         unsafe {
             pg_sys::CacheRegisterRelcacheCallback(
                 Some(on_relcache_invalidation),
@@ -65,5 +68,7 @@ pub fn exists(client: &pgrx::spi::SpiClient<'_>, broker_id: i32) -> pgrx::spi::S
 
 /// `amqp.broker` changed in this transaction: every session must drop its list.
 pub fn invalidate(table: pg_sys::Oid) {
+    // SAFETY: on the backend's main thread, in the transaction that changed the table; `table`
+    // is the triggering relation's oid, so its catalog lookup succeeds.
     unsafe { pg_sys::CacheInvalidateRelcacheByRelid(table) };
 }

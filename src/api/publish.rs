@@ -166,6 +166,7 @@ impl<'a> NewMessage<'a> {
         }
         warn_once_if_not_served();
         let started_at = producer_started_at();
+        // SAFETY: a global set once at process start, read on the backend's main thread.
         let pid = unsafe { pg_sys::MyProcPid };
         let args: [DatumWithOid; 11] = [
             pid.into(),
@@ -375,6 +376,7 @@ fn last_message_id() -> i64 {
 /// `amqp.message.producer_started_at`, so direct INSERTs get it too.
 #[pg_extern(stable, parallel_safe, name = "_producer_started_at")]
 fn producer_started_at() -> TimestampWithTimeZone {
+    // SAFETY: a global set once at process start, read on the backend's main thread.
     TimestampWithTimeZone::try_from(unsafe { pg_sys::MyStartTimestamp })
         .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity())
 }

@@ -16,6 +16,8 @@ impl RunAs {
     pub fn new(role: pg_sys::Oid) -> Self {
         let mut user = pg_sys::InvalidOid;
         let mut context = 0;
+        // SAFETY: on the backend's main thread; the out-pointers are our locals. The switch is
+        // undone by Drop, or by the transaction's abort on an ERROR.
         unsafe {
             pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
             pg_sys::SetUserIdAndSecContext(
@@ -31,6 +33,7 @@ impl RunAs {
 
 impl Drop for RunAs {
     fn drop(&mut self) {
+        // SAFETY: on the backend's main thread; restores the values read in `new`.
         unsafe { pg_sys::SetUserIdAndSecContext(self.user, self.context) };
     }
 }

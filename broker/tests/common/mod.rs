@@ -153,6 +153,7 @@ impl Bridge {
             revents: 0,
         };
         let ms = max.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `p` is one valid pollfd, and the count passed is 1.
         unsafe { libc::poll(&mut p, 1, ms) };
         let new = handle.drain_events();
         for e in &new {

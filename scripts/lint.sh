@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The rules a machine checks (`make lint`, run first by `make test`). Every check runs; the
+# script lists the ones that failed and exits non-zero if any did.
+#
+#   fmt        cargo fmt --check
+#   clippy     clippy -D warnings on every target of the workspace, with
+#              clippy::undocumented_unsafe_blocks (every `unsafe {}` says why it is sound)
+#   no-pgrx    the AMQP crate (amqp_outbox_broker) does not depend on pgrx, even transitively:
+#              its thread must never call PostgreSQL (DESIGN.md, three execution contexts)
+#   pg_guard   every `extern "C"`/`extern "C-unwind"` fn under src/ carries #[pg_guard], so a
+#              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+CARGO=${CARGO:-cargo}
+BROKER_CRATE=amqp_outbox_broker
+failed=()
+
+run() {
+    local name=$1
+    shift
+    echo "==> lint: $name"
+    if ! "$@"; then
+        failed+=("$name")
+    fi
+}
+
+check_fmt() {
+    "$CARGO" fmt --all -- --check ||
+        { echo "lint: code is not formatted: run 'cargo fmt --all'" >&2; return 1; }
+}
+
+check_clippy() {
+    # The lint is also enabled in Cargo.toml ([workspace.lints]) for the crates that opt in; the
+    # flag here covers every member, whichever manifests opt in. --keep-going: every crate's
+    # findings in one run.
+    "$CARGO" clippy --workspace --all-targets --keep-going -- -D warnings -W clippy::undocumented_unsafe_blocks ||
+        { echo "lint: clippy found problems (see above)" >&2; return 1; }
+}
+
+check_no_pgrx() {
+    # `cargo tree -i pgrx` is no use here: "not in the graph" and "cargo failed" both exit 101.
+    # So list the whole graph (every target platform, build scripts included), require that the
+    # listing worked, and look for any pgrx crate in it.
+    local tree
+    if ! tree=$("$CARGO" tree -p "$BROKER_CRATE" -e normal,build --target all --prefix none \
+        --format '{p}'); then
+        echo "lint: cargo tree failed for $BROKER_CRATE" >&2
+        return 1
+    fi
+    if ! grep -q "^$BROKER_CRATE v" <<<"$tree"; then
+        echo "lint: cargo tree did not list $BROKER_CRATE itself; cannot check its dependencies" >&2
+        return 1
+    fi
+    local found
+    found=$(grep -E '^pgrx[-_a-z0-9]* v' <<<"$tree" | sort -u)
+    if [ -n "$found" ]; then
+        echo "lint: $BROKER_CRATE depends on pgrx (the AMQP thread must not reach PostgreSQL's API):" >&2
+        sed 's/^/    /' <<<"$found" >&2
+        echo "    see: $CARGO tree -p $BROKER_CRATE -e normal,build --target all -i <crate>" >&2
+        return 1
+    fi
+}
+
+check_pg_guard() {
+    # An item's attributes are the lines between it and the end of the previous item or block
+    # (a line ending in `{`, `}` or `;`); an extern fn whose attributes lack #[pg_guard] is
+    # reported. Function-pointer types (`extern "C" fn(`) have no name and do not match.
+    local missing
+    missing=$(find src -name '*.rs' -print0 | sort -z | xargs -0 awk '
+        FNR == 1 { guarded = 0 }
+        /^[[:space:]]*\/\// { next }
+        /^[[:space:]]*#\[(::)?(pgrx::)?pg_guard[\](]/ { guarded = 1; next }
+        /extern[[:space:]]+"C(-unwind)?"[[:space:]]+fn[[:space:]]+[A-Za-z_]/ {
+            if (!guarded) print FILENAME ":" FNR ": " $0
+            guarded = 0
+            next
+        }
+        /[{};][[:space:]]*$/ { guarded = 0 }
+    ')
+    if [ -n "$missing" ]; then
+        echo "lint: extern \"C\" functions without #[pg_guard] (PostgreSQL calls them; a panic must become an ERROR):" >&2
+        sed 's/^/    /' <<<"$missing" >&2
+        return 1
+    fi
+}
+
+run fmt check_fmt
+run clippy check_clippy
+run no-pgrx check_no_pgrx
+run pg_guard check_pg_guard
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "make lint: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "make lint: all passed (fmt clippy no-pgrx pg_guard)"
