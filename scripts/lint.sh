@@ -6,7 +6,7 @@
 #   clippy     clippy -D warnings on every target of the workspace, with
 #              clippy::undocumented_unsafe_blocks (every `unsafe {}` says why it is sound)
 #   no-pgrx    the AMQP crate (amqp_outbox_broker) does not depend on pgrx, even transitively:
-#              its thread must never call PostgreSQL (DESIGN.md, three execution contexts)
+#              its thread must never call PostgreSQL (README, "How it works")
 #   pg_guard   every `extern "C"`/`extern "C-unwind"` fn under src/ carries #[pg_guard], so a
 #              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames
 set -uo pipefail
