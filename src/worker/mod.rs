@@ -9,7 +9,8 @@
 //! - [`flight`]: what is in flight, held back after a nack, or due for a retry.
 //! - [`brokers`]: the configuration sent to the AMQP thread; [`presence`]: is the extension
 //!   there; [`status`]: copies to the status views; [`faults`]: test-only fault injection.
-//! - [`queries`]: every SQL statement; [`pg`]: the PostgreSQL calls around them.
+//! - [`queries`]: every SQL statement (the claim in `claim.sql`); [`pg`]: the PostgreSQL calls
+//!   around them.
 
 mod brokers;
 mod claim;
