@@ -2,9 +2,10 @@
 #
 #   make                 build the extension (release)
 #   make install         install it into the PostgreSQL that PG_CONFIG names
+#   make install-test    install a test build (with the fault-injection settings the e2e tests set)
 #   make installcheck    SQL contract tests (pg_regress, private temporary instance)
-#   make test            make lint, then every tier: install, installcheck, broker unit tests,
-#                        end-to-end tests (including the fast fault-injection cases of
+#   make test            make lint, then every tier: install-test, installcheck, broker unit
+#                        tests, end-to-end tests (including the fast fault-injection cases of
 #                        tests/tests/faults/)
 #   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
@@ -32,7 +33,7 @@ CARGO ?= cargo
 # servers — never `cp` over a loaded .so).
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
-.PHONY: all build install installcheck test test-unit test-broker test-e2e fmt lint run stop clean
+.PHONY: all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean
 
 all: build
 
@@ -44,9 +45,15 @@ build:
 # can start from them) are copied here.
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))
 
+# Cargo features of the installed build: none for a user's build; install-test adds the
+# fault-injection settings (amqp_outbox.test_*), which exist in no other build.
+CARGO_FEATURES ?=
 install:
-	$(CARGO) pgrx install --release --pg-config $(PG_CONFIG_REAL) $(PGRX_SUDO)
+	$(CARGO) pgrx install --release --pg-config $(PG_CONFIG_REAL) $(if $(CARGO_FEATURES),--features "$(CARGO_FEATURES)") $(PGRX_SUDO)
 	$(if $(PGRX_SUDO),sudo )install -m 644 $(OLD_VERSION_SCRIPTS) $(PG_SHAREDIR)/extension/
+
+install-test:
+	$(MAKE) --no-print-directory install CARGO_FEATURES=fault-injection
 
 installcheck:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck.sh
@@ -86,13 +93,13 @@ chaos-table:
 TEST_TIERS := test-unit installcheck test-broker test-e2e
 test: lint
 	@passed=; failed=; skipped=; installed=; \
-	for t in install $(TEST_TIERS); do \
-		if [ "$$t" != install ] && [ -z "$$installed" ]; then skipped="$$skipped $$t"; continue; fi; \
+	for t in install-test $(TEST_TIERS); do \
+		if [ "$$t" != install-test ] && [ -z "$$installed" ]; then skipped="$$skipped $$t"; continue; fi; \
 		echo "==> make $$t"; start=$$(date +%s); \
 		if $(MAKE) --no-print-directory $$t; then ok=1; else ok=; fi; \
 		r="$$t($$(( $$(date +%s) - start ))s)"; \
 		if [ -n "$$ok" ]; then passed="$$passed $$r"; else failed="$$failed $$r"; fi; \
-		if [ -n "$$ok" ] && [ "$$t" = install ]; then installed=1; fi; \
+		if [ -n "$$ok" ] && [ "$$t" = install-test ]; then installed=1; fi; \
 	done; \
 	echo; \
 	if [ -n "$$failed" ]; then \

@@ -24,6 +24,8 @@ pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(30000);
 pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static RANDOMIZE_HOSTS: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Test builds only (feature `fault-injection`): absent from a user's build, and from SHOW ALL.
+#[cfg(feature = "fault-injection")]
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 /// Defines the settings. `preloading`: `_PG_init` runs while `shared_preload_libraries` is
@@ -205,6 +207,7 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    #[cfg(feature = "fault-injection")]
     GucRegistry::define_int_guc(
         c"amqp_outbox.test_lose_one_in",
         c"Fault injection for tests: pretend one first publish in N is lost in transit (0 = never).",
@@ -242,6 +245,7 @@ pub struct WorkerSettings {
     pub retry_backoff_max: Duration,
     pub resend_after: Duration,
     pub ack_queue_quorum: bool,
+    #[cfg(feature = "fault-injection")]
     pub lose_one_in: u32,
     pub max_pending: i32,
     pub randomize_hosts: bool,
@@ -265,6 +269,7 @@ impl WorkerSettings {
             retry_backoff_max: ms(&RETRY_BACKOFF_MAX).max(ms(&RETRY_BACKOFF_MIN)),
             resend_after: ms(&RESEND_AFTER),
             ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
+            #[cfg(feature = "fault-injection")]
             lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
             max_pending: MAX_PENDING.get(),
             randomize_hosts: RANDOMIZE_HOSTS.get(),

@@ -4,6 +4,7 @@
 
 use pgrx::prelude::*;
 
+mod ack_queue;
 mod api;
 mod commit_wake;
 mod drop_guard;

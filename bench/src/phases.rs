@@ -288,24 +288,32 @@ fn table_stats(env: &mut Env) -> Result<[i64; 4], String> {
     Ok([r.get(0), r.get(1), r.get(2), r.get(3)])
 }
 
-/// The plan PostgreSQL picks now for a query shaped like the worker's claim (a copy of its
-/// shape, for the report; the worker's own text lives in src/worker/queries.rs).
+/// The plan PostgreSQL picks now for the worker's claim: its very text (src/worker/claim.sql),
+/// prepared and explained with the worker's default batch size and byte budget.
 fn claim_plan(env: &mut Env) -> String {
-    env.admin
-        .query(
-            "EXPLAIN SELECT id, broker_id, exchange, routing_key, body FROM amqp.message
-              WHERE broker_id = ANY ('{1}'::int[]) AND parked_at IS NULL
-                AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-              ORDER BY id LIMIT 2500",
-            &[],
-        )
+    let prepare = format!(
+        "PREPARE bench_claim(integer[], bigint, bigint[], bigint) AS {}",
+        include_str!("../../src/worker/claim.sql")
+    );
+    let plan = env
+        .admin
+        .batch_execute(&prepare)
+        .and_then(|()| {
+            env.admin.query(
+                "EXPLAIN EXECUTE bench_claim('{1}', 500, '{}', 33554432)",
+                &[],
+            )
+        })
         .map(|rows| {
             rows.iter()
                 .map(|r| r.get::<_, String>(0))
                 .collect::<Vec<_>>()
                 .join("\n")
         })
-        .unwrap_or_else(|e| format!("EXPLAIN failed: {e}"))
+        .unwrap_or_else(|e| format!("EXPLAIN failed: {e}"));
+    // Gone whether or not the EXPLAIN worked, so the next call can prepare it again.
+    let _ = env.admin.batch_execute("DEALLOCATE bench_claim");
+    plan
 }
 
 /// Builds a backlog of `n` messages with the worker off, switches it on (configuration file +

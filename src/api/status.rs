@@ -37,7 +37,7 @@ fn worker_status() -> TableIterator<
         load(|c| &c.resent_timeout),
         load(|c| &c.failed),
         load(|c| &c.parked),
-        crate::worker::ack_queue_name(),
+        crate::ack_queue::name(),
         load(|c| &c.steps),
         load(|c| &c.commit_wakeups),
     ))

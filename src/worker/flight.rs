@@ -1,7 +1,12 @@
 //! The worker's memory of what it has handed to the AMQP thread: per broker, the connection
 //! state, and per message in flight what is known of its delivery (confirmed? acknowledged?).
 //! Plain Rust, no PostgreSQL calls. Bounded by `max_in_flight` messages and
-//! `max_in_flight_bytes` of unconfirmed bodies per broker.
+//! `max_in_flight_bytes` of unconfirmed bodies per broker. Also what is held back after a nack
+//! and when retries come due ([`Holds`]).
+
+mod holds;
+
+pub use holds::Holds;
 
 use amqp_outbox_broker::ProofMode;
 use std::collections::{BTreeSet, HashMap};
@@ -96,6 +101,8 @@ pub struct Flight {
     entries: HashMap<i64, Entry>,
     /// Grows with every change of an entry, so the status views know when to refresh.
     changes: u64,
+    /// Out of flight, but not to be claimed yet, or due at a known instant.
+    pub holds: Holds,
 }
 
 impl Flight {

@@ -1,12 +1,30 @@
 //! The background worker. Everything here runs on the worker's main thread, the only one that
 //! may call PostgreSQL; the AMQP side runs on its own thread (crate `amqp_outbox_broker`).
+//!
+//! - [`main_loop`]: the schedule only: signals, wake-ups, the batch interval, the sweep timer.
+//! - [`step`]: one short transaction: record outcomes, reload, claim.
+//! - [`events`] turns the AMQP thread's events into a [`settle::Settlement`], which
+//!   [`settle`] writes to the table.
+//! - [`claim`] reads the next rows and hands them over, built by [`message`].
+//! - [`flight`]: what is in flight, held back after a nack, or due for a retry.
+//! - [`brokers`]: the configuration sent to the AMQP thread; [`presence`]: is the extension
+//!   there; [`status`]: copies to the status views; [`faults`]: test-only fault injection.
+//! - [`queries`]: every SQL statement (the claim in `claim.sql`); [`pg`]: the PostgreSQL calls
+//!   around them.
 
+mod brokers;
+mod claim;
+mod events;
+mod faults;
 mod flight;
 mod main_loop;
+mod message;
 mod pg;
+mod presence;
 mod queries;
-
-pub use queries::ack_queue_name;
+mod settle;
+mod status;
+mod step;
 
 use crate::{gucs, shmem};
 use pgrx::bgworkers::{
@@ -29,7 +47,9 @@ pub fn register() {
         .load();
 }
 
-unsafe extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
+/// Run by PostgreSQL as the worker exits: SQL functions must stop setting a latch that is gone.
+#[pg_guard]
+extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
     shmem::register_worker(None, 0);
 }
 
@@ -40,24 +60,20 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(_arg: pg_sys::Datum) {
     let database = gucs::database_name();
     // Raises FATAL (exit 1, restarted) while the database does not exist yet.
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    // Pinned before the first query, for the worker's whole life (see pg::pin): its statements
+    // resolve functions and operators in pg_catalog only, whatever a user creates elsewhere.
+    pg::pin(c"search_path", c"pg_catalog, pg_temp");
+    // Losing the worker's own commits in a crash only means publishing again (at least once);
+    // waiting for each WAL flush would cap the drain rate.
+    pg::pin(c"synchronous_commit", c"off");
+    // The worker's statements are short; a lock wait must not hold a transaction open.
+    pg::pin(c"lock_timeout", c"10s");
+    // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
+    // until it exits, and the callback registered here clears them from shared memory before
+    // that (before_shmem_exit runs while shared memory is still attached).
     unsafe {
         shmem::register_worker(Some(pg_sys::MyLatch), pg_sys::MyProcPid);
         pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
-        // Losing the worker's own commits in a crash only means publishing again (at least
-        // once); waiting for each WAL flush would cap the drain rate.
-        pg_sys::SetConfigOption(
-            c"synchronous_commit".as_ptr(),
-            c"off".as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
-        );
-        // The worker's statements are short; a lock wait must not hold a transaction open.
-        pg_sys::SetConfigOption(
-            c"lock_timeout".as_ptr(),
-            c"10s".as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
-        );
     }
     log!("amqp_outbox: worker started for database \"{database}\"");
     let handle = match amqp_outbox_broker::spawn() {

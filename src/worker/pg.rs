@@ -1,16 +1,38 @@
 //! Thin wrappers over the PostgreSQL calls of the worker's main thread: short transactions,
-//! the wait on latch + socket, signals, and reporting activity to pg_stat_activity.
+//! the wait on latch + socket, signals, settings, and reporting activity to pg_stat_activity.
 
 use pgrx::prelude::*;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::os::fd::RawFd;
 use std::time::Duration;
+
+/// Sets a configuration parameter for the rest of the worker's life. At `PGC_S_OVERRIDE`, the
+/// highest source, the value is also the reset value, is not undone by a transaction's end
+/// (it is set outside any), and a reload of postgresql.conf (lower source) leaves it alone.
+/// Call only outside a transaction, before the first query.
+pub fn pin(name: &CStr, value: &CStr) {
+    // SAFETY: on the main thread after the worker connected to its database (GUCs exist); both
+    // strings are NUL-terminated and only read (PostgreSQL copies the value); an invalid value
+    // raises an ERROR, which pg_guard turns into the worker's exit, never undefined behaviour.
+    unsafe {
+        pg_sys::SetConfigOption(
+            name.as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+        )
+    };
+}
 
 /// Runs `body` in its own transaction with a snapshot, and reports it in pg_stat_activity.
 /// An ERROR inside aborts the transaction and ends the worker (exit 1, restarted by the
 /// postmaster): the worker never sits idle in transaction.
 pub fn transaction<R>(what: &str, body: impl FnOnce() -> R) -> R {
     report_activity(Some(what));
+    // SAFETY: the main thread, outside any transaction (the loop never nests them): start one,
+    // give it a snapshot, run the body, then pop exactly the snapshot pushed here and commit.
+    // An ERROR in between never comes back here: it ends the worker, and PostgreSQL's exit
+    // callbacks abort the transaction.
     let result = unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
@@ -35,6 +57,8 @@ fn report_activity(what: Option<&str>) {
         pg_sys::BackendState::STATE_IDLE
     };
     let text = what.and_then(|w| CString::new(w).ok());
+    // SAFETY: the main thread of a backend with a PGPROC; the text is NUL-terminated (or null,
+    // allowed for idle) and lives until the call returns, which copies it into shared memory.
     unsafe {
         pg_sys::pgstat_report_activity(
             state,
@@ -58,6 +82,8 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
         events |= pg_sys::WL_SOCKET_READABLE;
     }
     let timeout_ms = timeout.as_millis().min(i64::MAX as u128) as std::ffi::c_long;
+    // SAFETY: the main thread, which owns MyLatch; the socket (when given) is the wake socket
+    // the broker handle keeps open for as long as the worker runs.
     let rc = unsafe {
         pg_sys::WaitLatchOrSocket(
             pg_sys::MyLatch,
@@ -67,6 +93,7 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
             pg_sys::PG_WAIT_EXTENSION,
         )
     };
+    // SAFETY: as above; only the latch's owner may reset it, and this is its owner.
     unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
     pg_sys::check_for_interrupts!();
     if rc & pg_sys::WL_SOCKET_READABLE as i32 != 0 {
@@ -81,6 +108,7 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
 pub fn sleep(d: Duration) {
     let events = pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
     let timeout_ms = d.as_millis().clamp(1, i64::MAX as u128) as std::ffi::c_long;
+    // SAFETY: the main thread; no latch is passed (null is allowed without WL_LATCH_SET).
     unsafe {
         pg_sys::WaitLatch(
             std::ptr::null_mut(),
@@ -93,11 +121,15 @@ pub fn sleep(d: Duration) {
 }
 
 pub fn shutdown_requested() -> bool {
+    // SAFETY: a sig_atomic_t flag the signal handler sets; a volatile read of a valid static.
     unsafe { std::ptr::read_volatile(&raw const pg_sys::ShutdownRequestPending) != 0 }
 }
 
 /// Re-reads postgresql.conf after SIGHUP. Returns true when it did.
 pub fn reload_config_if_requested() -> bool {
+    // SAFETY: the main thread, outside a transaction, as PostgreSQL's own processes do it: the
+    // flag is a sig_atomic_t static that only the SIGHUP handler sets, cleared before reading
+    // the file so that a SIGHUP arriving meanwhile is not lost.
     unsafe {
         if std::ptr::read_volatile(&raw const pg_sys::ConfigReloadPending) != 0 {
             std::ptr::write_volatile(&raw mut pg_sys::ConfigReloadPending, 0);
@@ -109,5 +141,6 @@ pub fn reload_config_if_requested() -> bool {
 }
 
 pub fn in_recovery() -> bool {
+    // SAFETY: reads shared state under PostgreSQL's own locking; valid in any backend.
     unsafe { pg_sys::RecoveryInProgress() }
 }

@@ -1,13 +1,18 @@
 //! Every SQL statement the worker runs. Each runs inside a short transaction opened by the
 //! caller ([`super::pg::transaction`]); none waits on the broker.
+//!
+//! The worker pins its `search_path` to `pg_catalog, pg_temp` at start ([`super::pg::pin`]),
+//! so these statements are plain SQL: no user's function or operator can be picked instead of
+//! the built-in one. Only the extension's own tables are qualified (`amqp.`).
 
-use amqp_outbox_broker::{
-    BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl, TlsOptions,
-};
+mod config;
+
+pub use config::load_brokers;
+
+use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 thread_local! {
@@ -82,6 +87,10 @@ pub struct Row {
 /// the end of the transaction, so a concurrent DROP EXTENSION waits for the worker's short
 /// transaction instead of pulling the table from under its statements.
 pub fn extension_exists() -> bool {
+    // SAFETY: called inside the worker's transaction (catalog lookups need one); the names are
+    // NUL-terminated literals that PostgreSQL only reads (makeRangeVar copies the pointers into
+    // a node of the transaction's memory context); with missing_ok / RVR_MISSING_OK a missing
+    // extension or table returns InvalidOid instead of raising.
     unsafe {
         if pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) == pg_sys::InvalidOid {
             return false;
@@ -101,14 +110,6 @@ pub fn extension_exists() -> bool {
     }
 }
 
-/// The acknowledgement queue of this database: a name no other database can have, even one on
-/// another cluster using the same broker.
-pub fn ack_queue_name() -> String {
-    let sysid = unsafe { pg_sys::GetSystemIdentifier() };
-    let dboid = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    format!("amqp_outbox.ack.{sysid:x}.{dboid:x}")
-}
-
 /// The version of the SQL objects this library's statements are written for.
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -116,9 +117,8 @@ pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// (the library was upgraded and `ALTER EXTENSION amqp_outbox UPDATE` has not run yet): the
 /// tables may lack what the worker reads, so it waits instead of failing on every step.
 pub fn version_mismatch() -> Option<String> {
-    let installed = Spi::get_one::<String>(
-        "SELECT extversion FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'amqp_outbox'",
-    );
+    let installed =
+        Spi::get_one::<String>("SELECT extversion FROM pg_extension WHERE extname = 'amqp_outbox'");
     match installed {
         Ok(Some(v)) if v != LIBRARY_VERSION => Some(v),
         _ => None,
@@ -132,31 +132,16 @@ fn unix_micros(ts: Option<TimestampWithTimeZone>) -> i64 {
 
 /// The next rows to publish, in id order: not in flight or held back (`$3`), and no more body
 /// bytes than `$4` (the first row always: it may be larger). `octet_length` reads a toasted
-/// body's size from its pointer, so rows past the budget cost no detoasting.
-const CLAIM_SQL: &str = "\
-SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
-       correlation_id, headers::pg_catalog.text, producer_pid, producer_started_at, created_at, \
-       attempts, message_id \
-  FROM (SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, \
-               reply_to, correlation_id, headers, producer_pid, producer_started_at, created_at, \
-               attempts, message_id, pg_catalog.octet_length(body) AS size, \
-               pg_catalog.sum(pg_catalog.octet_length(body)) OVER (ORDER BY id) AS upto \
-          FROM amqp.message \
-         WHERE broker_id OPERATOR(pg_catalog.=) ANY ($1) \
-           AND parked_at IS NULL \
-           AND (next_attempt_at IS NULL OR next_attempt_at OPERATOR(pg_catalog.<=) pg_catalog.now()) \
-           AND id OPERATOR(pg_catalog.<>) ALL ($3) \
-         ORDER BY id \
-         LIMIT $2) candidates \
- WHERE upto OPERATOR(pg_catalog.-) size OPERATOR(pg_catalog.<) $4 \
- ORDER BY id";
+/// body's size from its pointer, so rows past the budget cost no detoasting. Kept in its own
+/// file so that pg_regress/sql/claim_plan.sql and the bench explain this very text.
+pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 const CLAIM_BY_ID_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
-       correlation_id, headers::pg_catalog.text, producer_pid, producer_started_at, created_at, \
+       correlation_id, headers::text, producer_pid, producer_started_at, created_at, \
        attempts, message_id \
   FROM amqp.message \
- WHERE id OPERATOR(pg_catalog.=) ANY ($1) AND parked_at IS NULL \
+ WHERE id = ANY ($1) AND parked_at IS NULL \
  ORDER BY id";
 
 fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
@@ -186,8 +171,8 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
 /// The first rows, in id order, that are not parked and are due, of these brokers. Selected by
 /// state from the lowest id every time, never from a high-water mark: ids are taken at INSERT
 /// and transactions commit in another order, so a mark would skip (or delay, breaking each
-/// session's order) a row that committed late with a smaller id. The caller skips the rows it
-/// already has in flight, so `limit` includes them.
+/// session's order) a row that committed late with a smaller id. `skip` (what is in flight or
+/// held back) is left out by the statement itself, so `limit` counts only rows to publish now.
 pub fn claim(
     client: &mut SpiClient<'_>,
     brokers: &[i32],
@@ -214,7 +199,7 @@ pub fn delete_delivered(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<us
     let args: [DatumWithOid; 1] = [ids.to_vec().into()];
     run_kept(
         client,
-        "DELETE FROM amqp.message WHERE id OPERATOR(pg_catalog.=) ANY ($1)",
+        "DELETE FROM amqp.message WHERE id = ANY ($1)",
         &args,
         true,
         |t| Ok(t.len()),
@@ -225,53 +210,80 @@ pub struct Recorded {
     pub attempts: i32,
     pub parked: bool,
     /// How long until the retry is due.
-    pub retry_in: Option<Duration>,
+    pub retry_in: Duration,
 }
 
-/// A refused publish: count the attempt, keep the error, schedule the retry with exponential
-/// backoff and jitter, or park the row once `max_attempts` is reached. `None` when the row is gone.
+/// The retry delay for each count of earlier attempts, drawn from the product's one backoff
+/// policy: index `n` is the delay after a failure that had `n` attempts before it; the last
+/// entry (the cap) serves every count beyond. Bound as one array, so that the statement picks
+/// the delay from the row's `attempts` as it updates it: one statement, no separate read.
+pub struct RetryDelays(Vec<Duration>);
+
+impl RetryDelays {
+    pub fn new(backoff: &Backoff) -> Self {
+        let mut delays = Vec::new();
+        for n in 0u32.. {
+            delays.push(backoff.delay(n));
+            // Past this the cap no longer grows (`ceiling` stops doubling after n = 31).
+            if backoff.ceiling(n) >= backoff.max || n >= 31 {
+                break;
+            }
+        }
+        RetryDelays(delays)
+    }
+
+    /// The delay the statement picked for a row whose attempts are now `attempts`: the same
+    /// index as its `$4[least(greatest(attempts, 0), cardinality($4) - 1) + 1]`, taken before
+    /// the increment.
+    pub fn after(&self, attempts: i32) -> Duration {
+        let before = usize::try_from(attempts.saturating_sub(1)).unwrap_or(0);
+        self.0[before.min(self.0.len() - 1)]
+    }
+
+    fn micros(&self) -> Vec<i64> {
+        self.0
+            .iter()
+            .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+            .collect()
+    }
+}
+
+/// A refused publish: count the attempt, keep the error, schedule the retry after the backoff
+/// for the attempts made so far, or park the row once `max_attempts` is reached. `None` when the
+/// row is gone.
 pub fn record_failure(
     client: &mut SpiClient<'_>,
     id: i64,
     error: &str,
     max_attempts: i32,
-    backoff_min_ms: i64,
-    backoff_max_ms: i64,
+    delays: &RetryDelays,
 ) -> SpiResult<Option<Recorded>> {
-    let args: [DatumWithOid; 5] = [
+    let args: [DatumWithOid; 4] = [
         id.into(),
         error.into(),
         max_attempts.into(),
-        backoff_min_ms.into(),
-        backoff_max_ms.into(),
+        delays.micros().into(),
     ];
     let table = client.update(
         "UPDATE amqp.message \
-            SET attempts = attempts OPERATOR(pg_catalog.+) 1, \
+            SET attempts = attempts + 1, \
                 last_error = $2, \
-                next_attempt_at = pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) \
-                    pg_catalog.make_interval(secs => \
-                        LEAST($5::pg_catalog.float8, \
-                            $4::pg_catalog.float8 OPERATOR(pg_catalog.*) \
-                            pg_catalog.power(2::pg_catalog.float8, LEAST(attempts, 30))) \
-                        OPERATOR(pg_catalog./) 1000 \
-                        OPERATOR(pg_catalog.*) (0.75 OPERATOR(pg_catalog.+) (pg_catalog.random() OPERATOR(pg_catalog./) 2))), \
-                parked_at = CASE WHEN attempts OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.>=) $3 \
-                                 THEN pg_catalog.clock_timestamp() END \
-          WHERE id OPERATOR(pg_catalog.=) $1 \
-      RETURNING attempts, parked_at IS NOT NULL, \
-                pg_catalog.date_part('epoch', next_attempt_at OPERATOR(pg_catalog.-) pg_catalog.clock_timestamp())",
+                next_attempt_at = clock_timestamp() \
+                    + $4[least(greatest(attempts, 0), cardinality($4) - 1) + 1] \
+                      * interval '1 microsecond', \
+                parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
+          WHERE id = $1 \
+      RETURNING attempts, parked_at IS NOT NULL",
         None,
         &args,
     )?;
     let mut out = None;
     for r in table {
+        let attempts = r.get::<i32>(1)?.unwrap_or_default();
         out = Some(Recorded {
-            attempts: r.get::<i32>(1)?.unwrap_or_default(),
+            attempts,
             parked: r.get::<bool>(2)?.unwrap_or(false),
-            retry_in: r
-                .get::<f64>(3)?
-                .map(|secs| Duration::from_secs_f64(secs.max(0.0))),
+            retry_in: delays.after(attempts),
         });
     }
     Ok(out)
@@ -288,10 +300,9 @@ pub fn record_resend(
     let args: [DatumWithOid; 3] = [ids.to_vec().into(), reason.into(), max_attempts.into()];
     let table = client.update(
         "UPDATE amqp.message \
-            SET attempts = attempts OPERATOR(pg_catalog.+) 1, last_error = $2, next_attempt_at = NULL, \
-                parked_at = CASE WHEN attempts OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.>=) $3 \
-                                 THEN pg_catalog.clock_timestamp() END \
-          WHERE id OPERATOR(pg_catalog.=) ANY ($1) AND parked_at IS NULL \
+            SET attempts = attempts + 1, last_error = $2, next_attempt_at = NULL, \
+                parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
+          WHERE id = ANY ($1) AND parked_at IS NULL \
       RETURNING id, parked_at IS NOT NULL",
         None,
         &args,
@@ -309,143 +320,13 @@ pub fn record_resend(
 pub fn park(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<()> {
     let args: [DatumWithOid; 2] = [id.into(), error.into()];
     client.update(
-        "UPDATE amqp.message SET attempts = attempts OPERATOR(pg_catalog.+) 1, last_error = $2, \
-                parked_at = pg_catalog.clock_timestamp() \
-          WHERE id OPERATOR(pg_catalog.=) $1",
+        "UPDATE amqp.message SET attempts = attempts + 1, last_error = $2, \
+                parked_at = clock_timestamp() \
+          WHERE id = $1",
         None,
         &args,
     )?;
     Ok(())
-}
-
-/// The brokers (hosts grouped by broker_id, in a stable order) and their declarations.
-pub fn load_brokers(
-    client: &SpiClient<'_>,
-    template: &BrokerConfig,
-) -> SpiResult<Vec<BrokerConfig>> {
-    let mut brokers: BTreeMap<i32, BrokerConfig> = BTreeMap::new();
-    let hosts = client.select(
-        "SELECT broker_id, host, port, vhost, username, password, proof, \
-                tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name \
-           FROM amqp.broker ORDER BY broker_id, host, port",
-        None,
-        &[],
-    )?;
-    for r in hosts {
-        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
-        let port = r.get::<i32>(3)?.unwrap_or(5672);
-        let endpoint = Endpoint {
-            host: r.get::<String>(2)?.unwrap_or_default(),
-            port: u16::try_from(port).unwrap_or(5672),
-            vhost: r.get::<String>(4)?.unwrap_or_else(|| "/".into()),
-            username: r.get::<String>(5)?.unwrap_or_else(|| "guest".into()),
-            password: r.get::<String>(6)?.unwrap_or_else(|| "guest".into()),
-            tls: if r.get::<bool>(8)?.unwrap_or(false) {
-                Some(TlsOptions {
-                    ca_file: r.get::<String>(9)?,
-                    cert_file: r.get::<String>(10)?,
-                    key_file: r.get::<String>(11)?,
-                    server_name: r.get::<String>(12)?,
-                })
-            } else {
-                None
-            },
-        };
-        // The first host row of a broker decides its proof mode.
-        let proof = match r.get::<String>(7)?.as_deref() {
-            Some("confirm") => ProofMode::Confirm,
-            _ => ProofMode::AckQueue,
-        };
-        brokers
-            .entry(broker_id)
-            .or_insert_with(|| BrokerConfig {
-                broker_id,
-                proof,
-                ..template.clone()
-            })
-            .hosts
-            .push(endpoint);
-    }
-    let exchanges = client.select(
-        "SELECT broker_id, exchange, exchange_type, passive, durable, auto_delete \
-           FROM amqp.exchange ORDER BY broker_id, exchange",
-        None,
-        &[],
-    )?;
-    for r in exchanges {
-        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
-        if let Some(b) = brokers.get_mut(&broker_id) {
-            b.exchanges.push(ExchangeDecl {
-                name: r.get::<String>(2)?.unwrap_or_default(),
-                kind: r.get::<String>(3)?.unwrap_or_else(|| "direct".into()),
-                passive: r.get::<bool>(4)?.unwrap_or(false),
-                durable: r.get::<bool>(5)?.unwrap_or(true),
-                auto_delete: r.get::<bool>(6)?.unwrap_or(false),
-            });
-        }
-    }
-    let queues = client.select(
-        "SELECT broker_id, queue, durable, auto_delete, arguments::pg_catalog.text FROM amqp.queue \
-          ORDER BY broker_id, queue",
-        None,
-        &[],
-    )?;
-    for r in queues {
-        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
-        let name = r.get::<String>(2)?.unwrap_or_default();
-        let Some(arguments) = declaration_arguments(r.get::<String>(5)?, "queue", &name) else {
-            continue;
-        };
-        if let Some(b) = brokers.get_mut(&broker_id) {
-            b.queues.push(QueueDecl {
-                name,
-                durable: r.get::<bool>(3)?.unwrap_or(true),
-                auto_delete: r.get::<bool>(4)?.unwrap_or(false),
-                arguments,
-            });
-        }
-    }
-    let bindings = client.select(
-        "SELECT broker_id, queue, exchange, routing_key, arguments::pg_catalog.text FROM amqp.binding \
-          ORDER BY broker_id, queue, exchange, routing_key",
-        None,
-        &[],
-    )?;
-    for r in bindings {
-        let broker_id = r.get::<i32>(1)?.unwrap_or_default();
-        let queue = r.get::<String>(2)?.unwrap_or_default();
-        let Some(arguments) =
-            declaration_arguments(r.get::<String>(5)?, "binding of queue", &queue)
-        else {
-            continue;
-        };
-        if let Some(b) = brokers.get_mut(&broker_id) {
-            b.bindings.push(BindingDecl {
-                queue,
-                exchange: r.get::<String>(3)?.unwrap_or_default(),
-                routing_key: r.get::<String>(4)?.unwrap_or_default(),
-                arguments,
-            });
-        }
-    }
-    Ok(brokers.into_values().collect())
-}
-
-/// A declaration's arguments, or `None` (with a warning) when they cannot be sent: a number
-/// out of range, nesting deeper than the parser allows. Such a declaration is left out; the
-/// others, and publishing, go on.
-fn declaration_arguments(
-    text: Option<String>,
-    what: &str,
-    name: &str,
-) -> Option<serde_json::Map<String, serde_json::Value>> {
-    match crate::headers::json_object(text.as_deref()) {
-        Ok(map) => Some(map),
-        Err(why) => {
-            warning!("amqp_outbox: {what} {name:?} is not declared: its arguments {why}");
-            None
-        }
-    }
 }
 
 /// The backlog per broker, for `amqp_outbox.max_pending`: rows waiting to be taken by the
@@ -453,8 +334,8 @@ fn declaration_arguments(
 /// nothing about how fast the broker takes messages, and must not turn publishers away.
 pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::HashMap<i32, i64>> {
     let table = client.select(
-        "SELECT broker_id, pg_catalog.count(*) FROM amqp.message \
-          WHERE parked_at IS NULL AND attempts OPERATOR(pg_catalog.=) 0 \
+        "SELECT broker_id, count(*) FROM amqp.message \
+          WHERE parked_at IS NULL AND attempts = 0 \
           GROUP BY broker_id",
         None,
         &[],
@@ -475,15 +356,65 @@ pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::Hash
 pub fn park_orphans(client: &mut SpiClient<'_>) -> SpiResult<usize> {
     let table = client.update(
         "UPDATE amqp.message m \
-            SET attempts = m.attempts OPERATOR(pg_catalog.+) 1, parked_at = pg_catalog.clock_timestamp(), \
-                last_error = 'broker ' OPERATOR(pg_catalog.||) m.broker_id::pg_catalog.text \
-                             OPERATOR(pg_catalog.||) ' does not exist in amqp.broker' \
+            SET attempts = m.attempts + 1, parked_at = clock_timestamp(), \
+                last_error = 'broker ' || m.broker_id::text || ' does not exist in amqp.broker' \
           WHERE m.parked_at IS NULL \
-            AND NOT EXISTS (SELECT FROM amqp.broker b \
-                             WHERE b.broker_id OPERATOR(pg_catalog.=) m.broker_id) \
+            AND NOT EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id = m.broker_id) \
       RETURNING m.id",
         None,
         &[],
     )?;
     Ok(table.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_claim_plan_test_explains_the_workers_own_claim() {
+        let regress = include_str!("../../pg_regress/sql/claim_plan.sql");
+        let prepared = format!("AS\n{};\n", CLAIM_SQL.trim_end());
+        assert!(
+            regress.contains(&prepared),
+            "pg_regress/sql/claim_plan.sql must PREPARE the text of src/worker/claim.sql"
+        );
+    }
+
+    #[test]
+    fn retry_delays_follow_the_backoff_and_stop_at_its_cap() {
+        let min = Duration::from_millis(200);
+        let max = Duration::from_secs(60);
+        let delays = RetryDelays::new(&Backoff::new(min, max));
+        // 200 ms · 2^9 = 102.4 s is the first ceiling past 60 s.
+        assert_eq!(delays.0.len(), 10);
+        assert_eq!(delays.after(1), min, "first failure: exactly min");
+        for attempts in 2..=40 {
+            let d = delays.after(attempts);
+            let cap = (min * 2u32.pow((attempts - 1).min(9) as u32)).min(max);
+            assert!(
+                d >= (cap / 2).max(min) && d <= cap,
+                "{d:?} after {attempts}"
+            );
+        }
+        assert_eq!(
+            delays.after(0),
+            min,
+            "a row set back by hand takes the first delay"
+        );
+        assert_eq!(delays.micros()[0], 200_000);
+    }
+
+    #[test]
+    fn retry_delays_tolerate_odd_settings() {
+        let same = RetryDelays::new(&Backoff::new(
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        ));
+        assert_eq!(same.0, vec![Duration::from_secs(1)]);
+        let zero = RetryDelays::new(&Backoff::new(Duration::ZERO, Duration::ZERO));
+        assert_eq!(zero.after(7), Duration::ZERO);
+        let huge = RetryDelays::new(&Backoff::new(Duration::from_millis(1), Duration::MAX));
+        assert_eq!(huge.0.len(), 32, "the ceiling stops doubling after 31");
+    }
 }

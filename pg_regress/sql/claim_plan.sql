@@ -1,0 +1,52 @@
+-- The plan of the worker's claim. The statement below is the text of src/worker/claim.sql,
+-- which the worker runs (a unit test checks that this file holds it unchanged). On a backlog it
+-- must read amqp.message from its lowest id through the primary key and stop after LIMIT rows:
+-- an index scan, never a Sort of the whole table. The worker is off (regress.conf): rows stay.
+\set VERBOSITY terse
+SET client_min_messages = warning;
+CREATE EXTENSION IF NOT EXISTS amqp_outbox;
+RESET client_min_messages;
+BEGIN;
+-- As the worker runs it: its search_path is pinned at start (src/worker/mod.rs).
+SET LOCAL search_path = pg_catalog, pg_temp;
+INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1'), (2, '127.0.0.1');
+-- A backlog of 20,000 rows for two brokers, a few refused (waiting for a retry) or parked.
+INSERT INTO amqp.message (producer_started_at, broker_id, exchange, routing_key, body,
+                          attempts, next_attempt_at, parked_at)
+SELECT now(), 1 + i % 2, 'ex', 'rk', convert_to(repeat('x', 200), 'UTF8'),
+       CASE WHEN i % 100 = 0 THEN 1 ELSE 0 END,
+       CASE WHEN i % 100 = 0 THEN now() + interval '1 minute' END,
+       CASE WHEN i % 1000 = 0 THEN now() END
+  FROM generate_series(1, 20000) AS i;
+ANALYZE amqp.message;
+PREPARE claim(integer[], bigint, bigint[], bigint) AS
+SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to,
+       correlation_id, headers::text, producer_pid, producer_started_at, created_at,
+       attempts, message_id
+  FROM (SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type,
+               reply_to, correlation_id, headers, producer_pid, producer_started_at, created_at,
+               attempts, message_id, octet_length(body) AS size,
+               sum(octet_length(body)) OVER (ORDER BY id) AS upto
+          FROM amqp.message
+         WHERE broker_id = ANY ($1)
+           AND parked_at IS NULL
+           AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+           AND id <> ALL ($3)
+         ORDER BY id
+         LIMIT $2) candidates
+ WHERE upto - size < $4
+ ORDER BY id;
+-- The worker's parameters: its connected brokers, batch_size (500), the ids it has in flight
+-- or holds back, the byte budget (max_in_flight_bytes).
+EXPLAIN (COSTS OFF) EXECUTE claim('{1,2}', 500, '{1,2,3}', 33554432);
+-- The worker keeps the statement prepared: after a few executions PostgreSQL may switch to a
+-- generic plan, which must read the same way.
+SET LOCAL plan_cache_mode = force_generic_plan;
+EXPLAIN (COSTS OFF) EXECUTE claim('{1,2}', 500, '{1,2,3}', 33554432);
+-- And it takes the first due rows in id order, up to the byte budget (five bodies of 200 bytes
+-- start below 1000).
+RESET plan_cache_mode;
+CREATE TEMP TABLE claimed ON COMMIT DROP AS EXECUTE claim('{1,2}', 500, '{}', 1000);
+SELECT count(*) AS claimed, min(id) = (SELECT min(id) FROM amqp.message) AS from_the_lowest
+  FROM claimed;
+ROLLBACK;

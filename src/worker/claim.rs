@@ -1,0 +1,141 @@
+//! Claims the next rows (suspects first, alone), fits them into each broker's window of
+//! messages and bytes, and turns them into publish commands for the AMQP thread.
+
+use super::faults::Faults;
+use super::flight::{Flight, Room};
+use super::message::to_message;
+use super::queries::{self, Row};
+use super::settle::park_now;
+use crate::gucs::WorkerSettings;
+use crate::shmem;
+use amqp_outbox_broker::{Command, OutboundMessage};
+use pgrx::spi::{SpiClient, SpiResult};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+pub struct Claimed {
+    /// To send once the transaction has committed.
+    pub commands: Vec<Command>,
+    /// The claim filled its batch or byte budget: there is probably more, claim again at once.
+    pub more: bool,
+}
+
+pub fn claim(
+    client: &mut SpiClient<'_>,
+    settings: &WorkerSettings,
+    flight: &mut Flight,
+    faults: &mut Faults,
+) -> SpiResult<Claimed> {
+    let mut commands = Vec::new();
+
+    // Suspects first: alone on their channel, one at a time.
+    for (broker_id, ids) in flight.isolation_ready() {
+        let rows = queries::claim_ids(client, &ids)?;
+        let found: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        flight
+            .broker(broker_id)
+            .suspects
+            .retain(|id| found.contains(id));
+        let messages = prepare(client, rows, settings, faults)?;
+        for m in &messages {
+            flight.mark_sent(broker_id, m.id, m.body.len());
+        }
+        if !messages.is_empty() {
+            commands.push(Command::Publish {
+                broker_id,
+                messages,
+                solo: true,
+            });
+        }
+    }
+
+    let open = flight.open_brokers(settings.max_in_flight, settings.max_in_flight_bytes);
+    if open.is_empty() {
+        return Ok(Claimed {
+            commands,
+            more: false,
+        });
+    }
+    let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
+    let broker_ids: Vec<i32> = room.keys().copied().collect();
+    // What is in flight or held back is not read again (bodies included).
+    let mut skip: Vec<i64> = flight.ids().collect();
+    skip.extend(
+        flight
+            .holds
+            .held_now(Instant::now(), settings.retry_backoff_max),
+    );
+    let budget: usize = room.values().map(|r| r.bytes.max(1)).sum();
+    let limit = settings.batch_size;
+    let rows = queries::claim(client, &broker_ids, limit, &skip, budget)?;
+    let fetched: usize = rows.iter().map(|r| r.body.len()).sum();
+    // A full batch, or one cut short by the byte budget: there is probably more.
+    let mut more = rows.len() == limit || fetched.saturating_mul(2) >= budget;
+    let mut taken = 0;
+    let mut batches: BTreeMap<i32, Vec<Row>> = BTreeMap::new();
+    for row in rows {
+        // A broker whose window is full (messages or bytes) takes nothing more until what it
+        // has in flight settles.
+        let fits = room
+            .get_mut(&row.broker_id)
+            .is_some_and(|r| r.take(row.body.len()));
+        if fits {
+            taken += 1;
+            batches.entry(row.broker_id).or_default().push(row);
+        }
+    }
+    if taken == 0 || room.values().all(|r| r.messages == 0 || r.bytes == 0) {
+        // Nothing more fits until confirms arrive (they wake the worker).
+        more = false;
+    }
+    for (broker_id, rows) in batches {
+        let messages = prepare(client, rows, settings, faults)?;
+        if messages.is_empty() {
+            continue;
+        }
+        for m in &messages {
+            flight.mark_sent(broker_id, m.id, m.body.len());
+        }
+        shmem::count(|c| &c.published, messages.len() as u64);
+        commands.push(Command::Publish {
+            broker_id,
+            messages,
+            solo: false,
+        });
+    }
+    Ok(Claimed { commands, more })
+}
+
+/// Turns rows into messages; parks rows that can never be published as they are.
+fn prepare(
+    client: &mut SpiClient<'_>,
+    rows: Vec<Row>,
+    settings: &WorkerSettings,
+    faults: &mut Faults,
+) -> SpiResult<Vec<OutboundMessage>> {
+    let max_size = settings.max_message_size;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        if row.body.len() > max_size {
+            let why = format!(
+                "body is {} bytes, over amqp_outbox.max_message_size ({max_size} bytes)",
+                row.body.len()
+            );
+            park_now(client, row.id, &why)?;
+            continue;
+        }
+        let headers = match crate::headers::json_object(row.headers.as_deref()) {
+            Ok(headers) => headers,
+            Err(why) => {
+                // Retrying cannot help: the row is parked at once, the others go on.
+                park_now(client, row.id, &format!("headers {why}"))?;
+                continue;
+            }
+        };
+        let first_attempt = row.attempts == 0;
+        let mut message = to_message(row, headers);
+        message.lose_in_transit = faults.lose_this_one(settings, first_attempt);
+        out.push(message);
+    }
+    Ok(out)
+}

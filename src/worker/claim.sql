@@ -1,0 +1,16 @@
+SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to,
+       correlation_id, headers::text, producer_pid, producer_started_at, created_at,
+       attempts, message_id
+  FROM (SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type,
+               reply_to, correlation_id, headers, producer_pid, producer_started_at, created_at,
+               attempts, message_id, octet_length(body) AS size,
+               sum(octet_length(body)) OVER (ORDER BY id) AS upto
+          FROM amqp.message
+         WHERE broker_id = ANY ($1)
+           AND parked_at IS NULL
+           AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+           AND id <> ALL ($3)
+         ORDER BY id
+         LIMIT $2) candidates
+ WHERE upto - size < $4
+ ORDER BY id

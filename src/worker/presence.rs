@@ -1,0 +1,63 @@
+//! Whether the extension is installed in the worker's database, at the version of this library:
+//! until it is, the worker publishes nothing and says why once.
+
+use super::queries;
+use pgrx::prelude::*;
+
+#[derive(Default)]
+pub struct Presence {
+    present: bool,
+    /// "Not installed" was logged (once per absence, not per step).
+    announced_missing: bool,
+    /// The installed version last warned about, while it differs from the library's.
+    announced_version: Option<String>,
+}
+
+pub enum Found {
+    /// Installed, at this library's version. `appeared`: it was not at the last step, so the
+    /// configuration must be read.
+    Ready { appeared: bool },
+    /// Missing or at another version. `unusable_now`: it just became so; the AMQP thread must
+    /// drop its brokers.
+    Waiting { unusable_now: bool },
+}
+
+impl Presence {
+    /// Installed and usable at the last step.
+    pub fn present(&self) -> bool {
+        self.present
+    }
+
+    /// Looks, inside the step's transaction (and locks `amqp.message`, see
+    /// [`queries::extension_exists`]).
+    pub fn check(&mut self) -> Found {
+        if !queries::extension_exists() {
+            queries::forget_plans();
+            let unusable_now = self.present || !self.announced_missing;
+            if unusable_now {
+                log!("amqp_outbox: extension not installed in this database; waiting for CREATE EXTENSION");
+                self.announced_missing = true;
+            }
+            self.present = false;
+            return Found::Waiting { unusable_now };
+        }
+        if self.present {
+            return Found::Ready { appeared: false };
+        }
+        if let Some(version) = queries::version_mismatch() {
+            let unusable_now = self.announced_version.as_deref() != Some(version.as_str());
+            if unusable_now {
+                warning!(
+                    "amqp_outbox: the extension in this database is version {version} but the library is {}: messages wait until ALTER EXTENSION amqp_outbox UPDATE",
+                    queries::LIBRARY_VERSION
+                );
+                self.announced_version = Some(version);
+            }
+            return Found::Waiting { unusable_now };
+        }
+        self.present = true;
+        self.announced_missing = false;
+        self.announced_version = None;
+        Found::Ready { appeared: true }
+    }
+}
