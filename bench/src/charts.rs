@@ -74,75 +74,75 @@ fn publish(figures: &[Value]) -> Option<String> {
     ))
 }
 
-/// Drain rate of the worker (bars) and of the raw publisher (line), per mode and queue type.
-fn drain(figures: &[Value]) -> Option<String> {
+/// A chart of figures' medians (bars) against their baselines' medians (line), one label per
+/// figure; none without figures, or when a figure lacks either number.
+fn medians_chart<'a>(
+    title: &str,
+    y: &str,
+    digits: usize,
+    figures: impl Iterator<Item = &'a Value>,
+    label: impl Fn(&Value) -> String,
+) -> Option<String> {
     let mut names = Vec::new();
     let mut bars = Vec::new();
     let mut line = Vec::new();
-    for f in figures
-        .iter()
-        .filter(|f| text(f, "section") == "2 drain rate")
-    {
-        let mode = if text(f, "figure").contains("ack_queue") {
-            "ack_queue"
-        } else {
-            "confirm"
-        };
-        let queue = if text(f, "config").contains("quorum") {
-            "quorum"
-        } else {
-            "classic"
-        };
-        names.push(format!("{mode}, {queue}"));
+    for f in figures {
+        names.push(label(f));
         bars.push(num(f, "median")?);
         line.push(num(f, "baseline_median")?);
     }
-    (!names.is_empty()).then(|| {
-        chart(
-            "Drain rate, msg/s (bars: the worker, line: raw lapin publisher)",
-            "msg/s",
-            &names,
-            &bars,
-            &line,
-            0,
-        )
-    })
+    (!names.is_empty()).then(|| chart(title, y, &names, &bars, &line, digits))
+}
+
+/// The worker's proof of delivery a figure's name speaks of.
+fn mode(figure: &str) -> &'static str {
+    if figure.contains("ack_queue") {
+        "ack_queue"
+    } else {
+        "confirm"
+    }
+}
+
+/// Drain rate of the worker (bars) and of the raw publisher (line), per mode and queue type.
+fn drain(figures: &[Value]) -> Option<String> {
+    medians_chart(
+        "Drain rate, msg/s (bars: the worker, line: raw lapin publisher)",
+        "msg/s",
+        0,
+        figures
+            .iter()
+            .filter(|f| text(f, "section") == "2 drain rate"),
+        |f| {
+            let queue = if text(f, "config").contains("quorum") {
+                "quorum"
+            } else {
+                "classic"
+            };
+            format!("{}, {queue}", mode(text(f, "figure")))
+        },
+    )
 }
 
 /// Latency at the lower rate: commit→consumer (bars) against raw publish→consumer (line).
 fn latency(figures: &[Value]) -> Option<String> {
-    let mut names = Vec::new();
-    let mut bars = Vec::new();
-    let mut line = Vec::new();
-    for f in figures.iter().filter(|f| {
-        text(f, "section") == "3 latency"
-            && text(f, "config").starts_with("200 msg/s")
-            && text(f, "figure").starts_with("commit→consumer")
-    }) {
-        let fig = text(f, "figure");
-        let pct = fig
-            .split(|c: char| c == ',' || c.is_whitespace())
-            .find(|w| w.starts_with('p') || *w == "max")
-            .unwrap_or("?");
-        let mode = if fig.contains("ack_queue") {
-            "ack_queue"
-        } else {
-            "confirm"
-        };
-        names.push(format!("{mode} {pct}"));
-        bars.push(num(f, "median")?);
-        line.push(num(f, "baseline_median")?);
-    }
-    (!names.is_empty()).then(|| {
-        chart(
-            "Latency at 200 msg/s, ms (bars: commit→consumer, line: raw publish→consumer)",
-            "ms",
-            &names,
-            &bars,
-            &line,
-            2,
-        )
-    })
+    medians_chart(
+        "Latency at 200 msg/s, ms (bars: commit→consumer, line: raw publish→consumer)",
+        "ms",
+        2,
+        figures.iter().filter(|f| {
+            text(f, "section") == "3 latency"
+                && text(f, "config").starts_with("200 msg/s")
+                && text(f, "figure").starts_with("commit→consumer")
+        }),
+        |f| {
+            let fig = text(f, "figure");
+            let pct = fig
+                .split(|c: char| c == ',' || c.is_whitespace())
+                .find(|w| w.starts_with('p') || *w == "max")
+                .unwrap_or("?");
+            format!("{} {pct}", mode(fig))
+        },
+    )
 }
 
 /// Every chart the figures allow, as markdown.

@@ -463,37 +463,27 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         let sec = "2 drain rate";
         let rates = |v: &[Drained]| v.iter().map(|d| d.rate).collect::<Vec<_>>();
         let cpu = |v: &[Drained]| v.iter().map(|d| d.cpu_us_per_msg).collect::<Vec<_>>();
-        run.fig(
+        // The worker's drain rate in one mode against the raw publisher's.
+        let against_raw = |mode: &str, v: &[Drained], at_least: f64| {
             Figure::new(
                 sec,
-                "worker, confirm mode / raw lapin (1,000 unconfirmed)",
+                &format!("worker, {mode} mode / raw lapin (1,000 unconfirmed)"),
                 &cfg,
                 "msg/s",
             )
-            .samples(rates(&conf))
+            .samples(rates(v))
             .baseline("raw", raw_r.clone())
-            .target(Target::RatioAtLeast(0.9))
-            .note(format!(
-                "worker {:.1} µs CPU/msg",
-                crate::report::median(&cpu(&conf))
-            )),
-        );
-        run.fig(
-            Figure::new(
-                sec,
-                "worker, ack_queue mode / raw lapin (1,000 unconfirmed)",
-                &cfg,
-                "msg/s",
-            )
-            .samples(rates(&ackq))
-            .baseline("raw", raw_r.clone())
-            .target(Target::RatioAtLeast(0.6))
-            .note(format!(
-                "worker {:.1} µs CPU/msg, {:.0} tuples seq-scanned/msg",
-                crate::report::median(&cpu(&ackq)),
-                crate::report::median(&ackq.iter().map(|d| d.seq_tup_per_msg).collect::<Vec<_>>())
-            )),
-        );
+            .target(Target::RatioAtLeast(at_least))
+        };
+        run.fig(against_raw("confirm", &conf, 0.9).note(format!(
+            "worker {:.1} µs CPU/msg",
+            crate::report::median(&cpu(&conf))
+        )));
+        run.fig(against_raw("ack_queue", &ackq, 0.6).note(format!(
+            "worker {:.1} µs CPU/msg, {:.0} tuples seq-scanned/msg",
+            crate::report::median(&cpu(&ackq)),
+            crate::report::median(&ackq.iter().map(|d| d.seq_tup_per_msg).collect::<Vec<_>>())
+        )));
         run.shared.insert(
             format!("raw_{}", if route.quorum { "quorum" } else { "classic" }),
             crate::report::median(&raw_r),

@@ -4,8 +4,7 @@
 mod common;
 
 use amqp_outbox_broker::{
-    BindingDecl, Command, Event, ExchangeDecl, Failure, LogLevel, OutboundMessage, ProofMode,
-    QueueDecl,
+    BindingDecl, Command, Event, Failure, LogLevel, OutboundMessage, ProofMode, QueueDecl,
 };
 use common::*;
 use lapin::types::{AMQPValue, FieldTable};
@@ -366,13 +365,7 @@ fn declared_queues_and_bindings_receive_messages_and_confirm_mode_has_no_ack_que
     let mut cfg = config(
         B,
         vec![local_endpoint()],
-        vec![ExchangeDecl {
-            name: exchange.clone(),
-            kind: "topic".into(),
-            passive: false,
-            durable: false,
-            auto_delete: false,
-        }],
+        vec![exchange_decl(&exchange, "topic", false)],
     );
     cfg.queues = vec![QueueDecl {
         name: queue.clone(),

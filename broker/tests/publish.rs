@@ -2,7 +2,7 @@
 
 mod common;
 
-use amqp_outbox_broker::{Command, Endpoint, Event, ExchangeDecl, Failure};
+use amqp_outbox_broker::{Command, Endpoint, Event, Failure};
 use common::*;
 use lapin::types::AMQPValue;
 use lapin::ExchangeKind;
@@ -19,6 +19,50 @@ fn header<'a>(d: &'a lapin::message::Delivery, key: &str) -> &'a AMQPValue {
         .unwrap_or_else(|| panic!("header {key} missing"))
 }
 
+/// Waits until `confirms` messages are confirmed and message `culprit` failed as `failure`, all
+/// on the channel of `epoch` (a new channel fails the test); returns the confirmed ids and the
+/// culprit's error.
+fn confirmed_beside_one_failure(
+    bridge: &mut Bridge,
+    epoch: u64,
+    culprit: i64,
+    failure: Failure,
+    confirms: usize,
+) -> (BTreeSet<i64>, String) {
+    let mut confirmed = BTreeSet::new();
+    let mut culprit_error = None;
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        match e {
+            Event::Confirmed { ids, .. } => confirmed.extend(ids.iter().copied()),
+            Event::Failed {
+                id,
+                failure: f,
+                error,
+                ..
+            } => {
+                assert_eq!(*id, culprit, "another message failed: {f:?}: {error}");
+                assert_eq!(*f, failure, "{error}");
+                culprit_error = Some(error.clone());
+            }
+            Event::Connected { epoch: e, .. } => panic!("new channel (epoch {e} after {epoch})"),
+            _ => {}
+        }
+        (confirmed.len() == confirms && culprit_error.is_some()).then_some(())
+    });
+    (confirmed, culprit_error.unwrap_or_default())
+}
+
+/// Exactly one Disconnected event so far: the bridge reports losing a connection once, not
+/// on every failed round or new connection after it.
+fn assert_one_disconnected(bridge: &Bridge) {
+    let disconnected = bridge
+        .seen
+        .iter()
+        .filter(|e| matches!(e, Event::Disconnected { .. }))
+        .count();
+    assert_eq!(disconnected, 1, "{:#?}", bridge.seen);
+}
+
 #[test]
 fn batch_of_1000_is_confirmed_and_consumed_with_properties() {
     let mut admin = Admin::new();
@@ -26,13 +70,7 @@ fn batch_of_1000_is_confirmed_and_consumed_with_properties() {
 
     let mut bridge = Bridge::new();
     // The worker's declaration of an existing exchange (passive) must not disturb anything.
-    let decl = ExchangeDecl {
-        name: exchange.clone(),
-        kind: "direct".into(),
-        passive: true,
-        durable: false,
-        auto_delete: false,
-    };
+    let decl = exchange_decl(&exchange, "direct", true);
     bridge.send(Command::Configure(vec![config(
         B,
         vec![local_endpoint()],
@@ -170,24 +208,8 @@ fn missing_exchange_is_rejected_before_publishing_and_its_neighbours_go_out_once
         .map(|i| message(i, if i == bad { &missing } else { &exchange }, "rk"))
         .collect();
     bridge.publish(B, msgs, false);
-    let mut confirmed = BTreeSet::new();
-    let mut rejection = None;
-    bridge.wait_for(Duration::from_secs(30), |e| {
-        match e {
-            Event::Confirmed { ids, .. } => confirmed.extend(ids.iter().copied()),
-            Event::Failed {
-                id, failure, error, ..
-            } => {
-                assert_eq!(*id, bad, "a good message failed: {failure:?} {error}");
-                assert_eq!(*failure, Failure::Rejected, "{error}");
-                rejection = Some(error.clone());
-            }
-            Event::Connected { epoch: e, .. } => panic!("new channel (epoch {e} after {epoch})"),
-            _ => {}
-        }
-        (confirmed.len() == 99 && rejection.is_some()).then_some(())
-    });
-    let rejection = rejection.unwrap_or_default();
+    let (_, rejection) =
+        confirmed_beside_one_failure(&mut bridge, epoch, bad, Failure::Rejected, 99);
     assert!(
         rejection.contains("404") && rejection.contains("no exchange"),
         "{rejection}"
@@ -335,12 +357,7 @@ fn unreachable_broker_reports_disconnected_without_password_and_fails_publishes_
     // Further failed rounds do not repeat the Disconnected event (no log storm), and nothing
     // the thread said contains the password.
     let _ = bridge.poll(Duration::from_millis(500));
-    let disconnected = bridge
-        .seen
-        .iter()
-        .filter(|e| matches!(e, Event::Disconnected { .. }))
-        .count();
-    assert_eq!(disconnected, 1, "{:#?}", bridge.seen);
+    assert_one_disconnected(&bridge);
     for e in &bridge.seen {
         assert!(!format!("{e:?}").contains("S3cr3t"), "{e:?}");
     }
@@ -384,12 +401,7 @@ fn reconnect_command_gives_a_new_connected_with_a_larger_epoch() {
     bridge.send(Command::Reconnect { broker_id: B });
     let second = bridge.wait_connected(B, first);
     assert!(second > first);
-    let disconnected = bridge
-        .seen
-        .iter()
-        .filter(|e| matches!(e, Event::Disconnected { .. }))
-        .count();
-    assert_eq!(disconnected, 1, "{:#?}", bridge.seen);
+    assert_one_disconnected(&bridge);
 }
 
 #[test]
@@ -411,20 +423,8 @@ fn declaration_failure_is_a_warning_and_other_exchanges_are_declared() {
     let created = unique("declared_x");
     let mut bridge = Bridge::new();
     let decls = vec![
-        ExchangeDecl {
-            name: missing.clone(),
-            kind: "direct".into(),
-            passive: true,
-            durable: false,
-            auto_delete: false,
-        },
-        ExchangeDecl {
-            name: created.clone(),
-            kind: "fanout".into(),
-            passive: false,
-            durable: false,
-            auto_delete: false,
-        },
+        exchange_decl(&missing, "direct", true),
+        exchange_decl(&created, "fanout", false),
     ];
     bridge.send(Command::Configure(vec![config(
         B,
@@ -614,24 +614,8 @@ fn a_message_too_large_for_a_frame_is_unsendable_and_the_connection_stays() {
         .insert("big".into(), serde_json::Value::String("x".repeat(200_000)));
     bridge.publish(B, msgs, false);
 
-    let mut confirmed = BTreeSet::new();
-    let mut unsendable = None;
-    bridge.wait_for(Duration::from_secs(30), |e| {
-        match e {
-            Event::Confirmed { ids, .. } => confirmed.extend(ids.iter().copied()),
-            Event::Failed {
-                id, failure, error, ..
-            } => {
-                assert_eq!(*id, 3, "{failure:?}: {error}");
-                assert_eq!(*failure, Failure::Unsendable, "{error}");
-                unsendable = Some(error.clone());
-            }
-            Event::Connected { epoch: e, .. } => panic!("reconnected (epoch {e} after {epoch})"),
-            _ => {}
-        }
-        (confirmed.len() == 4 && unsendable.is_some()).then_some(())
-    });
-    let error = unsendable.unwrap_or_default();
+    let (confirmed, error) =
+        confirmed_beside_one_failure(&mut bridge, epoch, 3, Failure::Unsendable, 4);
     assert!(error.contains("frame size"), "{error}");
     assert_eq!(confirmed, [1, 2, 4, 5].into());
 }

@@ -145,13 +145,25 @@ impl AmqpAdmin {
         })
     }
 
+    /// [`on_channel`](Self::on_channel) for one AMQP method whose reply is not needed; the
+    /// broker's error is prefixed with `what`.
+    fn method<T, F, Fut>(&self, what: &str, op: F) -> Result<(), String>
+    where
+        F: FnOnce(Channel) -> Fut,
+        Fut: Future<Output = lapin::Result<T>>,
+    {
+        self.on_channel(
+            |ch| async move { op(ch).await.map(drop).map_err(|e| format!("{what}: {e}")) },
+        )
+    }
+
     pub fn declare_exchange(
         &self,
         name: &str,
         kind: ExchangeKind,
         durable: bool,
     ) -> Result<(), String> {
-        self.on_channel(|ch| async move {
+        self.method(&format!("exchange.declare {name}"), |ch| async move {
             ch.exchange_declare(
                 name.into(),
                 kind,
@@ -162,15 +174,13 @@ impl AmqpAdmin {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| format!("exchange.declare {name}: {e}"))
         })
     }
 
     pub fn delete_exchange(&self, name: &str) -> Result<(), String> {
-        self.on_channel(|ch| async move {
+        self.method(&format!("exchange.delete {name}"), |ch| async move {
             ch.exchange_delete(name.into(), ExchangeDeleteOptions::default())
                 .await
-                .map_err(|e| format!("exchange.delete {name}: {e}"))
         })
     }
 
@@ -182,7 +192,7 @@ impl AmqpAdmin {
         durable: bool,
         arguments: FieldTable,
     ) -> Result<(), String> {
-        self.on_channel(|ch| async move {
+        self.method(&format!("queue.declare {name}"), |ch| async move {
             ch.queue_declare(
                 name.into(),
                 QueueDeclareOptions {
@@ -192,8 +202,6 @@ impl AmqpAdmin {
                 arguments,
             )
             .await
-            .map(drop)
-            .map_err(|e| format!("queue.declare {name}: {e}"))
         })
     }
 
@@ -205,35 +213,33 @@ impl AmqpAdmin {
         binding_key: &str,
         arguments: FieldTable,
     ) -> Result<(), String> {
-        self.on_channel(|ch| async move {
-            ch.queue_bind(
-                queue.into(),
-                exchange.into(),
-                binding_key.into(),
-                QueueBindOptions::default(),
-                arguments,
-            )
-            .await
-            .map_err(|e| format!("queue.bind {queue} to {exchange} ({binding_key}): {e}"))
-        })
+        self.method(
+            &format!("queue.bind {queue} to {exchange} ({binding_key})"),
+            |ch| async move {
+                ch.queue_bind(
+                    queue.into(),
+                    exchange.into(),
+                    binding_key.into(),
+                    QueueBindOptions::default(),
+                    arguments,
+                )
+                .await
+            },
+        )
     }
 
     /// Deletes a queue (no error when it does not exist).
     pub fn delete_queue(&self, name: &str) -> Result<(), String> {
-        self.on_channel(|ch| async move {
+        self.method(&format!("queue.delete {name}"), |ch| async move {
             ch.queue_delete(name.into(), QueueDeleteOptions::default())
                 .await
-                .map(drop)
-                .map_err(|e| format!("queue.delete {name}: {e}"))
         })
     }
 
     pub fn purge_queue(&self, name: &str) -> Result<(), String> {
-        self.on_channel(|ch| async move {
+        self.method(&format!("queue.purge {name}"), |ch| async move {
             ch.queue_purge(name.into(), QueuePurgeOptions::default())
                 .await
-                .map(drop)
-                .map_err(|e| format!("queue.purge {name}: {e}"))
         })
     }
 

@@ -437,6 +437,16 @@ fn list<T: fmt::Display>(items: &[T], max: usize) -> String {
     s.join(", ")
 }
 
+/// One line of the report: `label (count): the first max items`.
+fn line<T: fmt::Display>(
+    f: &mut fmt::Formatter<'_>,
+    label: &str,
+    items: &[T],
+    max: usize,
+) -> fmt::Result {
+    writeln!(f, "{label} ({}): {}", items.len(), list(items, max))
+}
+
 impl fmt::Display for Duplicate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} ×{} (message_id ", self.key, self.copies)?;
@@ -473,13 +483,8 @@ impl fmt::Display for Report {
             "ledger: {} committed, {} aborted, {} unknown; {} deliveries",
             self.committed, self.aborted, self.unknown, self.delivered
         )?;
-        writeln!(f, "lost ({}): {}", self.lost.len(), list(&self.lost, 30))?;
-        writeln!(
-            f,
-            "phantom ({}): {}",
-            self.phantom.len(),
-            list(&self.phantom, 30)
-        )?;
+        line(f, "lost", &self.lost, 30)?;
+        line(f, "phantom", &self.phantom, 30)?;
         writeln!(
             f,
             "duplicates ({} messages, {} extra copies; {} with differing message_id): {}",
@@ -488,17 +493,12 @@ impl fmt::Display for Report {
             self.duplicates_with_differing_ids().len(),
             list(&self.duplicates, 30)
         )?;
-        writeln!(
+        line(f, "order violations", &self.order_violations, 30)?;
+        line(
             f,
-            "order violations ({}): {}",
-            self.order_violations.len(),
-            list(&self.order_violations, 30)
-        )?;
-        writeln!(
-            f,
-            "unknown outcome but delivered ({}): {}",
-            self.unknown_delivered.len(),
-            list(&self.unknown_delivered, 30)
+            "unknown outcome but delivered",
+            &self.unknown_delivered,
+            30,
         )?;
         write!(
             f,

@@ -184,27 +184,17 @@ impl PgCluster {
     fn try_from_base_backup(source: &PgCluster, config: PgConfig) -> Result<PgCluster, String> {
         let mut cluster = PgCluster::empty(config)?;
         let data = cluster.data_dir();
-        let out = cluster.pg_tool(
-            "pg_basebackup",
-            &login_args(
-                source.port,
-                [
-                    "-D".as_ref(),
-                    data.as_os_str(),
-                    "-X".as_ref(),
-                    "stream".as_ref(),
-                    "--no-sync".as_ref(),
-                ],
-            ),
-        )?;
-        if !out.status.success() {
-            return Err(format!(
-                "pg_basebackup failed ({}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
+        let args = login_args(
+            source.port,
+            [
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-X".as_ref(),
+                "stream".as_ref(),
+                "--no-sync".as_ref(),
+            ],
+        );
+        cluster.pg_tool_ok("pg_basebackup", &args, "pg_basebackup")?;
         cluster.port = pick_ports(61000, 65000, 1);
         cluster.write_config()?;
         Ok(cluster)
@@ -256,15 +246,7 @@ impl PgCluster {
     /// Connection options are the caller's (see [`PgCluster::run_client`]).
     pub fn run_tool<S: AsRef<OsStr>>(&self, program: &str, args: &[S]) -> Result<String, String> {
         let args: Vec<&OsStr> = args.iter().map(|a| a.as_ref()).collect();
-        let out = self.pg_tool(program, &args)?;
-        if !out.status.success() {
-            return Err(format!(
-                "{program} {args:?} failed ({}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
+        let out = self.pg_tool_ok(program, &args, &format!("{program} {args:?}"))?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
@@ -345,27 +327,12 @@ impl PgCluster {
     }
 
     pub fn try_start(&mut self) -> Result<(), String> {
-        let data = self.data_dir();
         let log = self.log_path();
-        let out = self.pg_tool(
-            "pg_ctl",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-l".as_ref(),
-                log.as_os_str(),
-                "-w".as_ref(),
-                "-t".as_ref(),
-                "60".as_ref(),
-                "start".as_ref(),
-            ],
-        )?;
+        let out = self.pg_ctl_waiting("start", ["-l".as_ref(), log.as_os_str()])?;
         if !out.status.success() {
             return Err(format!(
-                "pg_ctl start failed ({}): {}{}\n--- server log ---\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr),
+                "{}\n--- server log ---\n{}",
+                failure("pg_ctl start", &out),
                 self.log_tail(30)
             ));
         }
@@ -381,28 +348,9 @@ impl PgCluster {
     }
 
     pub fn try_stop(&mut self, mode: StopMode) -> Result<(), String> {
-        let data = self.data_dir();
-        let out = self.pg_tool(
-            "pg_ctl",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-m".as_ref(),
-                mode.as_arg().as_ref(),
-                "-w".as_ref(),
-                "-t".as_ref(),
-                "60".as_ref(),
-                "stop".as_ref(),
-            ],
-        )?;
+        let out = self.pg_ctl_waiting("stop", ["-m".as_ref(), mode.as_arg().as_ref()])?;
         if !out.status.success() {
-            return Err(format!(
-                "pg_ctl stop -m {} failed ({}): {}{}",
-                mode.as_arg(),
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ));
+            return Err(failure(&format!("pg_ctl stop -m {}", mode.as_arg()), &out));
         }
         self.running = false;
         Ok(())
@@ -479,7 +427,7 @@ impl PgCluster {
 
     fn initdb(&self) -> Result<(), String> {
         let data = self.data_dir();
-        let out = self.pg_tool(
+        self.pg_tool_ok(
             "initdb",
             &[
                 "-D".as_ref(),
@@ -492,15 +440,8 @@ impl PgCluster {
                 "--locale=C".as_ref(),
                 "--no-sync".as_ref(),
             ],
+            "initdb",
         )?;
-        if !out.status.success() {
-            return Err(format!(
-                "initdb failed ({}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
         // Include our own file, rewritten whenever the settings change.
         let conf = data.join("postgresql.conf");
         let mut f = fs::OpenOptions::new()
@@ -553,6 +494,32 @@ impl PgCluster {
     fn pg_tool<S: AsRef<OsStr>>(&self, program: &str, args: &[S]) -> Result<Output, String> {
         run_pg_program(&self.install.bindir.join(program), args, self.dir())
     }
+
+    /// [`PgCluster::pg_tool`] that also fails, with the program's output, unless it succeeds;
+    /// `what` names the call in that message.
+    fn pg_tool_ok<S: AsRef<OsStr>>(
+        &self,
+        program: &str,
+        args: &[S],
+        what: &str,
+    ) -> Result<Output, String> {
+        let out = self.pg_tool(program, args)?;
+        if out.status.success() {
+            Ok(out)
+        } else {
+            Err(failure(what, &out))
+        }
+    }
+
+    /// `pg_ctl -D <data> <options> -w -t 60 <action>`: waits up to a minute for the server to
+    /// come up or go down. The caller judges the exit status.
+    fn pg_ctl_waiting(&self, action: &str, options: [&OsStr; 2]) -> Result<Output, String> {
+        let data = self.data_dir();
+        let mut args = vec![OsStr::new("-D"), data.as_os_str()];
+        args.extend(options);
+        args.extend(["-w", "-t", "60", action].map(OsStr::new));
+        self.pg_tool("pg_ctl", &args)
+    }
 }
 
 impl PgCluster {
@@ -602,6 +569,16 @@ impl Drop for PgCluster {
             }
         }
     }
+}
+
+/// The error for a PostgreSQL program that exited unsuccessfully: `what`, its status and output.
+fn failure(what: &str, out: &Output) -> String {
+    format!(
+        "{what} failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 /// uid and gid of the `postgres` user (looked up once: `getpwnam` is not thread-safe).

@@ -135,6 +135,14 @@ impl Rabbit {
         Collector::start(self.endpoint.clone(), route.queue.clone())
     }
 
+    /// [`Rabbit::consume`], once the consumer is connected (within 10 s): a message published
+    /// after this returns is not missed.
+    pub fn consume_connected(&self, route: &Route) -> Collector {
+        let collector = self.consume(route);
+        collector.wait_connected(Duration::from_secs(10));
+        collector
+    }
+
     /// A uniquely named durable queue and no exchange (the [`Route`] names the default
     /// exchange `""` and routes by the queue's name). Deleted when the route is dropped.
     pub fn declare_queue(&self, prefix: &str) -> Route {

@@ -61,8 +61,7 @@ impl World {
             name: ack_queue.clone(),
         };
         let route = rabbit.declare_route(name);
-        let collector = rabbit.consume(&route);
-        collector.wait_connected(Duration::from_secs(10));
+        let collector = rabbit.consume_connected(&route);
         cluster.wait_for_worker(&mut client, WORKER_UP);
         World {
             collector,

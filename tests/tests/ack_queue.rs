@@ -53,6 +53,28 @@ fn spawn_producers(
     Producer::spawn_group(&w.cluster, &cfg, n, ledger)
 }
 
+/// The end of a resend test: the server log names the resend (`reason`), and the outbox is
+/// empty.
+fn assert_resent_and_drained(w: &mut World, reason: &str) {
+    assert!(
+        w.cluster.log().contains(reason),
+        "the resend ({reason}) should be logged:\n{}",
+        w.cluster.log_tail(30)
+    );
+    assert_eq!(w.rows(), 0);
+}
+
+/// Waits until message `id` is in `state` (as `amqp.message_status` shows it); returns its
+/// status. `what` names the wait in the timeout's message.
+fn wait_state(w: &mut World, id: i64, state: &str, what: &str) -> MessageStatus {
+    eventually(ARRIVAL, what, || {
+        match Outbox::message_status(&mut w.client, id)? {
+            Some(s) if s.state == state => Ok(s),
+            other => Err(format!("{other:?}")),
+        }
+    })
+}
+
 /// How many of these rows are still in `amqp.message`.
 fn rows_of(client: &mut Client, ids: &[i64]) -> Result<i64, String> {
     client
@@ -154,12 +176,7 @@ fn lost_publish_is_detected_by_the_gap_rule_and_resent_with_the_same_message_id(
             d.text()
         );
     }
-    assert!(
-        w.cluster.log().contains("lost in transit"),
-        "the resend should be logged:\n{}",
-        w.cluster.log_tail(30)
-    );
-    assert_eq!(w.rows(), 0);
+    assert_resent_and_drained(&mut w, "lost in transit");
 }
 
 #[test]
@@ -174,15 +191,7 @@ fn last_message_lost_is_resent_by_the_timeout() {
     let published_at = Instant::now();
     let id = w.publish_id("timeout:0");
     // Handed over (so in flight), never confirmed: no later record on its channel can report it.
-    let seen =
-        eventually(
-            ARRIVAL,
-            "the lost message to be in flight",
-            || match Outbox::message_status(&mut w.client, id)? {
-                Some(s) if s.state == "in_flight" => Ok(s),
-                other => Err(format!("{other:?}")),
-            },
-        );
+    let seen = wait_state(&mut w, id, "in_flight", "the lost message to be in flight");
     assert_eq!(seen.attempts, 0, "the first publish: {seen:?}");
     // The hook only loses first attempts; back to normal for the rest of the test anyway.
     w.cluster.set_setting("amqp_outbox.test_lose_one_in", 0);
@@ -256,12 +265,7 @@ fn last_message_lost_is_resent_by_the_timeout() {
             .collect::<Vec<_>>()
             .join("\n")
     );
-    assert!(
-        w.cluster.log().contains("without proof of delivery"),
-        "the timeout resend should be logged:\n{}",
-        w.cluster.log_tail(30)
-    );
-    assert_eq!(w.rows(), 0);
+    assert_resent_and_drained(&mut w, "without proof of delivery");
 }
 
 #[test]
@@ -732,13 +736,11 @@ fn views_show_each_state() {
 
     // 'retry_wait': refused once (unroutable), retried after the backoff.
     for id in [to_retry, to_discard] {
-        let s = eventually(
-            ARRIVAL,
+        let s = wait_state(
+            &mut w,
+            id,
+            "retry_wait",
             "the unroutable message to wait for its retry",
-            || match Outbox::message_status(&mut w.client, id)? {
-                Some(s) if s.state == "retry_wait" => Ok(s),
-                other => Err(format!("{other:?}")),
-            },
         );
         assert_eq!(s.attempts, 1, "{s:?}");
         assert!(
@@ -759,12 +761,7 @@ fn views_show_each_state() {
         )
         .expect("make the retries due");
     for id in [to_retry, to_discard] {
-        let s = eventually(ARRIVAL, "the unroutable message to be parked", || {
-            match Outbox::message_status(&mut w.client, id)? {
-                Some(s) if s.state == "parked" => Ok(s),
-                other => Err(format!("{other:?}")),
-            }
-        });
+        let s = wait_state(&mut w, id, "parked", "the unroutable message to be parked");
         assert_eq!(s.attempts, 2, "{s:?}");
         eprintln!("parked: {s:?}");
         assert!(

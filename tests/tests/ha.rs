@@ -359,20 +359,14 @@ impl Ha {
         let t0 = Instant::now();
         self.cluster.kill_many(nodes);
         let after = self.committed_max_seq();
+        let killed = self.node_names(nodes);
         eprintln!(
-            "HA: {name}: killed {:?} ({:.2}s to reap)",
-            nodes
-                .iter()
-                .map(|&i| self.cluster.node(i).name())
-                .collect::<Vec<_>>(),
+            "HA: {name}: killed {killed:?} ({:.2}s to reap)",
             t0.elapsed().as_secs_f64()
         );
         let mut step = Step {
             name: name.to_string(),
-            killed: nodes
-                .iter()
-                .map(|&i| self.cluster.node(i).name().to_string())
-                .collect(),
+            killed,
             ..Step::default()
         };
         let deadline = t0 + RESUME_TIMEOUT;
@@ -429,14 +423,19 @@ impl Ha {
         self.cluster.boot_many(nodes);
         eprintln!(
             "HA: restarted {:?} in {:.1}s",
-            nodes
-                .iter()
-                .map(|&i| self.cluster.node(i).name())
-                .collect::<Vec<_>>(),
+            self.node_names(nodes),
             t.elapsed().as_secs_f64()
         );
         self.wait_settled("after the restart");
         self.wait_flowing(50);
+    }
+
+    /// The nodes' names, for log lines and the results.
+    fn node_names(&self, nodes: &[usize]) -> Vec<String> {
+        nodes
+            .iter()
+            .map(|&i| self.cluster.node(i).name().to_string())
+            .collect()
     }
 
     fn leader(&self, queue: &str) -> usize {
@@ -482,21 +481,13 @@ impl Ha {
     /// Step: kill the node the worker is connected to, measure, restart it.
     fn kill_workers_node(&mut self) {
         let (w, l, a) = self.roles();
-        let mut step = self.kill_and_measure("1 worker's node killed", &[w]);
-        step.note = self.describe(w, w, l, a);
-        step.print();
-        self.steps.push(step);
-        self.restore(&[w]);
+        self.kill_one("1 worker's node killed", w, (w, l, a));
     }
 
     /// Step: kill the business queue's leader, measure, restart it.
     fn kill_leader(&mut self) {
         let (w, l, a) = self.roles();
-        let mut step = self.kill_and_measure("2 quorum queue leader killed", &[l]);
-        step.note = self.describe(l, w, l, a);
-        step.print();
-        self.steps.push(step);
-        self.restore(&[l]);
+        self.kill_one("2 quorum queue leader killed", l, (w, l, a));
     }
 
     /// Step: kill one node that is neither the worker's nor a leader (if there is one).
@@ -507,7 +498,14 @@ impl Ha {
             .or_else(|| (0..self.cluster.len()).find(|&i| i != w && i != l))
             .or_else(|| (0..self.cluster.len()).find(|&i| i != w))
             .expect("three nodes");
-        let mut step = self.kill_and_measure("3 minority (1 of 3) killed", &[victim]);
+        self.kill_one("3 minority (1 of 3) killed", victim, (w, l, a));
+    }
+
+    /// Kills `victim`, measures (the step's note names its roles, from `roles`), records the
+    /// step and restarts the node.
+    fn kill_one(&mut self, name: &str, victim: usize, roles: (usize, usize, usize)) {
+        let (w, l, a) = roles;
+        let mut step = self.kill_and_measure(name, &[victim]);
         step.note = self.describe(victim, w, l, a);
         step.print();
         self.steps.push(step);
@@ -533,10 +531,7 @@ impl Ha {
         self.cluster.kill_many(&victims);
         let after = self.committed_max_seq();
         let from = self.collector.len();
-        let names: Vec<String> = victims
-            .iter()
-            .map(|&i| self.cluster.node(i).name().to_string())
-            .collect();
+        let names = self.node_names(&victims);
         eprintln!(
             "HA: 4 majority: killed {names:?} ({:.2}s to reap), {} survives",
             t0.elapsed().as_secs_f64(),

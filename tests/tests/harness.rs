@@ -75,8 +75,7 @@ fn private_cluster_starts_stops_and_restarts_without_preload() {
 fn shared_rabbit_route_collects_deliveries_with_properties() {
     let rabbit = Rabbit::shared();
     let route = rabbit.declare_route("harness");
-    let collector = rabbit.consume(&route);
-    collector.wait_connected(Duration::from_secs(10));
+    let collector = rabbit.consume_connected(&route);
     for i in 0..5 {
         rabbit
             .publish(

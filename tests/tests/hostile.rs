@@ -30,6 +30,13 @@ fn publish_good(w: &mut World, prefix: &str, n: usize) {
     }
 }
 
+/// A test's first good traffic: publishes `n` good messages named `prefix-i` and waits until
+/// they arrived (the collector held none before).
+fn first_good(w: &mut World, prefix: &str, n: usize) {
+    publish_good(w, prefix, n);
+    w.collector.wait_for_count(n, ARRIVAL);
+}
+
 /// Inserts a row directly (as the documented direct INSERT path allows) with these headers;
 /// returns its id.
 fn insert_with_headers(w: &mut World, body: &str, headers: &str) -> i64 {
@@ -76,8 +83,7 @@ fn assert_each_arrived_once(w: &World, prefix: &str, n: usize) {
 fn headers_the_worker_cannot_send_are_parked_at_once_beside_good_traffic() {
     let rabbit = Rabbit::shared();
     let mut w = World::new("hostile_headers", PgConfig::default(), &rabbit);
-    publish_good(&mut w, "warmup", 5);
-    w.collector.wait_for_count(5, ARRIVAL);
+    first_good(&mut w, "warmup", 5);
     let (pid, channel) = worker_and_channel(&mut w);
 
     publish_good(&mut w, "before", 50);
@@ -189,8 +195,7 @@ fn headers_the_worker_cannot_send_are_parked_at_once_beside_good_traffic() {
 fn a_declaration_the_worker_cannot_send_is_left_out_and_publishing_goes_on() {
     let rabbit = Rabbit::shared();
     let mut w = World::new("hostile_decl", PgConfig::default(), &rabbit);
-    publish_good(&mut w, "warmup", 3);
-    w.collector.wait_for_count(3, ARRIVAL);
+    first_good(&mut w, "warmup", 3);
     let pid = w.status().worker_pid;
     let broker_id = w.outbox.broker_id;
     let bad = amqp_outbox_e2e::unique_name("bad_args");
@@ -478,7 +483,6 @@ fn refused_messages_do_not_count_against_max_pending() {
             ))
         }
     });
-    publish_good(&mut w, "good", 20);
-    w.collector.wait_for_count(20, ARRIVAL);
+    first_good(&mut w, "good", 20);
     assert_each_arrived_once(&w, "good", 20);
 }

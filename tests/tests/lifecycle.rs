@@ -230,8 +230,7 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     let custom = dump(&source, "-Fc", "outbox.dump");
     drop(copy);
     drop(src);
-    let collector = rabbit.consume(&route);
-    collector.wait_connected(Duration::from_secs(10));
+    let collector = rabbit.consume_connected(&route);
     let target = PgCluster::new(PgConfig::default());
     let mut dst = target.client();
     target.wait_for_worker(&mut dst, WORKER_UP);
@@ -330,8 +329,7 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
 fn a_copy_recovered_to_an_earlier_point_never_repeats_a_message_id() {
     let rabbit = Rabbit::shared();
     let route = rabbit.declare_route("pitr");
-    let collector = rabbit.consume(&route);
-    collector.wait_connected(Duration::from_secs(10));
+    let collector = rabbit.consume_connected(&route);
     const N: usize = 200;
 
     let mut original = PgCluster::new(PgConfig::default());
@@ -485,8 +483,7 @@ fn describe(client: &mut Client) -> Vec<String> {
 fn update_from_the_previous_version_keeps_every_message_and_its_id() {
     let rabbit = Rabbit::shared();
     let route = rabbit.declare_route("update");
-    let collector = rabbit.consume(&route);
-    collector.wait_connected(Duration::from_secs(10));
+    let collector = rabbit.consume_connected(&route);
 
     let mut cluster = PgCluster::new(disabled());
     let mut client = cluster.client();

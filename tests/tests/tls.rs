@@ -35,8 +35,7 @@ fn tls_broker_row_delivers_with_the_right_ca_and_logs_a_clear_error_with_the_wro
     // Topology and consumer over the node's plaintext port (the test's own client).
     let rabbit = node.rabbit();
     let route = rabbit.declare_route("tls");
-    let collector = rabbit.consume(&route);
-    collector.wait_connected(Duration::from_secs(10));
+    let collector = rabbit.consume_connected(&route);
 
     let cluster = PgCluster::with_defaults();
     let mut client = cluster.client();

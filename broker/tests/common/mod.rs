@@ -66,6 +66,18 @@ pub fn config(broker_id: i32, hosts: Vec<Endpoint>, exchanges: Vec<ExchangeDecl>
     }
 }
 
+/// The worker's declaration of a transient exchange (neither durable nor auto-deleted), the
+/// kind the tests declare; `passive` only checks that it exists.
+pub fn exchange_decl(name: &str, kind: &str, passive: bool) -> ExchangeDecl {
+    ExchangeDecl {
+        name: name.to_string(),
+        kind: kind.into(),
+        passive,
+        durable: false,
+        auto_delete: false,
+    }
+}
+
 pub fn message(id: i64, exchange: &str, routing_key: &str) -> OutboundMessage {
     let mut headers = serde_json::Map::new();
     headers.insert("x-producer-pid".into(), serde_json::json!(4242));

@@ -54,8 +54,7 @@ fn case04_broker_killed_restarted_with_messages_in_flight() {
         rig.wait_more_deliveries(since, 300, &format!("deliveries after {phase}"));
     }
     let heal_at = Instant::now();
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     rig.finish(
         Some(heal_at),
         3 * (MAX_IN_FLIGHT + CONSUMER_PREFETCH),
@@ -85,8 +84,7 @@ fn case05_connection_churn() {
     let heal_at = Instant::now();
     let since = rig.collector.len();
     rig.wait_more_deliveries(since, 200, "deliveries after the churn");
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     let channel: i64 = rig
         .client
         .query_one("SELECT max(channel)::bigint FROM amqp.broker_status", &[])
@@ -160,8 +158,7 @@ fn case08_broker_hang_is_detected_and_healed() {
     );
     let since = rig.collector.len();
     rig.wait_more_deliveries(since, 300, "deliveries after SIGCONT");
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     rig.finish(
         Some(heal_at),
         2 * (MAX_IN_FLIGHT + CONSUMER_PREFETCH),
@@ -276,8 +273,7 @@ fn case09_resource_alarm_pauses_and_drains() {
     let heal_at = Instant::now();
     let since = rig.collector.len();
     rig.wait_more_deliveries(since, 300, "deliveries after the alarm cleared");
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     rig.finish(
         Some(heal_at),
         MAX_IN_FLIGHT,

@@ -60,8 +60,7 @@ fn case02_worker_killed_comes_back_and_loses_nothing() {
     }
     let heal_at = Instant::now();
     rig.wait_more_deliveries(rig.collector.len(), 200, "deliveries after the last kill");
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     let max_restart = restart_times.iter().max().copied().unwrap_or_default();
     let report = rig.finish(
         Some(heal_at),
@@ -100,7 +99,6 @@ fn case03_postgres_immediate_stop_under_load() {
         "producers to commit again after the restart",
     );
     let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
     let unknown: u64 = stats.iter().map(|s| s.unknown).sum();
     let report = rig.finish(
         Some(heal_at),

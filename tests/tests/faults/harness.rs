@@ -353,8 +353,11 @@ pub(crate) fn short_tail(log: &str, n: usize) -> String {
         .join("\n")
 }
 
+/// Joins the producers and logs their statistics (the test's record of what they did).
 pub(crate) fn join_all(producers: Vec<Producer>) -> Vec<amqp_outbox_e2e::ProducerStats> {
-    producers.into_iter().map(Producer::join).collect()
+    let stats: Vec<_> = producers.into_iter().map(Producer::join).collect();
+    eprintln!("producers: {stats:?}");
+    stats
 }
 
 pub(crate) fn published(ps: &[Producer]) -> u64 {

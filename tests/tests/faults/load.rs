@@ -236,8 +236,7 @@ fn case11_pinned_xmin_degrades_boundedly() {
     }
     holder.batch_execute("COMMIT").unwrap();
     let heal_at = Instant::now();
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     let max_pending = samples.iter().map(|s| s.1).max().unwrap_or(0);
     let max_age = samples.iter().map(|s| s.2).fold(0.0, f64::max);
     let max_dead = samples.iter().map(|s| s.3).max().unwrap_or(0);

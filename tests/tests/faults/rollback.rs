@@ -182,8 +182,7 @@ fn case01_rollback_matrix_delivers_no_aborted_message() {
         }
     });
 
-    let stats = join_all(producers);
-    eprintln!("producers: {stats:?}");
+    join_all(producers);
     let report = rig.finish(
         None,
         0,
