@@ -39,14 +39,11 @@ impl Settlement {
         if !self.delivered.is_empty() {
             queries::delete_delivered(client, &self.delivered)?;
         }
-        if !self.rejected.is_empty() {
-            let delays = RetryDelays::new(&Backoff::new(
-                settings.retry_backoff_min,
-                settings.retry_backoff_max,
-            ));
-            for (id, error) in &self.rejected {
-                record_rejection(client, *id, error, settings.max_attempts, &delays, flight)?;
-            }
+        let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
+        for (id, error) in &self.rejected {
+            // Drawn for each row, so rows refused together do not retry in step.
+            let delays = RetryDelays::new(&backoff);
+            record_rejection(client, *id, error, settings.max_attempts, &delays, flight)?;
         }
         for (id, error) in &self.unsendable {
             park_now(client, *id, error)?;
