@@ -29,20 +29,25 @@ impl EventSink {
     }
 }
 
-/// Spawns `task` on the current runtime. A panic in a task would otherwise vanish into its
-/// JoinHandle, leaving messages unreported: it becomes a fatal event instead, so the worker
-/// restarts and republishes. `what` names the task in that event.
-pub(crate) fn spawn_guarded(
+/// Spawns `task` on the current runtime; every task of the AMQP side starts here. A panic in a
+/// task would otherwise vanish into its JoinHandle, leaving messages unreported: it becomes a
+/// fatal event instead, so the worker restarts and republishes. `what` names the task in that
+/// event. The handle yields the task's output, or `None` after such a panic.
+pub(crate) fn spawn_guarded<T: Send + 'static>(
     sink: EventSink,
     what: String,
-    task: impl Future<Output = ()> + Send + 'static,
-) -> tokio::task::JoinHandle<()> {
+    task: impl Future<Output = T> + Send + 'static,
+) -> tokio::task::JoinHandle<Option<T>> {
     tokio::spawn(async move {
-        if let Err(panic) = AssertUnwindSafe(task).catch_unwind().await {
-            sink.send(Event::Fatal(format!(
-                "{what} panicked: {}",
-                panic_message(&*panic)
-            )));
+        match AssertUnwindSafe(task).catch_unwind().await {
+            Ok(out) => Some(out),
+            Err(panic) => {
+                sink.send(Event::Fatal(format!(
+                    "{what} panicked: {}",
+                    panic_message(&*panic)
+                )));
+                None
+            }
         }
     })
 }
@@ -54,5 +59,36 @@ pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
         s.clone()
     } else {
         "unknown panic payload".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_task_becomes_a_fatal_event_and_none() {
+        let (_wake_rx, wake_tx) = wake::pair().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let sink = EventSink::new(tx, wake_tx);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (fine, failed) = rt.block_on(async {
+            let fine = spawn_guarded(sink.clone(), "fine".into(), async { 7 });
+            let failed = spawn_guarded(sink.clone(), "doomed task".into(), async {
+                if true {
+                    panic!("boom");
+                }
+                7
+            });
+            (fine.await.unwrap(), failed.await.unwrap())
+        });
+        assert_eq!((fine, failed), (Some(7), None));
+        let events: Vec<Event> = rx.try_iter().collect();
+        assert!(
+            matches!(&events[..], [Event::Fatal(m)] if m == "doomed task panicked: boom"),
+            "{events:?}"
+        );
     }
 }

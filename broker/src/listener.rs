@@ -36,7 +36,7 @@ const CONNECTION_CHECK: Duration = Duration::from_secs(1);
 pub(crate) struct ListenerHandle {
     cfg: watch::Sender<BrokerConfig>,
     stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
+    task: JoinHandle<Option<()>>,
 }
 
 impl ListenerHandle {

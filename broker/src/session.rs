@@ -68,7 +68,7 @@ pub(crate) fn start(
     config: BrokerConfig,
     sink: EventSink,
     shared: Shared,
-) -> (mpsc::UnboundedSender<BrokerCmd>, JoinHandle<()>) {
+) -> (mpsc::UnboundedSender<BrokerCmd>, JoinHandle<Option<()>>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let broker_id = config.broker_id;
     let task = BrokerTask {
@@ -285,7 +285,11 @@ impl BrokerTask {
                 blocked: blocked_rx.clone(),
                 ack: self.ack_ctx(),
             };
-            let mut pub_task = tokio::spawn(publisher::run(ctx, job_rx, stop_rx));
+            let mut pub_task = spawn_guarded(
+                self.sink.clone(),
+                format!("broker {}: publishing channel {epoch}", self.id()),
+                publisher::run(ctx, job_rx, stop_rx),
+            );
             let mut running = Running {
                 sink: self.sink.clone(),
                 job_tx,
@@ -304,7 +308,9 @@ impl BrokerTask {
                 tokio::select! {
                     end = &mut pub_task => {
                         let end = match end {
-                            Ok(end) => end,
+                            Ok(Some(end)) => end,
+                            // Reported as a fatal event by spawn_guarded.
+                            Ok(None) => ChannelEnd::Closed("publishing task panicked".into()),
                             Err(e) => {
                                 self.sink.send(Event::Fatal(format!(
                                     "broker {}: publishing task failed: {e}", self.id()
@@ -476,7 +482,7 @@ struct Running {
 
 impl Running {
     /// Tells the publishing task to fail what it holds (Transient) and waits for it to finish.
-    async fn stop(&mut self, task: &mut JoinHandle<ChannelEnd>, why: &str) {
+    async fn stop(&mut self, task: &mut JoinHandle<Option<ChannelEnd>>, why: &str) {
         if let Some(tx) = self.stop_tx.take() {
             let _ = tx.send(why.to_string());
         }

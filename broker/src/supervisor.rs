@@ -18,7 +18,7 @@ const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 struct Slot {
     config: BrokerConfig,
     tx: mpsc::UnboundedSender<BrokerCmd>,
-    task: JoinHandle<()>,
+    task: JoinHandle<Option<()>>,
 }
 
 impl Slot {
@@ -34,7 +34,7 @@ pub(crate) async fn run(mut commands: mpsc::UnboundedReceiver<Command>, sink: Ev
     let shared = Shared::new();
     let mut brokers: HashMap<i32, Slot> = HashMap::new();
     // Removed brokers still closing; awaited (bounded) at shutdown.
-    let mut retiring: Vec<JoinHandle<()>> = Vec::new();
+    let mut retiring: Vec<JoinHandle<Option<()>>> = Vec::new();
 
     while let Some(cmd) = commands.recv().await {
         match cmd {
