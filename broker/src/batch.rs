@@ -69,14 +69,10 @@ impl Drop for Batch {
 mod tests {
     use super::*;
     use crate::bridge::fixtures::message;
-    use crate::wake;
-    use std::sync::mpsc;
 
     #[test]
     fn a_dropped_batch_fails_what_it_still_holds_with_the_last_reason() {
-        let (_wake_rx, wake_tx) = wake::pair().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let sink = EventSink::new(tx, wake_tx);
+        let (sink, rx, _wake) = EventSink::for_test();
         let mut batch = Batch::new(7, vec![message(1), message(2), message(3)], false, sink);
         let taken = batch.take_next().map(|m| m.id);
         assert_eq!(taken, Some(1));

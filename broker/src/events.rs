@@ -21,6 +21,15 @@ impl EventSink {
         EventSink { events, wake }
     }
 
+    /// For unit tests: a sink and the receiving end of its events (and of its wake-ups, kept
+    /// open so sending never fails).
+    #[cfg(test)]
+    pub(crate) fn for_test() -> (Self, mpsc::Receiver<Event>, wake::WakeReceiver) {
+        let (wake_rx, wake_tx) = wake::pair().expect("a wake-up socket pair");
+        let (tx, rx) = mpsc::channel();
+        (EventSink::new(tx, wake_tx), rx, wake_rx)
+    }
+
     pub(crate) fn send(&self, event: Event) {
         // An error means the worker dropped its handle: nobody is listening any more.
         if self.events.send(event).is_ok() {
@@ -68,9 +77,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_becomes_a_fatal_event_and_none() {
-        let (_wake_rx, wake_tx) = wake::pair().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let sink = EventSink::new(tx, wake_tx);
+        let (sink, rx, _wake) = EventSink::for_test();
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
