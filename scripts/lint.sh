@@ -36,6 +36,9 @@ check_clippy() {
     # findings in one run.
     "$CARGO" clippy --workspace --all-targets --keep-going -- -D warnings -W clippy::undocumented_unsafe_blocks ||
         { echo "lint: clippy found problems (see above)" >&2; return 1; }
+    # The test build's code (`make install-test`) is checked too.
+    "$CARGO" clippy -p amqp_outbox --all-targets --features fault-injection -- -D warnings -W clippy::undocumented_unsafe_blocks ||
+        { echo "lint: clippy found problems in the fault-injection build (see above)" >&2; return 1; }
 }
 
 check_no_pgrx() {
