@@ -33,7 +33,8 @@ CARGO ?= cargo
 # servers — never `cp` over a loaded .so).
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
-.PHONY: all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean
+# `make sql`: see GENERATED_UPDATES.
+.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean
 
 all: build
 
@@ -43,6 +44,13 @@ build:
 # cargo-pgrx installs the current version's script and the update scripts (A--B); the full
 # scripts of earlier versions (kept so that `CREATE EXTENSION ... VERSION` and the update test
 # can start from them) are copied here.
+# Update scripts that repeat a file of the install script are assembled from it (`make sql`);
+# `make lint` checks that the committed result is current.
+GENERATED_UPDATES := sql/amqp_outbox--0.2.0--0.3.0.sql
+sql: $(GENERATED_UPDATES)
+sql/amqp_outbox--0.2.0--0.3.0.sql: sql/upgrade/0.2.0--0.3.0.head.sql sql/inbox.sql sql/upgrade/0.2.0--0.3.0.tail.sql
+	cat $^ > $@
+
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))
 
 # Cargo features of the installed build: none for a user's build; install-test adds the

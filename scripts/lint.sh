@@ -7,6 +7,7 @@
 #              clippy::undocumented_unsafe_blocks (every `unsafe {}` says why it is sound)
 #   no-pgrx    the AMQP crate (amqp_outbox_broker) does not depend on pgrx, even transitively:
 #              its thread must never call PostgreSQL (README, "How it works")
+#   sql        update scripts assembled from install-script files (`make sql`) are current
 #   pg_guard   every `extern "C"`/`extern "C-unwind"` fn under src/ carries #[pg_guard], so a
 #              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames
 set -uo pipefail
@@ -23,6 +24,17 @@ run() {
     if ! "$@"; then
         failed+=("$name")
     fi
+}
+
+check_sql() {
+    local f
+    for f in sql/upgrade/*.head.sql; do
+        local step=${f#sql/upgrade/}
+        step=${step%.head.sql}
+        local tail=sql/upgrade/$step.tail.sql
+        cat "$f" sql/inbox.sql "$tail" | cmp -s - "sql/amqp_outbox--$step.sql" ||
+            { echo "lint: sql/amqp_outbox--$step.sql is not current: run 'make sql'" >&2; return 1; }
+    done
 }
 
 check_fmt() {
@@ -88,6 +100,7 @@ check_pg_guard() {
     fi
 }
 
+run sql check_sql
 run fmt check_fmt
 run clippy check_clippy
 run no-pgrx check_no_pgrx

@@ -14,6 +14,9 @@ CREATE TRIGGER queue_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @ex
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 CREATE TRIGGER binding_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.binding
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
+-- ... and the subscription worker re-reads its subscriptions.
+CREATE TRIGGER subscription_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.subscription
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 
 -- A failed INSERT or UPDATE of amqp.broker would report the whole row ("Failing row contains
 -- ...") to the client and into the server log, password included, even a stored one the
@@ -56,20 +59,20 @@ CREATE TRIGGER broker_check BEFORE INSERT OR UPDATE ON @extschema@.broker
 -- Views for DBAs. Readable by pg_monitor; they show no secrets.
 CREATE VIEW @extschema@.worker_status AS
     SELECT s.*,
-           pg_catalog.current_setting('amqp_outbox.database', true) AS database,
-           pg_catalog.current_setting('amqp_outbox.database', true)
-               IS NOT DISTINCT FROM pg_catalog.current_database() AS serves_this_database
+           pg_catalog.current_database()::text AS database,
+           pg_catalog.current_database()::text OPERATOR(pg_catalog.=) ANY (@extschema@._served_databases())
+               AS serves_this_database
       FROM @extschema@._worker_status() s;
 COMMENT ON VIEW @extschema@.worker_status IS
-    'The worker''s pid (NULL when not running), its counters since the server started, the database it serves and whether that is this one.';
+    'This database''s workers: the outbox worker''s pid (NULL when not running) and counters since the server started, the subscription worker''s pid, and whether amqp_outbox.database lists this database.';
 
--- Until workers serve every database, one database is served: say so where it is not.
+-- Workers serve the databases amqp_outbox.database lists: say so where it is not listed.
 DO $served$
 BEGIN
-    IF pg_catalog.current_setting('amqp_outbox.database', true) OPERATOR(pg_catalog.<>) pg_catalog.current_database() THEN
-        RAISE WARNING 'amqp_outbox: the worker serves database "%", not this one: messages published here wait until amqp_outbox.database names this database',
-                      pg_catalog.current_setting('amqp_outbox.database', true)
-            USING HINT = 'Set amqp_outbox.database in postgresql.conf and restart the server.';
+    IF NOT pg_catalog.current_database()::text OPERATOR(pg_catalog.=) ANY (@extschema@._served_databases()) THEN
+        RAISE WARNING 'amqp_outbox: no worker serves database "%" (amqp_outbox.database = ''%''): messages published here wait until it is listed',
+                      pg_catalog.current_database(), pg_catalog.current_setting('amqp_outbox.database', true)
+            USING HINT = 'Add this database to amqp_outbox.database in postgresql.conf and restart the server.';
     END IF;
 END
 $served$;
@@ -148,4 +151,4 @@ GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema
 
 -- The views call these; callers of a view need EXECUTE on the functions it calls.
 GRANT EXECUTE ON FUNCTION @extschema@._worker_status(), @extschema@._broker_status(),
-    @extschema@._in_flight() TO pg_monitor;
+    @extschema@._in_flight(), @extschema@._served_databases() TO pg_monitor;

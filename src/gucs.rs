@@ -24,6 +24,12 @@ pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(30000);
 pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static RANDOMIZE_HOSTS: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(0);
+pub static HANDLER_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+/// Minutes (settings accept units: '15d').
+pub static DEDUP_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(15 * 24 * 60);
+pub static DEDUP_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(90 * 24 * 60);
+pub static RECEIPTS_EXCHANGE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static INBOX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 /// Test builds only (feature `fault-injection`): absent from a user's build, and from SHOW ALL.
 #[cfg(feature = "fault-injection")]
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
@@ -36,8 +42,8 @@ pub fn init(preloading: bool) {
     if preloading {
         GucRegistry::define_string_guc(
             c"amqp_outbox.database",
-            c"Database whose amqp.message table the background worker publishes.",
-            c"The worker connects to this database and idles until the extension exists there.",
+            c"Databases served: comma-separated names, each gets an outbox worker and a subscription worker.",
+            c"Each worker connects to its database and idles until the extension exists there. At most 8 databases; more are ignored with a WARNING.",
             &DATABASE,
             GucContext::Postmaster,
             GucFlags::default(),
@@ -207,6 +213,54 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.handler_timeout",
+        c"Longest time a subscription handler may run for one message (0 = no limit).",
+        c"A handler still running then is cancelled like a statement_timeout (SQLSTATE 57014): its message fails and is retried.",
+        &HANDLER_TIMEOUT,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.dedup_window",
+        c"How long consumption records stay in the hot unique tables (consume_once, subscriptions).",
+        c"Within it a duplicate is always recognised, racing sessions included. Older records move to amqp.consumption_archive.",
+        &DEDUP_WINDOW,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MIN,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.dedup_retention",
+        c"How long archived consumption records are kept before their day is dropped.",
+        c"Counted from consumption. Archived records still recognise duplicates of amqp_outbox's own (UUIDv7) message ids.",
+        &DEDUP_RETENTION,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MIN,
+    );
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.receipts_exchange",
+        c"Exchange that receives a receipt for each message a subscription handled or failed (empty = none).",
+        c"Receipts are published through the outbox, in the consumer's transaction: sent if and only if it committed.",
+        &RECEIPTS_EXCHANGE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.inbox_batch_size",
+        c"Messages a subscription handles in one transaction at most (one subtransaction each).",
+        c"Larger batches commit less often; a failing message only rolls back its own subtransaction.",
+        &INBOX_BATCH_SIZE,
+        1,
+        10_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     #[cfg(feature = "fault-injection")]
     GucRegistry::define_int_guc(
         c"amqp_outbox.test_lose_one_in",
@@ -277,9 +331,34 @@ impl WorkerSettings {
     }
 }
 
-pub fn database_name() -> String {
-    DATABASE
+/// The databases served, in the order listed (`amqp_outbox.database`: names separated by
+/// commas; surrounding spaces are ignored, a name with a comma cannot be listed).
+pub fn database_names() -> Vec<String> {
+    let list = DATABASE
         .get()
         .and_then(|c| c.into_string().ok())
-        .unwrap_or_else(|| "postgres".to_string())
+        .unwrap_or_else(|| "postgres".to_string());
+    parse_database_list(&list)
+}
+
+fn parse_database_list(list: &str) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_database_list;
+
+    #[test]
+    fn database_list_is_split_on_commas_trimmed_and_deduplicated() {
+        assert_eq!(parse_database_list("postgres"), ["postgres"]);
+        assert_eq!(parse_database_list(" shop , billing,shop,, "), ["shop", "billing"]);
+        assert!(parse_database_list(" , ").is_empty());
+    }
 }

@@ -11,12 +11,14 @@ mod drop_guard;
 mod error;
 mod gucs;
 mod headers;
+//TEMP mod inbox;
 mod shmem;
 mod worker;
 
 pgrx::pg_module_magic!();
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
+extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]

@@ -1,36 +1,111 @@
-//! Shared memory: the worker's latch (so a commit can wake it), requests from SQL functions to
-//! the worker, and counters. Only present when the library is in `shared_preload_libraries`.
+//! Shared memory, one slot per database served: the workers' latches (so a commit can wake
+//! them), requests from SQL functions to the worker, counters, broker states. Only present when
+//! the library is in `shared_preload_libraries`.
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-/// Address of the worker's `PGPROC` latch, or 0 when no worker runs. Shared memory is mapped at
-/// the same address in every process forked from the postmaster, so the pointer is valid in all
-/// backends. A stale pointer (worker gone, slot reused) only causes a spurious wake-up.
+/// Databases served at most: one outbox worker and one subscription worker each
+/// (`amqp_outbox.database` lists them). Everything below exists once per database.
+pub const MAX_DATABASES: usize = 8;
+
+/// One database's workers, as the other processes see them. A slot is claimed by the workers
+/// of the database listed at that position; backends find theirs by database oid.
+#[derive(Default)]
+pub struct DbSlot {
+    /// The oid of the database this slot serves; 0 until its first worker connected. Kept
+    /// after the workers exit, so counters stay readable.
+    database: AtomicU32,
+    /// Address of the outbox worker's `PGPROC` latch, or 0 when it does not run. Shared memory
+    /// is mapped at the same address in every process forked from the postmaster, so the
+    /// pointer is valid in all backends. A stale pointer (worker gone, slot reused) only causes
+    /// a spurious wake-up.
+    latch: AtomicUsize,
+    pid: AtomicI32,
+    /// amqp.broker, amqp.exchange… changed: the worker re-reads them. An atomic, so a commit
+    /// callback can set it without taking a lock.
+    reload: AtomicBool,
+    /// The worker is about to look for committed rows and wants the next commit to wake it.
+    /// The first commit after that clears it and sets the latch; later ones skip the latch,
+    /// which is already set, so a busy database does not signal the worker once per commit.
+    commit_wake_armed: AtomicBool,
+    counters: Counters,
+    /// The subscription worker of this database: latch, pid, and its own reload flag.
+    inbox_latch: AtomicUsize,
+    inbox_pid: AtomicI32,
+    inbox_reload: AtomicBool,
+}
+
+/// One `T` per database slot, in shared memory.
+#[derive(Clone, Copy)]
+pub struct PerDb<T>([T; MAX_DATABASES]);
+
+impl<T: Default + Copy> Default for PerDb<T> {
+    fn default() -> Self {
+        PerDb([T::default(); MAX_DATABASES])
+    }
+}
+// SAFETY: an array of values that are themselves plain shared-memory data (checked by the
+// bound), meaningful in every process.
+unsafe impl<T: PGRXSharedMemory> PGRXSharedMemory for PerDb<T> {}
+
+/// The atomics of every slot (not `Copy`: built in place).
+pub struct Slots([DbSlot; MAX_DATABASES]);
+
+impl Default for Slots {
+    fn default() -> Self {
+        Slots(std::array::from_fn(|_| DbSlot::default()))
+    }
+}
+// SAFETY: only atomics, no pointers; every access is atomic, so processes may share them.
+unsafe impl PGRXSharedMemory for Slots {}
+
 // SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static WORKER_LATCH: PgAtomic<AtomicUsize> = unsafe { PgAtomic::new(c"amqp_outbox_worker_latch") };
+static SLOTS: PgAtomic<Slots> = unsafe { PgAtomic::new(c"amqp_outbox_db_slots") };
 // SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static WORKER_PID: PgAtomic<AtomicI32> = unsafe { PgAtomic::new(c"amqp_outbox_worker_pid") };
+static REQUESTS: PgLwLock<PerDb<Requests>> = unsafe { PgLwLock::new(c"amqp_outbox_requests") };
 // SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static COUNTERS: PgAtomic<Counters> = unsafe { PgAtomic::new(c"amqp_outbox_counters") };
-// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static REQUESTS: PgLwLock<Requests> = unsafe { PgLwLock::new(c"amqp_outbox_requests") };
-/// amqp.broker or amqp.exchange changed: the worker re-reads them. An atomic, so a commit
-/// callback can set it without taking a lock.
-// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static RELOAD: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"amqp_outbox_reload") };
-/// The worker is about to look for committed rows and wants the next commit to wake it. The
-/// first commit after that clears it and sets the latch; later ones skip the latch, which is
-/// already set, so a busy database does not signal the worker once per commit.
-// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static COMMIT_WAKE_ARMED: PgAtomic<AtomicBool> =
-    unsafe { PgAtomic::new(c"amqp_outbox_commit_wake_armed") };
-// SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static BROKER_STATES: PgLwLock<BrokerStates> =
+static BROKER_STATES: PgLwLock<PerDb<BrokerStates>> =
     unsafe { PgLwLock::new(c"amqp_outbox_broker_states") };
 // SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static IN_FLIGHT: PgLwLock<InFlightTable> = unsafe { PgLwLock::new(c"amqp_outbox_in_flight") };
+static IN_FLIGHT: PgLwLock<PerDb<InFlightTable>> =
+    unsafe { PgLwLock::new(c"amqp_outbox_in_flight") };
+
+/// A worker's own slot (its position in `amqp_outbox.database`); `usize::MAX` in backends.
+static MY_SLOT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Called by a worker before it registers: the slot it serves.
+pub fn set_worker_slot(slot: usize) {
+    MY_SLOT.store(slot, Ordering::Relaxed);
+}
+
+/// This process's slot: a worker's own, or the one serving the backend's database (none when
+/// no worker of this database has run since the server started).
+fn slot() -> Option<&'static DbSlot> {
+    let i = slot_index()?;
+    Some(&SLOTS.get().0[i])
+}
+
+fn slot_index() -> Option<usize> {
+    if !ready() {
+        return None;
+    }
+    let mine = MY_SLOT.load(Ordering::Relaxed);
+    if mine < MAX_DATABASES {
+        return Some(mine);
+    }
+    // SAFETY: MyDatabaseId is a plain global of this backend, set once it connected.
+    let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    if db == 0 {
+        return None;
+    }
+    SLOTS
+        .get()
+        .0
+        .iter()
+        .position(|s| s.database.load(Ordering::Acquire) == db)
+}
 
 /// Set in `_PG_init` of the postmaster; inherited by every backend it forks.
 static READY: AtomicBool = AtomicBool::new(false);
@@ -52,7 +127,7 @@ pub struct Counters {
 
 /// Messages the worker has in flight, for `amqp.message_status`. Larger windows show only the
 /// first entries.
-pub const IN_FLIGHT_SHOWN: usize = 32768;
+pub const IN_FLIGHT_SHOWN: usize = 8192;
 
 #[derive(Clone, Copy)]
 pub struct InFlightTable {
@@ -73,20 +148,20 @@ impl Default for InFlightTable {
 unsafe impl PGRXSharedMemory for InFlightTable {}
 
 pub fn report_in_flight(entries: &[(i64, bool)]) {
-    if !ready() {
-        return;
-    }
-    let mut t = IN_FLIGHT.exclusive();
+    let Some(i) = slot_index() else { return };
+    let mut all = IN_FLIGHT.exclusive();
+    let t = &mut all.0[i];
     let n = entries.len().min(IN_FLIGHT_SHOWN);
     t.entries[..n].copy_from_slice(&entries[..n]);
     t.len = n;
 }
 
 pub fn in_flight() -> Vec<(i64, bool)> {
-    if !ready() {
+    let Some(i) = slot_index() else {
         return Vec::new();
-    }
-    let t = IN_FLIGHT.share();
+    };
+    let all = IN_FLIGHT.share();
+    let t = &all.0[i];
     t.entries[..t.len].to_vec()
 }
 
@@ -173,8 +248,6 @@ pub struct BrokerReport<'a> {
     pub in_flight: usize,
     pub pending: i64,
 }
-// SAFETY: only atomics, no pointers; every access is atomic, so processes may share them.
-unsafe impl PGRXSharedMemory for Counters {}
 
 const MAX_REQUESTS: usize = 32;
 
@@ -190,12 +263,8 @@ pub struct Requests {
 unsafe impl PGRXSharedMemory for Requests {}
 
 pub fn init() {
-    pg_shmem_init!(WORKER_LATCH);
-    pg_shmem_init!(WORKER_PID);
-    pg_shmem_init!(COUNTERS);
+    pg_shmem_init!(SLOTS);
     pg_shmem_init!(REQUESTS);
-    pg_shmem_init!(RELOAD);
-    pg_shmem_init!(COMMIT_WAKE_ARMED);
     pg_shmem_init!(BROKER_STATES);
     pg_shmem_init!(IN_FLIGHT);
     READY.store(true, Ordering::Relaxed);
@@ -205,67 +274,93 @@ pub fn ready() -> bool {
     READY.load(Ordering::Relaxed)
 }
 
-/// Sets the worker's latch. Never raises: it runs in a commit callback.
-pub fn wake_worker() {
-    if !ready() {
-        return;
-    }
-    let latch = WORKER_LATCH.get().load(Ordering::Acquire);
+fn set_latch(latch: &AtomicUsize) {
+    let latch = latch.load(Ordering::Acquire);
     if latch != 0 {
-        // SAFETY: called on a PostgreSQL thread (a backend or the worker's main thread). The
+        // SAFETY: called on a PostgreSQL thread (a backend or a worker's main thread). The
         // address is a PGPROC's latch in shared memory, mapped at the same address in every
         // process; if the worker is gone, it is still a valid latch (a spurious wake-up).
         unsafe { pg_sys::SetLatch(latch as *mut pg_sys::Latch) };
     }
 }
 
+/// Sets this database's outbox worker's latch. Never raises: it runs in a commit callback.
+pub fn wake_worker() {
+    if let Some(s) = slot() {
+        set_latch(&s.latch);
+    }
+}
+
+/// Sets this database's subscription worker's latch. Never raises.
+pub fn wake_inbox() {
+    if let Some(s) = slot() {
+        set_latch(&s.inbox_latch);
+    }
+}
+
 /// A transaction that published committed: wake the worker if it asked for it. Never raises.
 pub fn wake_worker_for_commit() {
-    if ready() && COMMIT_WAKE_ARMED.get().swap(false, Ordering::AcqRel) {
-        count(|c| &c.commit_wakeups, 1);
-        wake_worker();
+    if let Some(s) = slot() {
+        if s.commit_wake_armed.swap(false, Ordering::AcqRel) {
+            s.counters.commit_wakeups.fetch_add(1, Ordering::Relaxed);
+            set_latch(&s.latch);
+        }
     }
 }
 
 /// The worker wants the next commit's wake-up. It must call this before it takes the snapshot
 /// that looks for committed rows: a commit after that snapshot then finds the flag set.
 pub fn arm_commit_wake(armed: bool) {
-    if ready() {
-        COMMIT_WAKE_ARMED.get().store(armed, Ordering::Release);
+    if let Some(s) = slot() {
+        s.commit_wake_armed.store(armed, Ordering::Release);
     }
 }
 
-/// Called by the worker once it runs, and with `None` when it exits.
-pub fn register_worker(latch: Option<*mut pg_sys::Latch>, pid: i32) {
-    if !ready() {
-        return;
-    }
-    WORKER_LATCH
-        .get()
-        .store(latch.map_or(0, |l| l as usize), Ordering::Release);
-    WORKER_PID.get().store(pid, Ordering::Release);
+/// Which worker of a database.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum WorkerKind {
+    Outbox,
+    Inbox,
 }
 
-pub fn worker_pid() -> Option<i32> {
-    if !ready() {
-        return None;
+/// Called by a worker once it runs (after [`set_worker_slot`]), and with `None` when it exits.
+pub fn register_worker(kind: WorkerKind, latch: Option<*mut pg_sys::Latch>, pid: i32) {
+    let Some(s) = slot() else { return };
+    if latch.is_some() {
+        // SAFETY: MyDatabaseId is a plain global of this worker, set once it connected.
+        let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+        s.database.store(db, Ordering::Release);
     }
-    match WORKER_PID.get().load(Ordering::Acquire) {
+    let latch = latch.map_or(0, |l| l as usize);
+    let (l, p) = match kind {
+        WorkerKind::Outbox => (&s.latch, &s.pid),
+        WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
+    };
+    l.store(latch, Ordering::Release);
+    p.store(pid, Ordering::Release);
+}
+
+pub fn worker_pid(kind: WorkerKind) -> Option<i32> {
+    let s = slot()?;
+    let pid = match kind {
+        WorkerKind::Outbox => &s.pid,
+        WorkerKind::Inbox => &s.inbox_pid,
+    };
+    match pid.load(Ordering::Acquire) {
         0 => None,
         pid => Some(pid),
     }
 }
 
 pub fn counters() -> Option<&'static Counters> {
-    ready().then(|| COUNTERS.get())
+    slot().map(|s| &s.counters)
 }
 
 pub fn request_disconnect(broker_id: i32) {
-    if !ready() {
-        return;
-    }
+    let Some(i) = slot_index() else { return };
     {
-        let mut r = REQUESTS.exclusive();
+        let mut all = REQUESTS.exclusive();
+        let r = &mut all.0[i];
         if !r.disconnect[..r.len].contains(&broker_id) {
             if r.len < MAX_REQUESTS {
                 let n = r.len;
@@ -279,13 +374,20 @@ pub fn request_disconnect(broker_id: i32) {
     wake_worker();
 }
 
-/// Never raises: may run in a commit callback.
+/// Both workers of this database re-read their configuration. Never raises: may run in a
+/// commit callback.
 pub fn request_reload() {
-    if !ready() {
-        return;
+    if let Some(s) = slot() {
+        s.reload.store(true, Ordering::Release);
+        s.inbox_reload.store(true, Ordering::Release);
+        set_latch(&s.latch);
+        set_latch(&s.inbox_latch);
     }
-    RELOAD.get().store(true, Ordering::Release);
-    wake_worker();
+}
+
+/// The subscription worker: whether a reload was requested since it last asked; clears it.
+pub fn take_inbox_reload() -> bool {
+    slot().is_some_and(|s| s.inbox_reload.swap(false, Ordering::AcqRel))
 }
 
 /// What the worker must do now; clears the requests.
@@ -296,14 +398,21 @@ pub struct TakenRequests {
 }
 
 pub fn take_requests() -> TakenRequests {
-    let mut r = REQUESTS.exclusive();
+    let (Some(i), Some(s)) = (slot_index(), slot()) else {
+        return TakenRequests {
+            disconnect: Some(Vec::new()),
+            reload: false,
+        };
+    };
+    let mut all = REQUESTS.exclusive();
+    let r = &mut all.0[i];
     let taken = TakenRequests {
         disconnect: if r.overflow {
             None
         } else {
             Some(r.disconnect[..r.len].to_vec())
         },
-        reload: RELOAD.get().swap(false, Ordering::AcqRel),
+        reload: s.reload.swap(false, Ordering::AcqRel),
     };
     *r = Requests::default();
     taken
@@ -317,12 +426,11 @@ pub fn count(counter: impl Fn(&Counters) -> &AtomicU64, n: u64) {
 
 /// The worker replaces the whole table; `since` moves only when the connection state changed.
 pub fn report_brokers(reports: &[BrokerReport<'_>]) {
-    if !ready() {
-        return;
-    }
+    let Some(i) = slot_index() else { return };
     // SAFETY: only reads the clock; called on the worker's main thread.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let mut states = BROKER_STATES.exclusive();
+    let mut all = BROKER_STATES.exclusive();
+    let states = &mut all.0[i];
     let old = *states;
     let mut fresh = BrokerStates::default();
     for (slot, r) in fresh.slots.iter_mut().zip(reports) {
@@ -348,20 +456,18 @@ pub fn report_brokers(reports: &[BrokerReport<'_>]) {
 
 /// A copy of the broker table, for SQL.
 pub fn broker_states() -> Vec<BrokerSlot> {
-    if !ready() {
+    let Some(i) = slot_index() else {
         return Vec::new();
-    }
-    let states = BROKER_STATES.share();
-    states.slots.iter().filter(|s| s.used).copied().collect()
+    };
+    let all = BROKER_STATES.share();
+    all.0[i].slots.iter().filter(|s| s.used).copied().collect()
 }
 
 /// The broker's backlog as the worker last counted it.
 pub fn pending(broker_id: i32) -> Option<i64> {
-    if !ready() {
-        return None;
-    }
-    let states = BROKER_STATES.share();
-    states
+    let i = slot_index()?;
+    let all = BROKER_STATES.share();
+    all.0[i]
         .slots
         .iter()
         .find(|s| s.used && s.broker_id == broker_id)

@@ -6,6 +6,6 @@ mod known_brokers;
 mod message_id;
 mod parked;
 mod publish;
-mod run_as;
+pub(crate) mod run_as;
 mod status;
 mod topology;

@@ -4,6 +4,12 @@ use crate::shmem;
 use pgrx::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The databases `amqp_outbox.database` lists (each has an outbox and a subscription worker).
+#[pg_extern(stable, parallel_safe, name = "_served_databases")]
+fn served_databases() -> Vec<String> {
+    crate::gucs::database_names()
+}
+
 #[allow(clippy::type_complexity)]
 /// The worker's process id, its counters since server start (zeros when not preloaded), the
 /// name of this database's acknowledgement queue, and how often the worker stepped and was woken
@@ -23,13 +29,14 @@ fn worker_status() -> TableIterator<
         name!(ack_queue, String),
         name!(steps, i64),
         name!(commit_wakeups, i64),
+        name!(subscription_worker_pid, Option<i32>),
     ),
 > {
     let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
         shmem::counters().map_or(0, |c| f(c).load(Ordering::Relaxed) as i64)
     };
     TableIterator::once((
-        shmem::worker_pid(),
+        shmem::worker_pid(shmem::WorkerKind::Outbox),
         load(|c| &c.published),
         load(|c| &c.confirmed),
         load(|c| &c.acknowledged),
@@ -40,6 +47,7 @@ fn worker_status() -> TableIterator<
         crate::ack_queue::name(),
         load(|c| &c.steps),
         load(|c| &c.commit_wakeups),
+        shmem::worker_pid(shmem::WorkerKind::Inbox),
     ))
 }
 

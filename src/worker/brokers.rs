@@ -115,7 +115,7 @@ impl Brokers {
 }
 
 /// What every broker shares: the settings, and this database's acknowledgement queue.
-fn template(s: &WorkerSettings) -> BrokerConfig {
+pub(crate) fn template(s: &WorkerSettings) -> BrokerConfig {
     BrokerConfig {
         broker_id: 0,
         hosts: Vec::new(),

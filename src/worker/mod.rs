@@ -12,16 +12,16 @@
 //! - [`queries`]: every SQL statement (the claim in `claim.sql`); [`pg`]: the PostgreSQL calls
 //!   around them.
 
-mod brokers;
+pub(crate) mod brokers;
 mod claim;
 mod events;
 mod faults;
 mod flight;
 mod main_loop;
 mod message;
-mod pg;
+pub(crate) mod pg;
 mod presence;
-mod queries;
+pub(crate) mod queries;
 mod settle;
 mod status;
 mod step;
@@ -33,31 +33,56 @@ use pgrx::bgworkers::{
 use pgrx::prelude::*;
 use std::time::Duration;
 
-/// Registers the worker; called from `_PG_init` while shared_preload_libraries is processed.
+/// Registers an outbox worker and a subscription worker for each database of
+/// `amqp_outbox.database` (its position is the worker's shared-memory slot); called from
+/// `_PG_init` while shared_preload_libraries is processed.
 pub fn register() {
-    BackgroundWorkerBuilder::new("amqp_outbox worker")
-        .set_type("amqp_outbox")
-        .set_library("amqp_outbox")
-        .set_function("amqp_outbox_worker_main")
-        .enable_spi_access()
-        // Not started on a standby at all; after promotion it starts and publishes what the
-        // primary committed.
-        .set_start_time(BgWorkerStartTime::RecoveryFinished)
-        .set_restart_time(Some(Duration::from_secs(5)))
-        .load();
+    let names = gucs::database_names();
+    for (slot, name) in names.iter().enumerate() {
+        if slot >= shmem::MAX_DATABASES {
+            warning!(
+                "amqp_outbox: amqp_outbox.database lists more than {} databases; \"{name}\" and the ones after it are not served",
+                shmem::MAX_DATABASES
+            );
+            break;
+        }
+        BackgroundWorkerBuilder::new(&format!("amqp_outbox worker for {name}"))
+            .set_type("amqp_outbox")
+            .set_library("amqp_outbox")
+            .set_function("amqp_outbox_worker_main")
+            .set_argument((slot as i32).into_datum())
+            .enable_spi_access()
+            // Not started on a standby at all; after promotion it starts and publishes what the
+            // primary committed.
+            .set_start_time(BgWorkerStartTime::RecoveryFinished)
+            .set_restart_time(Some(Duration::from_secs(5)))
+            .load();
+        //TEMP crate::inbox::register(slot, name);
+    }
+}
+
+/// The database of a worker's slot (its bgw_main_arg).
+pub(crate) fn database_of_slot(arg: pg_sys::Datum) -> (usize, String) {
+    let slot = arg.value();
+    let name = gucs::database_names()
+        .into_iter()
+        .nth(slot)
+        .unwrap_or_else(|| "postgres".to_string());
+    (slot, name)
 }
 
 /// Run by PostgreSQL as the worker exits: SQL functions must stop setting a latch that is gone.
 #[pg_guard]
 extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
-    shmem::register_worker(None, 0);
+    shmem::register_worker(shmem::WorkerKind::Outbox, None, 0);
 }
 
 #[pg_guard]
 #[unsafe(no_mangle)]
-pub extern "C-unwind" fn amqp_outbox_worker_main(_arg: pg_sys::Datum) {
+pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let database = gucs::database_name();
+    let (slot, database) = database_of_slot(arg);
+    shmem::set_worker_slot(slot);
     // Raises FATAL (exit 1, restarted) while the database does not exist yet.
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     // Pinned before the first query, for the worker's whole life (see pg::pin): its statements
@@ -72,7 +97,7 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(_arg: pg_sys::Datum) {
     // until it exits, and the callback registered here clears them from shared memory before
     // that (before_shmem_exit runs while shared memory is still attached).
     unsafe {
-        shmem::register_worker(Some(pg_sys::MyLatch), pg_sys::MyProcPid);
+        shmem::register_worker(shmem::WorkerKind::Outbox, Some(pg_sys::MyLatch), pg_sys::MyProcPid);
         pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
     }
     log!("amqp_outbox: worker started for database \"{database}\"");

@@ -1,0 +1,232 @@
+//! Handling messages, several per transaction, each in its own subtransaction: record its
+//! consumption (a duplicate stops there), run the handler as the subscription's owner, and
+//! send a receipt through the outbox. A handler error rolls back that message's work only;
+//! the message is then kept in `amqp.inbox_failed` (retried with backoff, dead-lettered after
+//! `max_attempts`). Acknowledgements go to the broker only after the transaction committed.
+
+use super::book::Book;
+use super::guarded::{self, Caught};
+use super::queries;
+use super::subscriptions::Sub;
+use amqp_outbox_broker::backoff::Backoff;
+use amqp_outbox_broker::inbox::Delivery;
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use pgrx::spi::{SpiClient, SpiResult};
+use std::time::Duration;
+
+/// A message to handle: a delivery from the broker, or a failed one retried from the table.
+#[derive(Clone, Debug)]
+pub struct Message {
+    pub subscription: String,
+    pub message_id: Option<String>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    pub content_type: Option<String>,
+    pub correlation_id: Option<String>,
+    pub reply_to: Option<String>,
+    pub timestamp: Option<u64>,
+    pub redelivered: bool,
+    /// From the broker: (channel epoch, delivery tag), acknowledged after commit.
+    pub delivery: Option<(u64, u64)>,
+    /// 1 for the first try.
+    pub attempt: i32,
+}
+
+impl From<Delivery> for Message {
+    fn from(d: Delivery) -> Message {
+        Message {
+            subscription: d.subscription,
+            message_id: d.message_id.filter(|id| !id.is_empty()),
+            exchange: d.exchange,
+            routing_key: d.routing_key,
+            body: d.body,
+            headers: d.headers,
+            content_type: d.content_type,
+            correlation_id: d.correlation_id,
+            reply_to: d.reply_to,
+            timestamp: d.timestamp,
+            redelivered: d.redelivered,
+            delivery: Some((d.epoch, d.delivery_tag)),
+            attempt: 1,
+        }
+    }
+}
+
+impl Message {
+    /// What identifies a message that came without a message_id: everything it carries, so a
+    /// redelivery of it is recognised. (Two messages equal in all of this are one message.)
+    fn digest_input(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.body.len() + 128);
+        for part in [
+            self.exchange.as_bytes(),
+            self.routing_key.as_bytes(),
+            self.correlation_id.as_deref().unwrap_or("").as_bytes(),
+            self.timestamp.unwrap_or(0).to_string().as_bytes(),
+            serde_json::Value::Object(self.headers.clone())
+                .to_string()
+                .as_bytes(),
+        ] {
+            v.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            v.extend_from_slice(part);
+        }
+        v.extend_from_slice(&self.body);
+        v
+    }
+}
+
+/// What the settings say about handling.
+pub struct Rules {
+    pub handler_timeout: Duration,
+    pub receipts: bool,
+    pub backoff: Backoff,
+}
+
+pub enum Outcome {
+    Handled,
+    Duplicate,
+    Failed { dead: bool },
+    /// Its subscription is gone or paused: left unacknowledged (the broker gives it back).
+    Dropped,
+}
+
+/// Handles `messages` in the current transaction. Returns, for each, what happened.
+pub fn handle_all(
+    client: &mut SpiClient<'_>,
+    subs: &std::collections::BTreeMap<String, Sub>,
+    messages: &[Message],
+    rules: &Rules,
+    book: &mut Book,
+) -> SpiResult<Vec<Outcome>> {
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        let Some(sub) = subs.get(&m.subscription).filter(|s| s.call.is_some()) else {
+            out.push(Outcome::Dropped);
+            continue;
+        };
+        let entry = book.entry(&sub.name);
+        if m.delivery.is_some() {
+            entry.delivered += 1;
+        }
+        let message_id = match &m.message_id {
+            Some(id) => id.clone(),
+            None => queries::derived_message_id(client, m.digest_input())?,
+        };
+        let outcome = handle_one(sub, m, &message_id, rules);
+        let outcome = match outcome {
+            Ok(true) => {
+                let e = book.entry(&sub.name);
+                e.handled += 1;
+                e.handled_now = true;
+                Outcome::Handled
+            }
+            Ok(false) => {
+                book.entry(&sub.name).duplicates += 1;
+                if m.delivery.is_none() {
+                    // A retry whose message got through meanwhile (a redelivered copy).
+                    queries::resolve_failed(client, &sub.name, &message_id)?;
+                }
+                Outcome::Duplicate
+            }
+            Err(caught) => {
+                let text = format!("{} (SQLSTATE {})", caught.message, caught.sqlstate);
+                let dead = record_failed(client, sub, m, &message_id, &caught, rules)?;
+                let e = book.entry(&sub.name);
+                e.failed += 1;
+                e.error = Some(Some(format!("message {message_id}: {text}")));
+                if dead {
+                    e.dead_lettered += 1;
+                }
+                Outcome::Failed { dead }
+            }
+        };
+        out.push(outcome);
+    }
+    Ok(out)
+}
+
+/// One message in its own subtransaction: `Ok(true)` handled, `Ok(false)` a duplicate.
+fn handle_one(sub: &Sub, m: &Message, message_id: &str, rules: &Rules) -> Result<bool, Caught> {
+    let call = sub.call.as_deref().unwrap_or_default();
+    guarded::subtransaction(|| {
+        Spi::connect_mut(|client| -> SpiResult<bool> {
+            if !queries::consume_once(client, &sub.name, message_id)? {
+                return Ok(false);
+            }
+            let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
+            let args: [DatumWithOid; 13] = [
+                sub.name.as_str().into(),
+                message_id.into(),
+                m.exchange.as_str().into(),
+                m.routing_key.as_str().into(),
+                m.body.as_slice().into(),
+                headers.into(),
+                m.content_type.as_deref().into(),
+                m.correlation_id.as_deref().into(),
+                m.reply_to.as_deref().into(),
+                m.redelivered.into(),
+                m.delivery.map(|(_, tag)| tag as i64).into(),
+                m.timestamp.map(|t| t as f64).into(),
+                m.attempt.into(),
+            ];
+            guarded::as_owner(sub.owner, rules.handler_timeout, || {
+                client.update(call, None, &args).map(|_| ())
+            })?;
+            queries::resolve_failed(client, &sub.name, message_id)?;
+            if rules.receipts {
+                queries::receipt(client, sub.broker_id, &sub.name, message_id, None)?;
+            }
+            Ok(true)
+        })
+        // An SPI error (not an ERROR raised by PostgreSQL) fails the message like one.
+        .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
+    })
+}
+
+/// Keeps a failed message in `amqp.inbox_failed`; at its last attempt, dead-letters it (when
+/// the subscription has a dead-letter exchange) and sends a "failed" receipt. Returns whether
+/// it is dead.
+fn record_failed(
+    client: &mut SpiClient<'_>,
+    sub: &Sub,
+    m: &Message,
+    message_id: &str,
+    caught: &Caught,
+    rules: &Rules,
+) -> SpiResult<bool> {
+    let delays: Vec<i64> = (0..32)
+        .map(|n| rules.backoff.delay(n).as_micros().min(i64::MAX as u128) as i64)
+        .collect();
+    let rec = queries::record_failure(
+        client,
+        m,
+        message_id,
+        &caught.message,
+        &caught.sqlstate,
+        sub.max_attempts,
+        delays,
+    )?;
+    if rec.dead {
+        warning!(
+            "amqp_outbox: subscription \"{}\": message {message_id} failed {} times and is dead-lettered: {}",
+            sub.name,
+            rec.attempts,
+            caught.message
+        );
+        if let Some(dlx) = &sub.dead_letter_exchange {
+            queries::dead_letter(client, sub, dlx, m, message_id, &caught.message, rec.attempts)?;
+        }
+        if rules.receipts {
+            queries::receipt(
+                client,
+                sub.broker_id,
+                &sub.name,
+                message_id,
+                Some(&caught.message),
+            )?;
+        }
+    }
+    Ok(rec.dead)
+}

@@ -1,0 +1,237 @@
+//! The subscription worker's loop: takes the AMQP thread's events (deliveries, connection
+//! states), handles deliveries in batches (one transaction each, acknowledged after commit),
+//! retries failed messages when due, runs the retention of consumption records, and sleeps on
+//! latch + socket otherwise.
+
+use super::book::{self, Book};
+use super::handling::{self, Message, Outcome, Rules};
+use super::queries;
+use super::subscriptions::Subscriptions;
+use crate::gucs::{self, WorkerSettings};
+use crate::shmem;
+use crate::worker::pg;
+use crate::worker::queries as outbox_queries;
+use amqp_outbox_broker::backoff::Backoff;
+use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
+use amqp_outbox_broker::LogLevel;
+use pgrx::prelude::*;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// Longest sleep: the fallback for anything no wake-up announced.
+const NAPTIME: Duration = Duration::from_secs(1);
+/// How often the retention of consumption records is looked at.
+const ROTATE_EVERY: Duration = Duration::from_secs(60);
+
+pub struct Inbox {
+    handle: InboxHandle,
+    settings: WorkerSettings,
+    subs: Subscriptions,
+    book: Book,
+    pending: VecDeque<Message>,
+    need_reload: bool,
+    present: bool,
+    rotated_at: Option<Instant>,
+    retry_at: Option<Instant>,
+}
+
+impl Inbox {
+    pub fn new(handle: InboxHandle) -> Self {
+        Inbox {
+            handle,
+            settings: WorkerSettings::snapshot(),
+            subs: Subscriptions::default(),
+            book: Book::default(),
+            pending: VecDeque::new(),
+            need_reload: true,
+            present: false,
+            rotated_at: None,
+            retry_at: Some(Instant::now()),
+        }
+    }
+
+    pub fn run(mut self) -> ! {
+        loop {
+            if pg::shutdown_requested() {
+                log!("amqp_outbox: subscription worker shutting down");
+                self.handle.shutdown(Duration::from_secs(2));
+                // SAFETY: a clean exit (0 = do not restart), as the outbox worker's.
+                unsafe { pg_sys::proc_exit(0) };
+            }
+            if pg::reload_config_if_requested() {
+                self.settings = WorkerSettings::snapshot();
+                self.need_reload = true;
+            }
+            if shmem::take_inbox_reload() {
+                self.need_reload = true;
+            }
+            self.take_events();
+            self.step();
+            let timeout = if !self.pending.is_empty() {
+                Duration::ZERO
+            } else {
+                self.retry_at
+                    .map_or(NAPTIME, |t| t.saturating_duration_since(Instant::now()))
+                    .min(NAPTIME)
+            };
+            if !timeout.is_zero() {
+                pg::wait(Some(self.handle.wake_fd()), timeout);
+            }
+        }
+    }
+
+    fn take_events(&mut self) {
+        for event in self.handle.drain_events() {
+            match event {
+                InboxEvent::Deliveries(ds) => {
+                    self.pending.extend(ds.into_iter().map(Message::from));
+                }
+                InboxEvent::Connected {
+                    subscription,
+                    host,
+                    epoch,
+                } => {
+                    log!("amqp_outbox: subscription \"{subscription}\" consuming on {host} (channel {epoch})");
+                    let e = self.book.entry(&subscription);
+                    e.connection = Some((true, Some(host)));
+                    e.error = Some(None);
+                }
+                InboxEvent::Disconnected {
+                    subscription,
+                    error,
+                } => {
+                    log!("amqp_outbox: subscription \"{subscription}\" not consuming: {error}");
+                    let e = self.book.entry(&subscription);
+                    e.connection = Some((false, None));
+                    e.error = Some(Some(error));
+                }
+                InboxEvent::QueueDepth {
+                    subscription,
+                    ready,
+                    consumers,
+                } => {
+                    self.book.entry(&subscription).queue =
+                        Some((i64::from(ready), i32::try_from(consumers).unwrap_or(i32::MAX)));
+                }
+                InboxEvent::Log { level, message } => match level {
+                    LogLevel::Debug => debug1!("amqp_outbox: {message}"),
+                    LogLevel::Info => log!("amqp_outbox: {message}"),
+                    LogLevel::Warning => warning!("amqp_outbox: {message}"),
+                },
+                InboxEvent::Fatal(why) => {
+                    error!("amqp_outbox: the subscription worker's AMQP thread failed: {why}")
+                }
+            }
+        }
+    }
+
+    fn rules(&self) -> Rules {
+        Rules {
+            handler_timeout: Duration::from_millis(gucs::HANDLER_TIMEOUT.get().max(0) as u64),
+            receipts: gucs::RECEIPTS_EXCHANGE
+                .get()
+                .is_some_and(|e| !e.as_bytes().is_empty()),
+            backoff: Backoff::new(
+                self.settings.retry_backoff_min,
+                self.settings.retry_backoff_max,
+            ),
+        }
+    }
+
+    /// One transaction: presence, configuration, a batch of deliveries or due retries, the
+    /// counters. Then the acknowledgements of what it committed.
+    fn step(&mut self) {
+        let batch_size = gucs::INBOX_BATCH_SIZE.get().max(1) as usize;
+        let rules = self.rules();
+        let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
+        let rotate_due = self
+            .rotated_at
+            .is_none_or(|t| t.elapsed() >= ROTATE_EVERY);
+        let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
+        if self.pending.is_empty() && !self.need_reload && !rotate_due && !retry_due
+            && self.book.is_empty()
+        {
+            return;
+        }
+        let batch: Vec<Message> = {
+            let n = self.pending.len().min(batch_size);
+            self.pending.drain(..n).collect()
+        };
+        pg::transaction("amqp_outbox subscriptions", || {
+            let ready = outbox_queries::extension_exists()
+                && outbox_queries::version_mismatch().is_none();
+            if !ready {
+                if self.present {
+                    log!("amqp_outbox: extension not usable in this database; subscriptions stop");
+                    self.subs.forget();
+                    self.handle.send(InboxCommand::Configure(Vec::new()));
+                }
+                self.present = false;
+                self.need_reload = true;
+                return;
+            }
+            let first = !self.present;
+            self.present = true;
+            Spi::connect_mut(|client| -> pgrx::spi::SpiResult<()> {
+                if first {
+                    book::reset_connections(client)?;
+                }
+                if self.need_reload {
+                    self.need_reload = false;
+                    if let Some(configs) = self.subs.reload(client, &self.settings)? {
+                        self.handle.send(InboxCommand::Configure(configs));
+                    }
+                    for (name, why) in self.subs.problems.clone() {
+                        let e = self.book.entry(&name);
+                        e.connection = Some((false, None));
+                        e.error = Some(Some(why));
+                    }
+                    self.retry_at = Some(Instant::now());
+                }
+                let mut work = batch;
+                let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
+                if retry_due && work.len() < batch_size {
+                    let names: Vec<String> = self.subs.active.keys().cloned().collect();
+                    let due = queries::due_retries(client, names, (batch_size - work.len()) as i64)?;
+                    let took_all = due.len() < batch_size - work.len();
+                    work.extend(due);
+                    self.retry_at = if took_all { None } else { Some(Instant::now()) };
+                }
+                if !work.is_empty() {
+                    let outcomes =
+                        handling::handle_all(client, &self.subs.active, &work, &rules, &mut self.book)?;
+                    for (m, o) in work.iter().zip(outcomes) {
+                        if let (Some((epoch, tag)), false) =
+                            (m.delivery, matches!(o, Outcome::Dropped))
+                        {
+                            acks.entry((m.subscription.clone(), epoch)).or_default().push(tag);
+                        }
+                    }
+                }
+                if self.retry_at.is_none() {
+                    let names: Vec<String> = self.subs.active.keys().cloned().collect();
+                    self.retry_at = queries::next_retry_in(client, names)?
+                        .map(|s| Instant::now() + Duration::from_secs_f64(s.clamp(0.0, 3600.0)));
+                }
+                if rotate_due {
+                    self.rotated_at = Some(Instant::now());
+                    if let Some(done) = queries::rotate(client)? {
+                        if done.starts_with("rotated") {
+                            log!("amqp_outbox: consumption records {done}");
+                        }
+                    }
+                }
+                self.book.flush(client)
+            })
+            .unwrap_or_else(|e| error!("amqp_outbox: subscription worker: {e}"));
+        });
+        // Only now is the work committed: acknowledge it.
+        for ((subscription, epoch), delivery_tags) in acks {
+            self.handle.send(InboxCommand::Ack {
+                subscription,
+                epoch,
+                delivery_tags,
+            });
+        }
+    }
+}

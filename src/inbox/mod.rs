@@ -1,0 +1,72 @@
+//! The subscription worker: one per database, its own process, so that handlers (user code,
+//! possibly slow or stuck) never hold up the outbox worker's publishing. Everything here runs
+//! on the worker's main thread; the AMQP side is the broker crate's inbox thread.
+//!
+//! - [`main_loop`]: the schedule: events from the AMQP thread, reloads, retries, retention.
+//! - [`subscriptions`]: the active subscriptions as read from `amqp.subscription`.
+//! - [`handling`]: one transaction handling a batch of messages, one subtransaction each.
+//! - [`guarded`]: a subtransaction that catches the handler's error, with a time bound.
+//! - [`book`]: counters and connection states, written to `amqp._subscription_state`.
+//! - [`queries`]: every SQL statement of the subscription worker.
+
+mod book;
+mod guarded;
+mod handling;
+mod main_loop;
+mod queries;
+mod subscriptions;
+
+use crate::shmem;
+use crate::worker::pg;
+use pgrx::bgworkers::{
+    BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
+};
+use pgrx::prelude::*;
+use std::time::Duration;
+
+/// Registers the subscription worker of the database at `slot`.
+pub fn register(slot: usize, name: &str) {
+    BackgroundWorkerBuilder::new(&format!("amqp_outbox subscriptions for {name}"))
+        .set_type("amqp_outbox subscriptions")
+        .set_library("amqp_outbox")
+        .set_function("amqp_outbox_inbox_main")
+        .set_argument((slot as i32).into_datum())
+        .enable_spi_access()
+        .set_start_time(BgWorkerStartTime::RecoveryFinished)
+        .set_restart_time(Some(Duration::from_secs(5)))
+        .load();
+}
+
+#[pg_guard]
+extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
+    shmem::register_worker(shmem::WorkerKind::Inbox, None, 0);
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let (slot, database) = crate::worker::database_of_slot(arg);
+    shmem::set_worker_slot(slot);
+    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with their
+    // own settings (their functions' SET clauses, or the role's), see `guarded`.
+    pg::pin(c"search_path", c"pg_catalog, pg_temp");
+    pg::pin(c"lock_timeout", c"10s");
+    // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
+    // until it exits, and the callback registered here clears them from shared memory first.
+    unsafe {
+        shmem::register_worker(
+            shmem::WorkerKind::Inbox,
+            Some(pg_sys::MyLatch),
+            pg_sys::MyProcPid,
+        );
+        pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
+    }
+    log!("amqp_outbox: subscription worker started for database \"{database}\"");
+    let handle = match amqp_outbox_broker::inbox::spawn() {
+        Ok(h) => h,
+        Err(e) => error!("amqp_outbox: could not start the subscription worker's AMQP thread: {e}"),
+    };
+    main_loop::Inbox::new(handle).run()
+}
