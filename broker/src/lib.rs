@@ -11,7 +11,8 @@
 //!    (open and close one connection, TLS, error texts, redaction), `reconnect` (the one
 //!    reconnect driver: host rounds, backoff, interruptions);
 //! 3. `events` (the event sink, guarded tasks), `outbound` (a message as AMQP publishes it);
-//! 4. `batch` (one publish on its way);
+//! 4. `batch` (one publish on its way), `runtime_thread` (the frame of an AMQP thread: signals
+//!    blocked, a current-thread runtime, panics reported);
 //! 5. what runs on a connection: `publisher` (one publishing channel), `declare`, `listener`
 //!    (the acknowledgement queue's consumer, a reconnect client);
 //! 6. `session` (one broker's publishing connection, a reconnect client);
@@ -31,6 +32,7 @@ mod listener;
 mod outbound;
 mod publisher;
 mod reconnect;
+mod runtime_thread;
 mod session;
 mod supervisor;
 mod thread;
