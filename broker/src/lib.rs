@@ -17,6 +17,10 @@
 //!    (the acknowledgement queue's consumer, a reconnect client);
 //! 6. `session` (one broker's publishing connection, a reconnect client);
 //! 7. `supervisor` (routes commands to brokers); 8. `thread` (the AMQP thread itself).
+//!
+//! [`inbox`], the consuming side ("subscriptions"), is a second AMQP thread with a bridge of
+//! its own, built on the same lower layers (connection, reconnect driver, events); it sits in
+//! layer 5, beside the other clients of a broker.
 
 mod ack;
 mod amqp_values;
@@ -28,6 +32,7 @@ mod connection;
 mod declare;
 mod events;
 mod exchange_probe;
+pub mod inbox;
 mod listener;
 mod outbound;
 mod publisher;

@@ -15,7 +15,7 @@ const LAYERS: &[&[&str]] = &[
     // One publish on its way; the frame of an AMQP thread.
     &["batch", "runtime_thread"],
     // The clients of a broker and what they do on a connection.
-    &["publisher", "declare", "listener"],
+    &["publisher", "declare", "listener", "inbox"],
     &["session"],
     &["supervisor"],
     &["thread"],
