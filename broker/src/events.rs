@@ -9,28 +9,49 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc;
 
+/// An event type of a bridge: what a guarded task's panic becomes.
+pub(crate) trait FatalEvent: Send + 'static {
+    fn fatal(text: String) -> Self;
+}
+
+impl FatalEvent for Event {
+    fn fatal(text: String) -> Self {
+        Event::Fatal(text)
+    }
+}
+
 /// Where the AMQP side puts events: a std channel, then one wake-up byte if none is pending.
-#[derive(Clone)]
-pub(crate) struct EventSink {
-    events: mpsc::Sender<Event>,
+/// Generic over the bridge's event type (the outbox's [`Event`] by default, the inbox's own).
+pub(crate) struct EventSink<E = Event> {
+    events: mpsc::Sender<E>,
     wake: wake::WakeSender,
 }
 
-impl EventSink {
-    pub(crate) fn new(events: mpsc::Sender<Event>, wake: wake::WakeSender) -> Self {
+// Not derived: a derive would require `E: Clone`, and the sender clones without it.
+impl<E> Clone for EventSink<E> {
+    fn clone(&self) -> Self {
+        EventSink {
+            events: self.events.clone(),
+            wake: self.wake.clone(),
+        }
+    }
+}
+
+impl<E: FatalEvent> EventSink<E> {
+    pub(crate) fn new(events: mpsc::Sender<E>, wake: wake::WakeSender) -> Self {
         EventSink { events, wake }
     }
 
     /// For unit tests: a sink and the receiving end of its events (and of its wake-ups, kept
     /// open so sending never fails).
     #[cfg(test)]
-    pub(crate) fn for_test() -> (Self, mpsc::Receiver<Event>, wake::WakeReceiver) {
+    pub(crate) fn for_test() -> (Self, mpsc::Receiver<E>, wake::WakeReceiver) {
         let (wake_rx, wake_tx) = wake::pair().expect("a wake-up socket pair");
         let (tx, rx) = mpsc::channel();
         (EventSink::new(tx, wake_tx), rx, wake_rx)
     }
 
-    pub(crate) fn send(&self, event: Event) {
+    pub(crate) fn send(&self, event: E) {
         // An error means the worker dropped its handle: nobody is listening any more.
         if self.events.send(event).is_ok() {
             self.wake.wake();
@@ -42,8 +63,8 @@ impl EventSink {
 /// task would otherwise vanish into its JoinHandle, leaving messages unreported: it becomes a
 /// fatal event instead, so the worker restarts and republishes. `what` names the task in that
 /// event. The handle yields the task's output, or `None` after such a panic.
-pub(crate) fn spawn_guarded<T: Send + 'static>(
-    sink: EventSink,
+pub(crate) fn spawn_guarded<E: FatalEvent, T: Send + 'static>(
+    sink: EventSink<E>,
     what: String,
     task: impl Future<Output = T> + Send + 'static,
 ) -> tokio::task::JoinHandle<Option<T>> {
@@ -51,7 +72,7 @@ pub(crate) fn spawn_guarded<T: Send + 'static>(
         match AssertUnwindSafe(task).catch_unwind().await {
             Ok(out) => Some(out),
             Err(panic) => {
-                sink.send(Event::Fatal(format!(
+                sink.send(E::fatal(format!(
                     "{what} panicked: {}",
                     panic_message(&*panic)
                 )));
@@ -77,7 +98,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_becomes_a_fatal_event_and_none() {
-        let (sink, rx, _wake) = EventSink::for_test();
+        let (sink, rx, _wake) = EventSink::<Event>::for_test();
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();

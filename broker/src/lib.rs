@@ -11,11 +11,16 @@
 //!    (open and close one connection, TLS, error texts, redaction), `reconnect` (the one
 //!    reconnect driver: host rounds, backoff, interruptions);
 //! 3. `events` (the event sink, guarded tasks), `outbound` (a message as AMQP publishes it);
-//! 4. `batch` (one publish on its way);
+//! 4. `batch` (one publish on its way), `runtime_thread` (the frame of an AMQP thread: signals
+//!    blocked, a current-thread runtime, panics reported);
 //! 5. what runs on a connection: `publisher` (one publishing channel), `declare`, `listener`
 //!    (the acknowledgement queue's consumer, a reconnect client);
 //! 6. `session` (one broker's publishing connection, a reconnect client);
 //! 7. `supervisor` (routes commands to brokers); 8. `thread` (the AMQP thread itself).
+//!
+//! [`inbox`], the consuming side ("subscriptions"), is a second AMQP thread with a bridge of
+//! its own, built on the same lower layers (connection, reconnect driver, events); it sits in
+//! layer 5, beside the other clients of a broker.
 
 mod ack;
 mod amqp_values;
@@ -27,10 +32,12 @@ mod connection;
 mod declare;
 mod events;
 mod exchange_probe;
+pub mod inbox;
 mod listener;
 mod outbound;
 mod publisher;
 mod reconnect;
+mod runtime_thread;
 mod session;
 mod supervisor;
 mod thread;

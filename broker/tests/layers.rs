@@ -12,9 +12,10 @@ const LAYERS: &[&[&str]] = &[
     // The bridge's message types, acknowledgement records, one connection, the reconnect driver.
     &["bridge", "ack", "connection", "reconnect"],
     &["events", "outbound"],
-    &["batch"],
+    // One publish on its way; the frame of an AMQP thread.
+    &["batch", "runtime_thread"],
     // The clients of a broker and what they do on a connection.
-    &["publisher", "declare", "listener"],
+    &["publisher", "declare", "listener", "inbox"],
     &["session"],
     &["supervisor"],
     &["thread"],
