@@ -438,6 +438,16 @@ fn a_removed_subscription_stops_and_returns_its_unacked_messages() {
     let kept = inbox.deliveries("keep", 1);
     assert!(inbox.disconnections("keep").is_empty(), "{:#?}", inbox.seen);
     inbox.ack("keep", kept[0].epoch, tags(&kept));
+
+    // Configured again, it goes on counting epochs (an acknowledgement meant for its old
+    // channel can never hit the new one) and gets the returned messages again.
+    inbox.configure(vec![sub("keep", &keep_q, 10), sub("drop", &drop_q, 10)]);
+    let e2 = inbox.connected("drop", drop_epoch);
+    assert_eq!(e2, drop_epoch + 1);
+    let again = inbox.deliveries("drop", 6);
+    assert_eq!(again.iter().filter(|d| d.redelivered).count(), 5);
+    inbox.ack("drop", e2, tags(&again));
+    assert_eq!(ready_after_shutdown(inbox, &admin, &drop_q), 0);
 }
 
 #[test]
