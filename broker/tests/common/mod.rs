@@ -10,7 +10,7 @@ use amqp_outbox_broker::{
     AckQueueConfig, BrokerConfig, BrokerHandle, Command, Endpoint, Event, ExchangeDecl,
     OutboundMessage, ProofMode,
 };
-use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
+use amqp_outbox_testkit::amqp_admin::{AmqpAdmin, QueueCounts};
 use lapin::message::Delivery;
 use lapin::types::FieldTable;
 use lapin::ExchangeKind;
@@ -294,6 +294,40 @@ impl Admin {
         self.amqp
             .publish("", queue, body, lapin::BasicProperties::default())
             .unwrap();
+    }
+
+    /// A queue with no binding (reachable through the default exchange), deleted on drop.
+    pub fn plain_queue(&mut self, name: &str) {
+        self.amqp
+            .declare_queue(name, false, FieldTable::default())
+            .unwrap();
+        self.queues.push(name.to_string());
+    }
+
+    /// Publishes one message with `properties`, confirmed.
+    pub fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: lapin::BasicProperties,
+    ) {
+        self.amqp
+            .publish(exchange, routing_key, body, properties)
+            .unwrap();
+    }
+
+    /// Ready messages and consumers of `queue` (which must exist).
+    pub fn queue_counts(&self, queue: &str) -> QueueCounts {
+        self.amqp
+            .queue_counts(queue)
+            .unwrap()
+            .unwrap_or_else(|| panic!("queue {queue} does not exist"))
+    }
+
+    /// Deletes `queue` now (it is still deleted again on drop, harmlessly).
+    pub fn delete_queue(&self, queue: &str) {
+        self.amqp.delete_queue(queue).unwrap();
     }
 
     pub fn queue_exists(&self, queue: &str) -> bool {
