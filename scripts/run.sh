@@ -16,6 +16,9 @@ set -euo pipefail
 
 PGPORT="${AMQP_OUTBOX_PGPORT:-54329}"
 DB=amqp_demo
+CONSUMER_DB=amqp_demo_billing
+ORDERS_EXCHANGE=amqp_demo_orders
+ORDERS_QUEUE=amqp_demo_billing_orders
 EXCHANGE=amqp_outbox_demo     # fanout exchange, declared through amqp.exchange_declare()
 QUEUE=amqp_outbox_demo        # bound to it by demo_queue (below), when that can be done
 RUN_DIR="$(run_dir)"
@@ -53,7 +56,7 @@ port = $PGPORT
 listen_addresses = '127.0.0.1'
 unix_socket_directories = '$RUN_DIR'
 shared_preload_libraries = 'amqp_outbox'
-amqp_outbox.database = '$DB'
+amqp_outbox.database = '$DB, $CONSUMER_DB'
 EOF
 if is_root; then chown postgres: "$PGDATA/amqp_outbox_run.conf"; fi
 
@@ -182,12 +185,55 @@ fi
 say "Arrived in RabbitMQ"
 demo_queue show
 
+# --- 5. the consuming side: a subscription in a second database --------------------------------------
+say "A subscription in database $CONSUMER_DB: each order handled exactly once"
+psql_ -d postgres -c "DROP DATABASE IF EXISTS $CONSUMER_DB WITH (FORCE)"
+psql_ -d postgres -c "CREATE DATABASE $CONSUMER_DB"
+psql_ -d "$CONSUMER_DB" <<'EOF'
+SET client_min_messages = warning;
+CREATE EXTENSION amqp_outbox;
+INSERT INTO amqp.broker (host) VALUES ('127.0.0.1');
+CREATE TABLE invoice (order_id int PRIMARY KEY, total numeric, message_id text);
+CREATE FUNCTION bill(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE o jsonb := amqp.body_text(d)::jsonb;
+BEGIN
+    INSERT INTO invoice VALUES ((o->>'id')::int, (o->>'total')::numeric, d.message_id);
+END $$;
+EOF
+value "SELECT amqp.exchange_declare($BROKER_ID, '$ORDERS_EXCHANGE', 'direct', false, true)" >/dev/null
+value "SELECT amqp.queue_declare($BROKER_ID, '$ORDERS_QUEUE')" >/dev/null
+value "SELECT amqp.queue_bind($BROKER_ID, '$ORDERS_QUEUE', '$ORDERS_EXCHANGE', 'order.created')" >/dev/null
+psql_ -d "$CONSUMER_DB" -c "SELECT amqp.subscribe('billing', 1, '$ORDERS_QUEUE', 'bill(amqp.delivery)')" >/dev/null
+note "database $CONSUMER_DB subscribes to queue $ORDERS_QUEUE with the handler bill(amqp.delivery)"
+sql -v b="$BROKER_ID" -v ex="$ORDERS_EXCHANGE" <<'EOF'
+BEGIN;
+SELECT amqp.publish(:b, :'ex', 'order.created', '{"id": 1, "total": 10.00}') \g /dev/null
+SELECT amqp.publish(:b, :'ex', 'order.created', '{"id": 2, "total": 25.50}') \g /dev/null
+SELECT amqp.publish(:b, :'ex', 'order.created', '{"id": 3, "total": 7.25}') \g /dev/null
+COMMIT;
+EOF
+note "$DB published 3 orders in one transaction"
+handled=""
+for _ in $(seq 1 40); do
+    handled="$(psql_ -d "$CONSUMER_DB" -At -c "SELECT count(*) FROM invoice")"
+    [ "$handled" = 3 ] && break
+    sleep 0.5
+done
+psql_ -d "$CONSUMER_DB" -c "SELECT order_id, total, message_id FROM invoice ORDER BY order_id"
+psql_ -d "$CONSUMER_DB" -c "SELECT subscription, state, delivered, handled, duplicates, failed, lag
+                              FROM amqp.subscription_status"
+if [ "$handled" = 3 ]; then
+    note "all 3 handled in $CONSUMER_DB, each once"
+else
+    warn "$CONSUMER_DB handled $handled of 3; the log is in $LOG"
+fi
+
 sockdir_hint="$RUN_DIR"
 user_hint=""
 if is_root; then user_hint=" -U postgres"; fi
 cat <<EOF
 
-Connect:   psql -h $sockdir_hint -p $PGPORT$user_hint $DB     (or -h 127.0.0.1)
+Connect:   psql -h $sockdir_hint -p $PGPORT$user_hint $DB     (or -h 127.0.0.1; the consumer: $CONSUMER_DB)
 Publish:   SELECT amqp.publish($BROKER_ID, '$EXCHANGE', '', 'hello');
 Log:       $LOG
 Stop:      scripts/stop.sh   (or make stop)

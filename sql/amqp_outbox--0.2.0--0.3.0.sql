@@ -84,7 +84,8 @@ COMMENT ON TABLE @extschema@._consumed_a IS
 COMMENT ON TABLE @extschema@._consumed_b IS
     'Consumption records (hot, one of two): see amqp.consumption and amqp.rotate_consumption().';
 
--- When each hot table was last emptied: it holds every record made since.
+-- When each hot table was last emptied: it holds every record made since. Not dumped: a
+-- restored database starts both at the restore, which only keeps records hot longer.
 CREATE TABLE @extschema@._consumed_since (
     hot text PRIMARY KEY CHECK (hot IN ('a', 'b')),
     since timestamptz NOT NULL
@@ -503,7 +504,6 @@ COMMENT ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text)
 
 SELECT pg_catalog.pg_extension_config_dump('@extschema@._consumed_a', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@._consumed_b', '');
-SELECT pg_catalog.pg_extension_config_dump('@extschema@._consumed_since', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.subscription', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.inbox_failed', '');
 SELECT pg_catalog.pg_extension_config_dump(

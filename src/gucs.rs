@@ -28,7 +28,8 @@ pub static HANDLER_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 /// Minutes (settings accept units: '15d').
 pub static DEDUP_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(15 * 24 * 60);
 pub static DEDUP_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(90 * 24 * 60);
-pub static RECEIPTS_EXCHANGE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static RECEIPTS_EXCHANGE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(None);
 pub static INBOX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 /// Test builds only (feature `fault-injection`): absent from a user's build, and from SHOW ALL.
 #[cfg(feature = "fault-injection")]
@@ -358,7 +359,10 @@ mod tests {
     #[test]
     fn database_list_is_split_on_commas_trimmed_and_deduplicated() {
         assert_eq!(parse_database_list("postgres"), ["postgres"]);
-        assert_eq!(parse_database_list(" shop , billing,shop,, "), ["shop", "billing"]);
+        assert_eq!(
+            parse_database_list(" shop , billing,shop,, "),
+            ["shop", "billing"]
+        );
         assert!(parse_database_list(" , ").is_empty());
     }
 }

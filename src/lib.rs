@@ -11,7 +11,7 @@ mod drop_guard;
 mod error;
 mod gucs;
 mod headers;
-//TEMP mod inbox;
+mod inbox;
 mod shmem;
 mod worker;
 

@@ -291,13 +291,6 @@ pub fn wake_worker() {
     }
 }
 
-/// Sets this database's subscription worker's latch. Never raises.
-pub fn wake_inbox() {
-    if let Some(s) = slot() {
-        set_latch(&s.inbox_latch);
-    }
-}
-
 /// A transaction that published committed: wake the worker if it asked for it. Never raises.
 pub fn wake_worker_for_commit() {
     if let Some(s) = slot() {

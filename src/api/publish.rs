@@ -235,16 +235,13 @@ impl<'a> NewMessage<'a> {
     }
 }
 
-/// Until a worker serves every database, one is served (`amqp_outbox.database`): a session that
-/// publishes in another one is warned once, since its messages wait there.
+/// Workers serve the databases `amqp_outbox.database` lists: a session that publishes in
+/// another one is warned once, since its messages wait there.
 fn warn_once_if_not_served() {
     if NOT_SERVED_CHECKED.replace(true) {
         return;
     }
-    let served = crate::gucs::DATABASE
-        .get()
-        .map(|c| c.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let served = crate::gucs::database_names();
     // SAFETY: MyDatabaseId is set in a backend connected to a database; get_database_name
     // returns a palloc'd copy of its name, or NULL when it no longer exists.
     let this = unsafe {
@@ -256,15 +253,16 @@ fn warn_once_if_not_served() {
             .to_string_lossy()
             .into_owned()
     };
-    if served != this {
+    if !served.contains(&this) {
+        let served = served.join(", ");
         ErrorReport::new(
             PgSqlErrorCode::ERRCODE_WARNING,
             format!(
-                "amqp_outbox: the worker serves database \"{served}\", not \"{this}\": messages published here wait until amqp_outbox.database names this database"
+                "amqp_outbox: no worker serves database \"{this}\" (amqp_outbox.database = '{served}'): messages published here wait until it is listed"
             ),
             "amqp_outbox",
         )
-        .set_hint("Set amqp_outbox.database in postgresql.conf and restart the server.")
+        .set_hint("Add this database to amqp_outbox.database in postgresql.conf and restart the server.")
         .report(PgLogLevel::WARNING);
     }
 }

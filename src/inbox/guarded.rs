@@ -8,6 +8,16 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::time::Duration;
 
+// utils/timeout.h, not in pgrx's bindings. `TimeoutId` is a C enum; STATEMENT_TIMEOUT is its
+// fourth member in PostgreSQL 13 to 17 (after STARTUP_PACKET_TIMEOUT, DEADLOCK_TIMEOUT,
+// LOCK_TIMEOUT).
+const STATEMENT_TIMEOUT: u32 = 3;
+// Called through `pg_guard_ffi_boundary`, so an ERROR inside would become a Rust panic.
+unsafe extern "C-unwind" {
+    fn enable_timeout_after(id: u32, delay_ms: i32);
+    fn disable_timeout(id: u32, keep_indicator: bool);
+}
+
 /// An error caught in a subtransaction: what the status views and `amqp.inbox_failed` show.
 #[derive(Debug, Clone)]
 pub struct Caught {
@@ -83,7 +93,7 @@ pub fn as_owner<R>(owner: pg_sys::Oid, timeout: Duration, call: impl FnOnce() ->
     let nest = unsafe {
         let nest = pg_sys::NewGUCNestLevel();
         if ms > 0 {
-            pg_sys::enable_timeout_after(pg_sys::TimeoutId::STATEMENT_TIMEOUT, ms);
+            pg_sys::ffi::pg_guard_ffi_boundary(|| enable_timeout_after(STATEMENT_TIMEOUT, ms));
         }
         nest
     };
@@ -93,6 +103,9 @@ pub fn as_owner<R>(owner: pg_sys::Oid, timeout: Duration, call: impl FnOnce() ->
         call()
     };
     drop(guard);
+    // A timeout that fired after the handler's last check would otherwise cancel the worker's
+    // next statement: take it here, inside the message's subtransaction.
+    pg_sys::check_for_interrupts!();
     // SAFETY: closes the nest level opened above (isCommit = false: the changes are undone).
     unsafe { pg_sys::AtEOXact_GUC(false, nest) };
     result
@@ -106,7 +119,9 @@ impl Drop for TimeoutGuard {
         if self.0 {
             // SAFETY: on the main thread; disabling a timeout that already fired or was never
             // enabled is allowed. keep_indicator = false: a late firing is forgotten.
-            unsafe { pg_sys::disable_timeout(pg_sys::TimeoutId::STATEMENT_TIMEOUT, false) };
+            unsafe {
+                pg_sys::ffi::pg_guard_ffi_boundary(|| disable_timeout(STATEMENT_TIMEOUT, false))
+            };
         }
     }
 }

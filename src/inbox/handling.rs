@@ -87,7 +87,8 @@ pub struct Rules {
 pub enum Outcome {
     Handled,
     Duplicate,
-    Failed { dead: bool },
+    /// Kept in amqp.inbox_failed (and dead-lettered at its last attempt).
+    Failed,
     /// Its subscription is gone or paused: left unacknowledged (the broker gives it back).
     Dropped,
 }
@@ -139,7 +140,7 @@ pub fn handle_all(
                 if dead {
                     e.dead_lettered += 1;
                 }
-                Outcome::Failed { dead }
+                Outcome::Failed
             }
         };
         out.push(outcome);
@@ -216,7 +217,15 @@ fn record_failed(
             caught.message
         );
         if let Some(dlx) = &sub.dead_letter_exchange {
-            queries::dead_letter(client, sub, dlx, m, message_id, &caught.message, rec.attempts)?;
+            queries::dead_letter(
+                client,
+                sub,
+                dlx,
+                m,
+                message_id,
+                &caught.message,
+                rec.attempts,
+            )?;
         }
         if rules.receipts {
             queries::receipt(

@@ -110,8 +110,10 @@ impl Inbox {
                     ready,
                     consumers,
                 } => {
-                    self.book.entry(&subscription).queue =
-                        Some((i64::from(ready), i32::try_from(consumers).unwrap_or(i32::MAX)));
+                    self.book.entry(&subscription).queue = Some((
+                        i64::from(ready),
+                        i32::try_from(consumers).unwrap_or(i32::MAX),
+                    ));
                 }
                 InboxEvent::Log { level, message } => match level {
                     LogLevel::Debug => debug1!("amqp_outbox: {message}"),
@@ -144,11 +146,12 @@ impl Inbox {
         let batch_size = gucs::INBOX_BATCH_SIZE.get().max(1) as usize;
         let rules = self.rules();
         let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
-        let rotate_due = self
-            .rotated_at
-            .is_none_or(|t| t.elapsed() >= ROTATE_EVERY);
+        let rotate_due = self.rotated_at.is_none_or(|t| t.elapsed() >= ROTATE_EVERY);
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
-        if self.pending.is_empty() && !self.need_reload && !rotate_due && !retry_due
+        if self.pending.is_empty()
+            && !self.need_reload
+            && !rotate_due
+            && !retry_due
             && self.book.is_empty()
         {
             return;
@@ -158,8 +161,8 @@ impl Inbox {
             self.pending.drain(..n).collect()
         };
         pg::transaction("amqp_outbox subscriptions", || {
-            let ready = outbox_queries::extension_exists()
-                && outbox_queries::version_mismatch().is_none();
+            let ready =
+                outbox_queries::extension_exists() && outbox_queries::version_mismatch().is_none();
             if !ready {
                 if self.present {
                     log!("amqp_outbox: extension not usable in this database; subscriptions stop");
@@ -192,19 +195,27 @@ impl Inbox {
                 let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
                 if retry_due && work.len() < batch_size {
                     let names: Vec<String> = self.subs.active.keys().cloned().collect();
-                    let due = queries::due_retries(client, names, (batch_size - work.len()) as i64)?;
+                    let due =
+                        queries::due_retries(client, names, (batch_size - work.len()) as i64)?;
                     let took_all = due.len() < batch_size - work.len();
                     work.extend(due);
                     self.retry_at = if took_all { None } else { Some(Instant::now()) };
                 }
                 if !work.is_empty() {
-                    let outcomes =
-                        handling::handle_all(client, &self.subs.active, &work, &rules, &mut self.book)?;
+                    let outcomes = handling::handle_all(
+                        client,
+                        &self.subs.active,
+                        &work,
+                        &rules,
+                        &mut self.book,
+                    )?;
                     for (m, o) in work.iter().zip(outcomes) {
                         if let (Some((epoch, tag)), false) =
                             (m.delivery, matches!(o, Outcome::Dropped))
                         {
-                            acks.entry((m.subscription.clone(), epoch)).or_default().push(tag);
+                            acks.entry((m.subscription.clone(), epoch))
+                                .or_default()
+                                .push(tag);
                         }
                     }
                 }

@@ -53,6 +53,9 @@ pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     // own settings (their functions' SET clauses, or the role's), see `guarded`.
     pg::pin(c"search_path", c"pg_catalog, pg_temp");
     pg::pin(c"lock_timeout", c"10s");
+    // A message is acknowledged once its transaction committed: that commit must be durable
+    // (unlike the outbox worker's), whatever postgresql.conf says.
+    pg::pin(c"synchronous_commit", c"on");
     // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
     // until it exits, and the callback registered here clears them from shared memory first.
     unsafe {

@@ -51,11 +51,7 @@ pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> 
 pub fn derived_message_id(client: &SpiClient<'_>, content: Vec<u8>) -> SpiResult<String> {
     let args: [DatumWithOid; 1] = [content.into()];
     Ok(client
-        .select(
-            "SELECT 'sha256:' || encode(sha256($1), 'hex')",
-            None,
-            &args,
-        )?
+        .select("SELECT 'sha256:' || encode(sha256($1), 'hex')", None, &args)?
         .first()
         .get_one::<String>()?
         .unwrap_or_default())
@@ -149,11 +145,20 @@ pub fn dead_letter(
     attempts: i32,
 ) -> SpiResult<()> {
     let mut headers = m.headers.clone();
-    headers.insert("x-amqp-outbox-original-message-id".into(), message_id.into());
-    headers.insert("x-amqp-outbox-subscription".into(), sub.name.as_str().into());
+    headers.insert(
+        "x-amqp-outbox-original-message-id".into(),
+        message_id.into(),
+    );
+    headers.insert(
+        "x-amqp-outbox-subscription".into(),
+        sub.name.as_str().into(),
+    );
     headers.insert("x-amqp-outbox-error".into(), error.into());
     headers.insert("x-amqp-outbox-attempts".into(), attempts.into());
-    headers.insert("x-amqp-outbox-original-exchange".into(), m.exchange.as_str().into());
+    headers.insert(
+        "x-amqp-outbox-original-exchange".into(),
+        m.exchange.as_str().into(),
+    );
     let args: [DatumWithOid; 7] = [
         sub.broker_id.into(),
         exchange.into(),
@@ -186,11 +191,7 @@ pub fn receipt(
         error.is_none().into(),
         error.into(),
     ];
-    client.update(
-        "SELECT amqp.send_receipt($1, $2, $3, $4, $5)",
-        None,
-        &args,
-    )?;
+    client.update("SELECT amqp.send_receipt($1, $2, $3, $4, $5)", None, &args)?;
     Ok(())
 }
 

@@ -57,7 +57,7 @@ pub fn register() {
             .set_start_time(BgWorkerStartTime::RecoveryFinished)
             .set_restart_time(Some(Duration::from_secs(5)))
             .load();
-        //TEMP crate::inbox::register(slot, name);
+        crate::inbox::register(slot, name);
     }
 }
 
@@ -97,7 +97,11 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     // until it exits, and the callback registered here clears them from shared memory before
     // that (before_shmem_exit runs while shared memory is still attached).
     unsafe {
-        shmem::register_worker(shmem::WorkerKind::Outbox, Some(pg_sys::MyLatch), pg_sys::MyProcPid);
+        shmem::register_worker(
+            shmem::WorkerKind::Outbox,
+            Some(pg_sys::MyLatch),
+            pg_sys::MyProcPid,
+        );
         pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
     }
     log!("amqp_outbox: worker started for database \"{database}\"");
