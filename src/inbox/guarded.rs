@@ -18,6 +18,25 @@ unsafe extern "C-unwind" {
     fn disable_timeout(id: u32, keep_indicator: bool);
 }
 
+/// The search_path handlers run with (see [`remember_handler_search_path`]).
+static HANDLER_SEARCH_PATH: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+
+/// Keeps the worker's search_path as its database set it, before the worker pins its own.
+pub fn remember_handler_search_path() {
+    // SAFETY: on the main thread of a connected worker; GetConfigOption returns a pointer to
+    // the setting's current value (never NULL for an existing, unrestricted setting), copied
+    // here at once.
+    let path = unsafe {
+        let v = pg_sys::GetConfigOption(c"search_path".as_ptr(), false, false);
+        if v.is_null() {
+            c"\"$user\", public".to_owned()
+        } else {
+            std::ffi::CStr::from_ptr(v).to_owned()
+        }
+    };
+    let _ = HANDLER_SEARCH_PATH.set(path);
+}
+
 /// An error caught in a subtransaction: what the status views and `amqp.inbox_failed` show.
 #[derive(Debug, Clone)]
 pub struct Caught {
@@ -80,18 +99,33 @@ pub fn subtransaction<R>(work: impl FnOnce() -> R) -> Result<R, Caught> {
     result
 }
 
-/// Runs the handler call `call` as `owner`, bounded by `timeout` (zero: none), with any
-/// setting it changes (SET LOCAL, set_config) undone afterwards, as for a function with a SET
-/// clause: one handler cannot change the next one's settings. Call inside [`subtransaction`]:
+/// Runs the handler call `call` as `owner`, bounded by `timeout` (zero: none), with the
+/// database's search_path, and any setting it changes (SET LOCAL, set_config) undone
+/// afterwards, as for a function with a SET clause: one handler cannot change the next one's
+/// settings. Call inside [`subtransaction`]:
 /// a timeout raises 57014 there.
 pub fn as_owner<R>(owner: pg_sys::Oid, timeout: Duration, call: impl FnOnce() -> R) -> R {
     let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
     // SAFETY: on the worker's main thread inside a (sub)transaction. The GUC nest level opened
     // here is closed below on success; on an ERROR the subtransaction's abort closes it. The
-    // statement timeout is registered by InitPostgres for every backend with a database
+    // search_path value is a NUL-terminated string this process keeps. The statement timeout
+    // is registered by InitPostgres for every backend with a database
     // connection (this worker's is); it is disabled below, and on error by the abort.
     let nest = unsafe {
         let nest = pg_sys::NewGUCNestLevel();
+        // As a function's SET clause does (GUC_ACTION_SAVE): undone when the nest level closes.
+        if let Some(path) = HANDLER_SEARCH_PATH.get() {
+            pg_sys::set_config_option(
+                c"search_path".as_ptr(),
+                path.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
+        }
         if ms > 0 {
             pg_sys::ffi::pg_guard_ffi_boundary(|| enable_timeout_after(STATEMENT_TIMEOUT, ms));
         }

@@ -86,12 +86,10 @@ impl Inbox {
                 InboxEvent::Deliveries(ds) => {
                     self.pending.extend(ds.into_iter().map(Message::from));
                 }
+                // The AMQP thread logs the connection itself (host, queue, prefetch, channel).
                 InboxEvent::Connected {
-                    subscription,
-                    host,
-                    epoch,
+                    subscription, host, ..
                 } => {
-                    log!("amqp_outbox: subscription \"{subscription}\" consuming on {host} (channel {epoch})");
                     let e = self.book.entry(&subscription);
                     e.connection = Some((true, Some(host)));
                     e.error = Some(None);

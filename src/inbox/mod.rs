@@ -49,8 +49,10 @@ pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     let (slot, database) = crate::worker::database_of_slot(arg);
     shmem::set_worker_slot(slot);
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
-    // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with their
-    // own settings (their functions' SET clauses, or the role's), see `guarded`.
+    // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with the
+    // search_path the database would give a session (postgresql.conf, ALTER DATABASE ... SET),
+    // read before the pin; see `guarded::as_owner`.
+    guarded::remember_handler_search_path();
     pg::pin(c"search_path", c"pg_catalog, pg_temp");
     pg::pin(c"lock_timeout", c"10s");
     // A message is acknowledged once its transaction committed: that commit must be durable

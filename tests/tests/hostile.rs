@@ -305,7 +305,9 @@ fn a_database_the_worker_does_not_serve_says_so() {
     let seen = notices.lock().map(|v| v.clone()).unwrap_or_default();
     let warnings: Vec<&String> = seen
         .iter()
-        .filter(|n| n.contains("no worker serves database \"elsewhere\" (amqp_outbox.database = 'e2e')"))
+        .filter(|n| {
+            n.contains("no worker serves database \"elsewhere\" (amqp_outbox.database = 'e2e')")
+        })
         .collect();
     assert_eq!(
         warnings.len(),
@@ -318,7 +320,10 @@ fn a_database_the_worker_does_not_serve_says_so() {
             &[],
         )
         .unwrap_or_else(|e| panic!("amqp.worker_status: {e}"));
-    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("elsewhere"));
+    assert_eq!(
+        row.get::<_, Option<String>>(0).as_deref(),
+        Some("elsewhere")
+    );
     assert!(!row.get::<_, bool>(1));
 
     // The served database says nothing and shows true.

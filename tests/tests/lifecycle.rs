@@ -147,6 +147,13 @@ fn configuration(client: &mut Client) -> Vec<String> {
         "SELECT format('%s %s %s %s', broker_id, queue, durable, arguments) FROM amqp.queue ORDER BY 1",
         "SELECT format('%s %s %s %s', broker_id, queue, exchange, routing_key) FROM amqp.binding ORDER BY 1",
         "SELECT format('%s %s %s %s', id, message_id, discarded_by, reason) FROM amqp.discarded ORDER BY 1",
+        // The consuming side: subscriptions, failed messages, consumption records (hot and
+        // archived): a restored consumer must still recognise what it handled.
+        "SELECT format('%s', s) FROM amqp.subscription s ORDER BY 1",
+        "SELECT format('%s %s %s %s %s', id, subscription, message_id, attempts, last_error)
+           FROM amqp.inbox_failed ORDER BY 1",
+        "SELECT format('%s %s %s %s', consumer, message_id, business_key, storage)
+           FROM amqp.consumption ORDER BY 1",
     ] {
         for r in client
             .query(sql, &[])
@@ -156,6 +163,30 @@ fn configuration(client: &mut Client) -> Vec<String> {
         }
     }
     out
+}
+
+/// A consumer's state: a subscription (paused) with its handler, failed messages, consumption
+/// records in both hot tables and one moved to the archive.
+fn consumer_state(client: &mut Client, broker_id: i32) {
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE effect (message_id text);
+             CREATE FUNCTION handle(d amqp.delivery) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO effect VALUES (d.message_id) $$;
+             SELECT amqp.subscribe('dumped', {broker_id}, 'dumped.q', 'handle(amqp.delivery)', 5, 3);
+             SELECT amqp.pause_subscription('dumped');
+             INSERT INTO amqp.inbox_failed (subscription, message_id, exchange, routing_key, body, last_error)
+             VALUES ('dumped', 'failed-1', 'x', 'k', 'body', 'boom');
+             SELECT amqp.consume_once('dumped', 'old-' || g) FROM generate_series(1, 3) g;
+             UPDATE amqp._consumed_since SET since = now() - interval '40 days' WHERE hot = 'a';
+             UPDATE amqp._consumed_since SET since = now() - interval '20 days' WHERE hot = 'b';
+             TRUNCATE amqp._consumed_b;
+             SELECT amqp.rotate_consumption();
+             SELECT amqp.consume_once('dumped', 'new-' || g, 'key-' || g) FROM generate_series(1, 3) g;"
+        ))
+        .unwrap_or_else(|e| panic!("consumer state: {e}"));
+    let archived: i64 = scalar(client, "SELECT count(*) FROM amqp.consumption_archive");
+    assert_eq!(archived, 3, "the old records were archived");
 }
 
 fn dump(source: &PgCluster, format: &str, file: &str) -> String {
@@ -179,6 +210,7 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     create_extension(&mut src);
     let broker_id = add_broker(&mut src, rabbit.endpoint());
     configure(&mut src, broker_id, rabbit.endpoint(), &names);
+    consumer_state(&mut src, broker_id);
     fill(
         &mut src,
         broker_id,
@@ -243,6 +275,16 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
         before_config,
         "custom dump: configuration differs"
     );
+    // The restored consumer still recognises what it consumed (by id and by business key).
+    let again: Vec<bool> = dst
+        .query(
+            "SELECT amqp.consume_once('dumped', 'new-1'), amqp.consume_once('dumped', 'other', 'key-2'),
+                    amqp.consume_once('dumped', 'never-seen')",
+            &[],
+        )
+        .map(|r| vec![r[0].get(0), r[0].get(1), r[0].get(2)])
+        .unwrap_or_else(|e| panic!("consume_once after restore: {e}"));
+    assert_eq!(again, vec![false, false, true]);
 
     let expected: BTreeMap<String, Vec<u8>> = before
         .iter()
