@@ -342,7 +342,7 @@ CREATE VIEW @extschema@.subscription_status AS
       FROM @extschema@.subscription s
       LEFT JOIN @extschema@._subscription_state st USING (subscription);
 COMMENT ON VIEW @extschema@.subscription_status IS
-    'Each subscription: state (consuming, connecting, error, paused), counters since the worker started, messages retrying or dead-lettered, last error, and lag (messages ready in the queue, as the broker last reported).';
+    'Each subscription: state (consuming, connecting, error, paused), counters since it was made, messages retrying or dead-lettered, last error, and lag (messages ready in the queue, as the broker last reported).';
 
 CREATE FUNCTION @extschema@.subscribe(
     subscription text, broker_id integer, queue text, handler regprocedure,
