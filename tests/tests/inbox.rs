@@ -535,6 +535,7 @@ fn effects_are_exactly_once_with_duplicates() {
     let s = sub_status(&mut pair.consumer, "eo").expect("status");
     eprintln!("subscription status at the end: {s:?}");
     assert!(s.duplicates >= INJECTED, "{s:?}");
+    assert_eq!(s.handled, count, "handled counter: {s:?}");
     assert_eq!(s.failed, 0, "{s:?}");
     assert_eq!(
         scalar_i64(&mut pair.consumer, "SELECT count(*) FROM amqp.inbox_failed").unwrap(),
@@ -1404,6 +1405,36 @@ fn subscription_bad_input_and_missing_queue() {
             Err(format!("{n} applied"))
         }
     });
+
+    // Without a message_id the key is a digest of the content: the same message twice (as a
+    // redelivery brings it) is handled once.
+    let admin = AmqpAdmin::connect(&rabbit.endpoint().uri()).expect("AMQP client");
+    for _ in 0..2 {
+        admin
+            .publish(
+                "",
+                &missing,
+                b"no-id",
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .expect("publishing without message_id");
+    }
+    let key: String = eventually(ARRIVAL, "the message without message_id, once", || {
+        let s = sub_status(&mut pair.consumer, "missing")?;
+        let rows = pair
+            .consumer
+            .query(
+                "SELECT message_id FROM public.applied WHERE body = 'no-id'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?;
+        if rows.len() == 1 && s.duplicates >= 1 {
+            Ok(rows[0].get(0))
+        } else {
+            Err(format!("{} applied; {s:?}", rows.len()))
+        }
+    });
+    assert!(key.starts_with("sha256:"), "derived key {key}");
 
     // A stuck handler is cancelled after handler_timeout (57014); the others go on.
     subscribe(
