@@ -11,6 +11,7 @@
 //! the broker.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -345,6 +346,23 @@ fn wait_state(pair: &mut Pair, name: &str, state: &str) -> SubStatus {
     }
 }
 
+/// Waits until `lag` (the queue's ready count as the broker last reported it, every few
+/// seconds) shows the drained queue.
+fn wait_lag_zero(c: &mut Client, name: &str) {
+    eventually(
+        ARRIVAL,
+        "subscription_status.lag to show the empty queue",
+        || {
+            let s = sub_status(c, name)?;
+            if s.lag == Some(0) {
+                Ok(())
+            } else {
+                Err(format!("{s:?}"))
+            }
+        },
+    );
+}
+
 fn scalar_i64(c: &mut Client, sql: &str) -> Result<i64, String> {
     c.query_one(sql, &[])
         .map(|r| r.get::<_, Option<i64>>(0).unwrap_or(0))
@@ -536,6 +554,7 @@ fn effects_are_exactly_once_with_duplicates() {
     eprintln!("subscription status at the end: {s:?}");
     assert!(s.duplicates >= INJECTED, "{s:?}");
     assert_eq!(s.handled, count, "handled counter: {s:?}");
+    wait_lag_zero(&mut pair.consumer, "eo");
     assert_eq!(s.failed, 0, "{s:?}");
     assert_eq!(
         scalar_i64(&mut pair.consumer, "SELECT count(*) FROM amqp.inbox_failed").unwrap(),
@@ -729,17 +748,19 @@ fn failing_handler_is_retried_dead_lettered_and_retried_by_hand() {
 // 3. the subscription worker killed and the broker restarted mid-stream
 // ------------------------------------------------------------------------------------------
 
-/// Publishes `batches` transactions of `per` messages; each also records its batch number in
-/// `public.sent`, so that after a lost connection a batch whose COMMIT outcome is unknown is
-/// looked up, and published again only if it did not commit.
+/// Publishes transactions of `per` messages until `stop` (at most `max_batches`); each also
+/// records its batch number in `public.sent`, so that after a lost connection a batch whose
+/// COMMIT outcome is unknown is looked up, and published again only if it did not commit.
+/// Returns (batches committed, reconnects).
 fn produce_idempotently(
     conninfo: String,
     broker: i32,
     ex: String,
     rk: String,
-    batches: i32,
     per: i32,
-) -> thread::JoinHandle<Result<u64, String>> {
+    max_batches: i32,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<Result<(i32, u64), String>> {
     thread::spawn(move || {
         let connect = || -> Result<Client, String> {
             amqp_outbox_e2e::try_eventually(UP, || {
@@ -750,7 +771,8 @@ fn produce_idempotently(
         };
         let mut c = connect()?;
         let mut reconnects = 0u64;
-        for b in 0..batches {
+        let mut b = 0;
+        while b < max_batches && !stop.load(Ordering::Relaxed) {
             loop {
                 let r = (|| -> Result<(), postgres::Error> {
                     let mut tx = c.transaction()?;
@@ -783,9 +805,10 @@ fn produce_idempotently(
                     }
                 }
             }
-            thread::sleep(Duration::from_millis(20)); // spreads the stream (not a sync)
+            b += 1;
+            thread::sleep(Duration::from_millis(100)); // spreads the stream (not a sync)
         }
-        Ok(reconnects)
+        Ok((b, reconnects))
     })
 }
 
@@ -802,9 +825,9 @@ fn worker_killed_and_rabbit_restarted_mid_stream() {
             return;
         }
     };
-    const BATCHES: i32 = 80;
-    const PER: i32 = 50;
-    let total = i64::from(BATCHES * PER);
+    // About 100 messages a second until the broker is back: a few thousand in all.
+    const PER: i32 = 10;
+    const MAX_BATCHES: i32 = 2000;
     let rabbit = node.rabbit();
     let mut route = rabbit.declare_route("inbox-crash");
     route.delete_on_drop = false; // the node goes away with its data
@@ -833,13 +856,15 @@ fn worker_killed_and_rabbit_restarted_mid_stream() {
         None,
     );
     wait_state(&mut pair, "crash", "consuming");
+    let stop = Arc::new(AtomicBool::new(false));
     let producer = produce_idempotently(
         pair.conninfo(PRODUCER),
         pair.producer_broker,
         route.exchange.clone(),
         route.routing_key.clone(),
-        BATCHES,
         PER,
+        MAX_BATCHES,
+        stop.clone(),
     );
 
     let effects_now = |pair: &mut Pair| -> Result<i64, String> {
@@ -887,12 +912,19 @@ fn worker_killed_and_rabbit_restarted_mid_stream() {
     eprintln!("RabbitMQ restarted at {during} effects");
     wait_more(&mut pair, 300, "effects again after the broker restart");
 
-    let reconnects = producer
+    assert!(
+        !producer.is_finished(),
+        "the producer ended before the faults were over: not mid-stream"
+    );
+    stop.store(true, Ordering::Relaxed);
+    let (batches, reconnects) = producer
         .join()
         .expect("producer thread")
         .unwrap_or_else(|e| panic!("producer: {e}"));
     let sent = scalar_i64(&mut pair.producer, "SELECT count(*) FROM public.sent").unwrap();
-    assert_eq!(sent, i64::from(BATCHES), "every batch committed once");
+    assert_eq!(sent, i64::from(batches), "every batch committed once");
+    let total = i64::from(batches * PER);
+    eprintln!("{total} messages in {batches} transactions");
     let (count, sum) = expected_totals(total);
     let admin = node.rabbit();
     let r = amqp_outbox_e2e::try_eventually(BULK, || {
@@ -926,6 +958,7 @@ fn worker_killed_and_rabbit_restarted_mid_stream() {
     let s = sub_status(&mut pair.consumer, "crash").unwrap();
     eprintln!("producer reconnects {reconnects}; status at the end: {s:?}");
     assert_eq!(s.failed, 0, "{s:?}");
+    wait_lag_zero(&mut pair.consumer, "crash");
 }
 
 // ------------------------------------------------------------------------------------------
