@@ -487,6 +487,14 @@ fn effects_are_exactly_once_with_duplicates() {
         .execute("SELECT amqp.pause_subscription('eo')", &[])
         .expect("pause_subscription");
     wait_state(&mut pair, "eo", "paused");
+    eventually(
+        ARRIVAL,
+        "the paused subscription's consumer gone",
+        || match rabbit.queue_counts(&route.queue)? {
+            Some(q) if q.consumers == 0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
     pair.consumer
         .execute("SELECT amqp.resume_subscription('eo')", &[])
         .expect("resume_subscription");
@@ -1299,6 +1307,7 @@ fn retention_moves_old_records_without_delete() {
 fn subscription_bad_input_and_missing_queue() {
     let rabbit = Rabbit::shared();
     let slow_route = rabbit.declare_route("inbox-slow");
+    let owner_route = rabbit.declare_route("inbox-owner");
     let mut pair = Pair::new(
         rabbit.endpoint(),
         &[
@@ -1531,6 +1540,56 @@ fn subscription_bad_input_and_missing_queue() {
         worker,
         "the subscription worker restarted"
     );
+
+    // The handler runs with the rights of the role that subscribed, not the worker's.
+    pair.consumer
+        .batch_execute(
+            "CREATE ROLE e2e_owner NOLOGIN;
+             GRANT amqp_outbox_admin TO e2e_owner;
+             CREATE TABLE public.who (subscription text, role_name text);
+             GRANT INSERT ON public.who TO e2e_owner;
+             CREATE FUNCTION public.record_who(d amqp.delivery) RETURNS void
+                 LANGUAGE plpgsql AS $fn$
+             BEGIN
+                 INSERT INTO public.who VALUES (d.subscription, current_user);
+             END
+             $fn$;
+             SET ROLE e2e_owner;",
+        )
+        .expect("a subscribing role");
+    subscribe(
+        &mut pair.consumer,
+        "owned",
+        broker,
+        &owner_route.queue,
+        "public.record_who(amqp.delivery)",
+        2,
+        None,
+    );
+    pair.consumer.batch_execute("RESET ROLE").unwrap();
+    let owner: String = pair
+        .consumer
+        .query_one(
+            "SELECT owner::text FROM amqp.subscription_status WHERE subscription = 'owned'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(owner, "e2e_owner");
+    wait_state(&mut pair, "owned", "consuming");
+    pair.publish_bodies(
+        &owner_route.exchange,
+        &owner_route.routing_key,
+        &["who".to_string()],
+    );
+    let who: String = eventually(ARRIVAL, "the owned subscription's handler", || {
+        pair.consumer
+            .query_opt("SELECT role_name FROM public.who", &[])
+            .map_err(|e| e.to_string())?
+            .map(|r| r.get(0))
+            .ok_or_else(|| format!("{:?}", sub_status(&mut pair.consumer, "owned")))
+    });
+    assert_eq!(who, "e2e_owner", "current_user in the handler");
 }
 
 // ------------------------------------------------------------------------------------------
