@@ -750,6 +750,23 @@ fn failing_handler_is_retried_dead_lettered_and_retried_by_hand() {
     let s = sub_status(&mut pair.consumer, "fail").unwrap();
     assert_eq!((s.dead, s.retrying), (0, 0), "{s:?}");
     assert_eq!(dead_letters.len(), bad.len(), "no more dead letters");
+
+    // Unsubscribed: the consumer leaves the queue, the subscription is gone.
+    pair.consumer
+        .execute("SELECT amqp.unsubscribe('fail')", &[])
+        .expect("unsubscribe");
+    eventually(ARRIVAL, "the consumer gone from the queue", || match rabbit
+        .queue_counts(&route.queue)?
+    {
+        Some(q) if q.consumers == 0 => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+    assert!(sub_status(&mut pair.consumer, "fail").is_err());
+    expect_sqlstate(
+        &mut pair.consumer,
+        "SELECT amqp.inbox_retry('fail')",
+        &SqlState::UNDEFINED_OBJECT,
+    );
 }
 
 // ------------------------------------------------------------------------------------------
