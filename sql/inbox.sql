@@ -66,14 +66,15 @@ CREATE TABLE @extschema@._consumed_since (
 INSERT INTO @extschema@._consumed_since VALUES ('a', pg_catalog.now()), ('b', pg_catalog.now());
 
 -- Records past the window, kept until amqp_outbox.dedup_retention: one partition per day
--- (UTC), dropped whole. No unique index: they are never inserted twice (see rotate).
+-- (UTC), dropped whole. No unique index: they are never inserted twice (see rotate). Each day
+-- gets its own lookup index (made with it), not one on the parent: a partitioned index of the
+-- extension would make pg_dump's copy of a day's index collide with the one ATTACH creates.
 CREATE TABLE @extschema@.consumption_archive (
     consumer text NOT NULL,
     message_id text NOT NULL,
     business_key text,
     consumed_at timestamptz NOT NULL
 ) PARTITION BY RANGE (consumed_at);
-CREATE INDEX consumption_archive_key ON @extschema@.consumption_archive (consumer, message_id);
 COMMENT ON TABLE @extschema@.consumption_archive IS
     'Consumption records older than amqp_outbox.dedup_window, one partition per day (UTC), dropped after amqp_outbox.dedup_retention.';
 
@@ -217,6 +218,10 @@ BEGIN
              FOR VALUES FROM (%L) TO (%L)',
         'consumption_archive_' || pg_catalog.to_char(day, 'YYYYMMDD'),
         (day::timestamp AT TIME ZONE 'UTC'), ((day + 1)::timestamp AT TIME ZONE 'UTC'));
+    EXECUTE pg_catalog.format(
+        'CREATE INDEX IF NOT EXISTS %I ON @extschema@.%I (consumer, message_id)',
+        'consumption_archive_' || pg_catalog.to_char(day, 'YYYYMMDD') || '_key',
+        'consumption_archive_' || pg_catalog.to_char(day, 'YYYYMMDD'));
 END
 $archive_day$;
 
@@ -504,7 +509,8 @@ REVOKE ALL ON FUNCTION @extschema@.consume_once(text, text, text), @extschema@.b
     @extschema@.resume_subscription(text), @extschema@.inbox_retry(text, text),
     @extschema@.rotate_consumption(), @extschema@._archive_day(date),
     @extschema@._subscription_or_raise(text) FROM PUBLIC;
-GRANT USAGE ON SCHEMA @extschema@ TO amqp_outbox_consumer;
+-- In this order, so that a new install and an updated one list the schema's grantees alike.
+GRANT USAGE ON SCHEMA @extschema@ TO pg_monitor, amqp_outbox_publisher, amqp_outbox_admin, amqp_outbox_consumer;
 GRANT EXECUTE ON FUNCTION @extschema@.consume_once(text, text, text), @extschema@._uuid7_time(text),
     @extschema@.body_text(@extschema@.delivery), @extschema@.send_receipt(integer, text, text, boolean, text)
     TO amqp_outbox_consumer;

@@ -21,7 +21,7 @@ CREATE FUNCTION @extschema@."_worker_status"() RETURNS TABLE (
     "steps" bigint,
     "commit_wakeups" bigint,
     "subscription_worker_pid" INT
-) VOLATILE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'worker_status_wrapper';
-CREATE FUNCTION @extschema@."_served_databases"() RETURNS TEXT[] STABLE PARALLEL SAFE
+) STRICT VOLATILE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'worker_status_wrapper';
+CREATE FUNCTION @extschema@."_served_databases"() RETURNS TEXT[] STRICT STABLE PARALLEL SAFE
     LANGUAGE c AS 'MODULE_PATHNAME', 'served_databases_wrapper';
 
