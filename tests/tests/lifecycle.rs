@@ -189,6 +189,24 @@ fn consumer_state(client: &mut Client, broker_id: i32) {
     assert_eq!(archived, 3, "the old records were archived");
 }
 
+/// Publishes with `publish_sql` and reads the new row's stored message_id in the same
+/// transaction: once it commits, the worker may deliver and delete the row at once.
+fn publish_and_read_id(client: &mut Client, publish_sql: &str) -> (i64, String) {
+    let mut tx = client
+        .transaction()
+        .unwrap_or_else(|e| panic!("BEGIN: {e}"));
+    let id: i64 = tx
+        .query_one(publish_sql, &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{publish_sql}: {e}"));
+    let message_id: String = tx
+        .query_one("SELECT message_id FROM amqp.message WHERE id = $1", &[&id])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("reading message {id}: {e}"));
+    tx.commit().unwrap_or_else(|e| panic!("COMMIT: {e}"));
+    (id, message_id)
+}
+
 fn dump(source: &PgCluster, format: &str, file: &str) -> String {
     let path = source.dir().join(file).display().to_string();
     let db = source.config().database.clone();
@@ -333,7 +351,7 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
         new_broker > max_broker_id,
         "broker_id {new_broker} reuses a restored one"
     );
-    let new_id: i64 = scalar(
+    let (new_id, new_message_id) = publish_and_read_id(
         &mut dst,
         &format!(
             "SELECT amqp.publish_message({broker_id}, '{}', '{}', 'after-restore')",
@@ -343,10 +361,6 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     assert!(
         new_id > max_id,
         "message id {new_id} reuses a restored one (max {max_id})"
-    );
-    let new_message_id: String = scalar(
-        &mut dst,
-        &format!("SELECT message_id FROM amqp.message WHERE id = {new_id}"),
     );
     assert!(!before.iter().any(|r| r.message_id == new_message_id));
     let d = collector.wait_for_body("after-restore", Duration::from_secs(30));
@@ -632,16 +646,12 @@ fn update_from_the_previous_version_keeps_every_message_and_its_id() {
     assert_eq!(d.body, parked.body);
 
     // New messages get new, stored ids.
-    let id: i64 = scalar(
+    let (_, message_id) = publish_and_read_id(
         &mut client,
         &format!(
             "SELECT amqp.publish_message({broker_id}, '{}', '{}', 'after-update')",
             route.exchange, route.routing_key
         ),
-    );
-    let message_id: String = scalar(
-        &mut client,
-        &format!("SELECT message_id FROM amqp.message WHERE id = {id}"),
     );
     assert_eq!(message_id.len(), 36, "a UUID: {message_id}");
     let d = collector.wait_for_body("after-update", Duration::from_secs(30));
