@@ -110,4 +110,4 @@ if [ ${#failed[@]} -gt 0 ]; then
     echo "make lint: FAILED: ${failed[*]}" >&2
     exit 1
 fi
-echo "make lint: all passed (fmt clippy no-pgrx pg_guard)"
+echo "make lint: all passed (sql fmt clippy no-pgrx pg_guard)"
