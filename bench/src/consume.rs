@@ -25,7 +25,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use amqp_outbox_testkit::amqp_admin::{self, runtime, CONNECT_TIMEOUT};
+use amqp_outbox_testkit::amqp_admin::{self, runtime, AmqpAdmin, CONNECT_TIMEOUT};
 use futures_lite::StreamExt;
 use lapin::options::{BasicAckOptions, BasicPublishOptions};
 use lapin::types::FieldTable;
@@ -65,6 +65,36 @@ impl Who {
     }
 }
 
+/// What the application and ack-only contenders need: a PostgreSQL session for the polls and
+/// the tables, its connection string, and the broker (so they run against any server).
+struct Ctx<'a> {
+    admin: &'a mut postgres::Client,
+    pg_conn: String,
+    amqp: &'a AmqpAdmin,
+    amqp_uri: String,
+}
+
+impl Ctx<'_> {
+    fn of(env: &mut Env) -> Ctx<'_> {
+        Ctx {
+            pg_conn: env.cluster.connection_string(crate::env::DATABASE),
+            amqp_uri: env.amqp_uri(),
+            admin: &mut env.admin,
+            amqp: &env.amqp,
+        }
+    }
+
+    fn sql(&mut self, sql: &str) -> Result<(), String> {
+        self.admin
+            .batch_execute(sql)
+            .map_err(|e| format!("{sql}: {e}"))
+    }
+
+    fn queue_len(&self, queue: &str) -> Result<u64, String> {
+        self.amqp.queue_len(queue).map(u64::from)
+    }
+}
+
 /// One run of one contender.
 #[derive(Clone, Debug)]
 struct Outcome {
@@ -90,10 +120,10 @@ fn body(i: u64, pad: &str) -> String {
 
 /// Fills `queue` (through the default exchange) with `n` persistent messages whose
 /// `message_id`s are `<tag>-<i>`, with up to 1,000 unconfirmed; waits until the queue holds them.
-fn fill(env: &Env, queue: &str, tag: &str, n: u64) -> Result<f64, String> {
-    env.purge(queue)?;
+fn fill(cx: &Ctx, queue: &str, tag: &str, n: u64) -> Result<f64, String> {
+    cx.amqp.purge_queue(queue)?;
     let pad = payload(40);
-    let uri = env.amqp_uri();
+    let uri = cx.amqp_uri.clone();
     let t0 = Instant::now();
     runtime().block_on(async {
         let c = amqp_admin::connect(&uri, CONNECT_TIMEOUT).await?;
@@ -137,15 +167,15 @@ fn fill(env: &Env, queue: &str, tag: &str, n: u64) -> Result<f64, String> {
         Ok::<_, String>(())
     })?;
     let secs = t0.elapsed().as_secs_f64();
-    let got = env.wait_queue_len(queue, n, Duration::from_secs(60))?;
+    let got = wait_queue(cx, queue, Duration::from_secs(60), |len| len >= n)?;
     if got != n {
         return Err(format!("filling {queue}: it holds {got} messages, not {n}"));
     }
     Ok(n as f64 / secs)
 }
 
-fn count(env: &mut Env, table: &str) -> Result<i64, String> {
-    env.admin
+fn count(cx: &mut Ctx, table: &str) -> Result<i64, String> {
+    cx.admin
         .query_one(&format!("SELECT count(*) FROM public.{table}"), &[])
         .map(|r| r.get(0))
         .map_err(|e| format!("count {table}: {e}"))
@@ -154,7 +184,7 @@ fn count(env: &mut Env, table: &str) -> Result<i64, String> {
 /// Polls `table` every [`POLL`] until it has `n` rows; returns when it first had. `failed`
 /// is asked at each poll for the contender's own error (its task ended early).
 fn wait_rows(
-    env: &mut Env,
+    cx: &mut Ctx,
     table: &str,
     n: u64,
     timeout: Duration,
@@ -163,7 +193,7 @@ fn wait_rows(
     let start = Instant::now();
     let mut last = (0i64, Instant::now());
     loop {
-        let c = count(env, table)?;
+        let c = count(cx, table)?;
         if c >= n as i64 {
             return Ok(Instant::now());
         }
@@ -188,12 +218,17 @@ fn timeout_for(n: u64) -> Duration {
     Duration::from_secs((n / 200).max(180))
 }
 
-/// Waits (bounded) until `queue` has no ready message; returns how many it still has.
-fn wait_queue_empty(env: &Env, queue: &str, timeout: Duration) -> Result<u64, String> {
+/// Waits (bounded) until the number of ready messages in `queue` is `ok`; returns it.
+fn wait_queue(
+    cx: &Ctx,
+    queue: &str,
+    timeout: Duration,
+    ok: impl Fn(u64) -> bool,
+) -> Result<u64, String> {
     let deadline = Instant::now() + timeout;
     loop {
-        let len = env.queue_len(queue)?;
-        if len == 0 || Instant::now() >= deadline {
+        let len = cx.queue_len(queue)?;
+        if ok(len) || Instant::now() >= deadline {
             return Ok(len);
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -249,7 +284,7 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     let queue = Who::Subscription.queue();
     unsubscribe_if_any(env)?;
     env.sql("TRUNCATE public.bench_effect")?;
-    fill(env, &queue, tag, n)?;
+    fill(&Ctx::of(env), &queue, tag, n)?;
     env.sql("CHECKPOINT")?;
     let load = load1();
     let t0 = Instant::now();
@@ -262,7 +297,7 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     let mut first_row: Option<f64> = None;
     let done = {
         let mut probe = env.cluster.try_client()?;
-        wait_rows(env, "bench_effect", n, timeout_for(n), || {
+        wait_rows(&mut Ctx::of(env), "bench_effect", n, timeout_for(n), || {
             if first_row.is_none() {
                 let any = probe
                     .query_opt("SELECT 1 FROM public.bench_effect LIMIT 1", &[])
@@ -297,14 +332,14 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     };
     let secs = (done - t0).as_secs_f64();
     // Acks follow the commits: let them arrive before the consumer goes away.
-    let left = wait_queue_empty(env, &queue, Duration::from_secs(10))?;
+    let left = wait_queue(&Ctx::of(env), &queue, Duration::from_secs(10), |l| l == 0)?;
     std::thread::sleep(Duration::from_millis(300));
     let status = subscription_status(env);
     unsubscribe_if_any(env)?;
     // What was handled but not acknowledged comes back to the queue now.
     std::thread::sleep(Duration::from_millis(500));
     let returned = env.queue_len(&queue)?;
-    let rows = count(env, "bench_effect")?;
+    let rows = count(&mut Ctx::of(env), "bench_effect")?;
     let get = |k: &str| status.get(k).and_then(|v| v.as_i64()).unwrap_or(-1);
     if rows != n as i64 || get("failed") > 0 || left > 0 {
         return Err(format!(
@@ -427,19 +462,16 @@ async fn app_consume(mut app: App, queue: String, n: u64) -> Result<AppCounts, S
 }
 
 /// (b) The application consumer: from its `basic.consume` until `app_effect` has `n` rows.
-fn app_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
+fn app_once(cx: &mut Ctx, n: u64, tag: &str) -> Result<Outcome, String> {
     let queue = Who::App.queue();
-    env.sql("TRUNCATE public.app_effect")?;
-    fill(env, &queue, tag, n)?;
-    env.sql("CHECKPOINT")?;
-    let app = runtime().block_on(app_connect(
-        &env.cluster.connection_string(crate::env::DATABASE),
-        &env.amqp_uri(),
-    ))?;
+    cx.sql("TRUNCATE public.app_effect")?;
+    fill(cx, &queue, tag, n)?;
+    cx.sql("CHECKPOINT")?;
+    let app = runtime().block_on(app_connect(&cx.pg_conn, &cx.amqp_uri))?;
     let load = load1();
     let t0 = Instant::now();
     let task = runtime().spawn(app_consume(app, queue.clone(), n));
-    let done = wait_rows(env, "app_effect", n, timeout_for(n), || {
+    let done = wait_rows(cx, "app_effect", n, timeout_for(n), || {
         if task.is_finished() {
             Some("the app consumer stopped early".to_string())
         } else {
@@ -452,8 +484,8 @@ fn app_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
         .map_err(|e| format!("app consumer task: {e}"))??;
     let done = done?;
     let secs = (done - t0).as_secs_f64();
-    let left = wait_queue_empty(env, &queue, Duration::from_secs(10))?;
-    let rows = count(env, "app_effect")?;
+    let left = wait_queue(cx, &queue, Duration::from_secs(10), |l| l == 0)?;
+    let rows = count(cx, "app_effect")?;
     if rows != n as i64 || left > 0 {
         return Err(format!(
             "app consumer: expected {n} rows in app_effect and an empty queue; got {rows} rows, {left} ready; {counts:?}"
@@ -471,11 +503,11 @@ fn app_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
 }
 
 /// (a) The ack-only consumer: from its `basic.consume` until it acknowledged `n` messages.
-fn ack_only_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
+fn ack_only_once(cx: &mut Ctx, n: u64, tag: &str) -> Result<Outcome, String> {
     let queue = Who::AckOnly.queue();
-    fill(env, &queue, tag, n)?;
-    env.sql("CHECKPOINT")?;
-    let uri = env.amqp_uri();
+    fill(cx, &queue, tag, n)?;
+    cx.sql("CHECKPOINT")?;
+    let uri = cx.amqp_uri.clone();
     let load = load1();
     let (secs, acked) = runtime().block_on(async {
         let c = amqp_admin::connect(&uri, CONNECT_TIMEOUT).await?;
@@ -501,7 +533,7 @@ fn ack_only_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
         let _ = c.close(200, "done".into()).await;
         Ok::<_, String>((secs, acked))
     })?;
-    let left = wait_queue_empty(env, &queue, Duration::from_secs(10))?;
+    let left = wait_queue(cx, &queue, Duration::from_secs(10), |l| l == 0)?;
     if left > 0 {
         return Err(format!(
             "ack-only consumer: {left} messages ready after {acked} acks"
@@ -515,20 +547,33 @@ fn ack_only_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
     })
 }
 
-fn setup(env: &mut Env, with_subscription: bool) -> Result<(), String> {
-    env.set_enabled(true)?;
+/// The queues and the application's tables (the subscription's are made in `setup`).
+fn setup_baselines(cx: &mut Ctx) -> Result<(), String> {
     for who in [Who::Subscription, Who::App, Who::AckOnly] {
         let q = who.queue();
         // A leftover of an interrupted run may have other arguments: start afresh.
-        let _ = env.amqp.delete_queue(&q);
-        env.amqp.declare_queue(&q, true, FieldTable::default())?;
+        let _ = cx.amqp.delete_queue(&q);
+        cx.amqp.declare_queue(&q, true, FieldTable::default())?;
     }
-    env.sql(
+    cx.sql(
         "DROP TABLE IF EXISTS public.app_dedup, public.app_effect;
          CREATE TABLE public.app_dedup (consumer text NOT NULL, message_id text NOT NULL,
                                         PRIMARY KEY (consumer, message_id));
          CREATE TABLE public.app_effect (message_id text, n int);",
-    )?;
+    )
+}
+
+fn delete_queues(amqp: &AmqpAdmin) {
+    let queues: Vec<String> = [Who::Subscription, Who::App, Who::AckOnly]
+        .iter()
+        .map(|w| w.queue())
+        .collect();
+    amqp.delete_all(&queues, &[], Duration::from_secs(30));
+}
+
+fn setup(env: &mut Env, with_subscription: bool) -> Result<(), String> {
+    env.set_enabled(true)?;
+    setup_baselines(&mut Ctx::of(env))?;
     if with_subscription {
         unsubscribe_if_any(env)?;
         env.sql(
@@ -545,11 +590,7 @@ fn cleanup(env: &mut Env, with_subscription: bool) {
     if with_subscription {
         let _ = unsubscribe_if_any(env);
     }
-    let queues: Vec<String> = [Who::Subscription, Who::App, Who::AckOnly]
-        .iter()
-        .map(|w| w.queue())
-        .collect();
-    env.amqp.delete_all(&queues, &[], Duration::from_secs(30));
+    delete_queues(&env.amqp);
 }
 
 /// 7. Consume.
@@ -590,8 +631,8 @@ fn measure(env: &mut Env, opts: &Opts, run: &mut Run, with_sub: bool) -> Result<
             let tag = format!("{}-{rep}", w.key());
             let o = match w {
                 Who::Subscription => subscription_once(env, n, &tag)?,
-                Who::App => app_once(env, n, &tag)?,
-                Who::AckOnly => ack_only_once(env, n, &tag)?,
+                Who::App => app_once(&mut Ctx::of(env), n, &tag)?,
+                Who::AckOnly => ack_only_once(&mut Ctx::of(env), n, &tag)?,
             };
             log(format!(
                 "  consume {n}: {} {:.0} msg/s ({:.1}s, load {:.1}) {}",
@@ -698,4 +739,70 @@ fn measure(env: &mut Env, opts: &Opts, run: &mut Run, with_sub: bool) -> Result<
         }),
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo test -p amqp_outbox_bench -- --ignored --nocapture baselines`: the application
+    /// and ack-only consumers against the shared servers (PostgreSQL 127.0.0.1:5432 in a scratch
+    /// database that is dropped afterwards, RabbitMQ 127.0.0.1:5672), no extension needed.
+    #[test]
+    #[ignore]
+    fn baselines_against_shared_servers() {
+        let n: u64 = std::env::var("BENCH_CONSUME_N")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(5_000);
+        let db = "amqp_outbox_bench_consume_test";
+        let server = "host=127.0.0.1 port=5432 user=postgres";
+        let mut root =
+            postgres::Client::connect(&format!("{server} dbname=postgres"), postgres::NoTls)
+                .expect("shared PostgreSQL");
+        root.batch_execute(&format!("DROP DATABASE IF EXISTS {db}"))
+            .expect("drop scratch database");
+        root.batch_execute(&format!("CREATE DATABASE {db}"))
+            .expect("create scratch database");
+        let pg_conn = format!("{server} dbname={db}");
+        let amqp_uri = "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=30".to_string();
+        let amqp = AmqpAdmin::connect(&amqp_uri).expect("shared RabbitMQ");
+        let mut admin = postgres::Client::connect(&pg_conn, postgres::NoTls).expect("scratch db");
+        let result = {
+            let mut cx = Ctx {
+                admin: &mut admin,
+                pg_conn,
+                amqp: &amqp,
+                amqp_uri,
+            };
+            (|| -> Result<Vec<(Who, Outcome)>, String> {
+                setup_baselines(&mut cx)?;
+                let mut out = Vec::new();
+                for rep in 0..2 {
+                    for w in rotated(&[Who::App, Who::AckOnly], rep) {
+                        let tag = format!("{}-{rep}", w.key());
+                        let o = match w {
+                            Who::App => app_once(&mut cx, n, &tag)?,
+                            _ => ack_only_once(&mut cx, n, &tag)?,
+                        };
+                        eprintln!(
+                            "{} {n}: {:.0} msg/s ({:.2}s) {}",
+                            w.key(),
+                            o.rate,
+                            o.secs,
+                            o.extra
+                        );
+                        out.push((w, o));
+                    }
+                }
+                Ok(out)
+            })()
+        };
+        delete_queues(&amqp);
+        drop(admin);
+        let _ = root.batch_execute(&format!("DROP DATABASE IF EXISTS {db}"));
+        let out = result.expect("baselines");
+        assert_eq!(out.len(), 4);
+        assert!(out.iter().all(|(_, o)| o.rate.is_finite() && o.rate > 0.0));
+    }
 }
