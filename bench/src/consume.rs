@@ -214,6 +214,14 @@ fn wait_rows(
     }
 }
 
+/// CPU µs per message of `pid` since `cpu0` (NaN when unknown).
+fn cpu_us_per_msg(pid: Option<i32>, cpu0: Option<f64>, n: u64) -> f64 {
+    match (cpu0, pid.and_then(crate::env::proc_cpu_secs)) {
+        (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
+        _ => f64::NAN,
+    }
+}
+
 fn timeout_for(n: u64) -> Duration {
     Duration::from_secs((n / 200).max(180))
 }
@@ -286,6 +294,15 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     env.sql("TRUNCATE public.bench_effect")?;
     fill(&Ctx::of(env), &queue, tag, n)?;
     env.sql("CHECKPOINT")?;
+    let worker: Option<i32> = env
+        .admin
+        .query_opt(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'amqp_outbox subscriptions'",
+            &[],
+        )
+        .map_err(|e| format!("pg_stat_activity: {e}"))?
+        .map(|r| r.get(0));
+    let cpu0 = worker.and_then(crate::env::proc_cpu_secs);
     let load = load1();
     let t0 = Instant::now();
     env.admin
@@ -331,6 +348,7 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
         }
     };
     let secs = (done - t0).as_secs_f64();
+    let cpu = cpu_us_per_msg(worker, cpu0, n);
     // Acks follow the commits: let them arrive before the consumer goes away.
     let left = wait_queue(&Ctx::of(env), &queue, Duration::from_secs(10), |l| l == 0)?;
     std::thread::sleep(Duration::from_millis(300));
@@ -357,6 +375,7 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
         extra: json!({
             "first_row_after_secs": first_row,
             "rate_after_first_row": first_row.map(|f| n as f64 / (secs - f)),
+            "worker_pid": worker, "worker_cpu_us_per_msg": cpu, "worker_cores": cpu * n as f64 / secs / 1e6,
             "handled": get("handled"), "duplicates": get("duplicates"), "failed": get("failed"),
             "returned_to_queue_after_unsubscribe": returned,
         }),
@@ -366,6 +385,8 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
 /// The application consumer's connections, made before its clock starts.
 struct App {
     pg: tokio_postgres::Client,
+    /// Its backend's pid (for its CPU time).
+    pid: i32,
     pg_task: tokio::task::JoinHandle<()>,
     dedup: tokio_postgres::Statement,
     effect: tokio_postgres::Statement,
@@ -390,9 +411,15 @@ async fn app_connect(pg_conn: &str, amqp_uri: &str) -> Result<App, String> {
         .prepare("INSERT INTO public.app_effect (message_id, n) VALUES ($1, 1)")
         .await
         .map_err(|e| format!("app consumer: prepare: {e}"))?;
+    let pid: i32 = pg
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .map_err(|e| format!("app consumer: pg_backend_pid: {e}"))?
+        .get(0);
     let amqp = amqp_admin::connect(amqp_uri, CONNECT_TIMEOUT).await?;
     Ok(App {
         pg,
+        pid,
         pg_task,
         dedup,
         effect,
@@ -468,6 +495,8 @@ fn app_once(cx: &mut Ctx, n: u64, tag: &str) -> Result<Outcome, String> {
     fill(cx, &queue, tag, n)?;
     cx.sql("CHECKPOINT")?;
     let app = runtime().block_on(app_connect(&cx.pg_conn, &cx.amqp_uri))?;
+    let backend = Some(app.pid);
+    let cpu0 = backend.and_then(crate::env::proc_cpu_secs);
     let load = load1();
     let t0 = Instant::now();
     let task = runtime().spawn(app_consume(app, queue.clone(), n));
@@ -484,6 +513,7 @@ fn app_once(cx: &mut Ctx, n: u64, tag: &str) -> Result<Outcome, String> {
         .map_err(|e| format!("app consumer task: {e}"))??;
     let done = done?;
     let secs = (done - t0).as_secs_f64();
+    let cpu = cpu_us_per_msg(backend, cpu0, n);
     let left = wait_queue(cx, &queue, Duration::from_secs(10), |l| l == 0)?;
     let rows = count(cx, "app_effect")?;
     if rows != n as i64 || left > 0 {
@@ -498,6 +528,7 @@ fn app_once(cx: &mut Ctx, n: u64, tag: &str) -> Result<Outcome, String> {
         extra: json!({
             "handled": counts.handled, "duplicates": counts.duplicates,
             "own_secs_to_last_ack": counts.own_secs,
+            "backend_cpu_us_per_msg": cpu, "backend_cores": cpu * n as f64 / secs / 1e6,
         }),
     })
 }
@@ -656,7 +687,23 @@ fn measure(env: &mut Env, opts: &Opts, run: &mut Run, with_sub: bool) -> Result<
     let cfg = format!(
         "{n} × ~100 B JSON, classic durable queue, prefetch {PREFETCH}, inbox_batch_size {batch}"
     );
-    let load = format!("load average {load_start} at start, {load_end} at end");
+    let extra_median = |k: &str, field: &str| -> f64 {
+        let v: Vec<f64> = got
+            .get(k)
+            .map(|v| {
+                v.iter()
+                    .filter_map(|o| o.extra.get(field)?.as_f64())
+                    .collect()
+            })
+            .unwrap_or_default();
+        median(&v)
+    };
+    let cpu = format!(
+        "subscription worker {:.0} µs CPU/msg, application's backend {:.0} µs CPU/msg",
+        extra_median("subscription", "worker_cpu_us_per_msg"),
+        extra_median("app", "backend_cpu_us_per_msg")
+    );
+    let load = format!("load average {load_start} at start, {load_end} at end; {cpu}");
     if with_sub {
         run.fig(
             Figure::new(
