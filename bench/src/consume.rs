@@ -441,7 +441,8 @@ struct AppCounts {
 }
 
 /// The usual way: one transaction per message, then the ack.
-async fn app_consume(mut app: App, queue: String, n: u64) -> Result<AppCounts, String> {
+/// Returns the connections too: the caller reads the backend's CPU time before closing them.
+async fn app_consume(mut app: App, queue: String, n: u64) -> Result<(AppCounts, App), String> {
     let t0 = Instant::now();
     let mut consumer = amqp_admin::start_consumer(&app.amqp, &queue, Some(PREFETCH), false).await?;
     let mut c = AppCounts::default();
@@ -486,10 +487,14 @@ async fn app_consume(mut app: App, queue: String, n: u64) -> Result<AppCounts, S
             .map_err(|e| format!("app consumer: basic.ack: {e}"))?;
     }
     c.own_secs = t0.elapsed().as_secs_f64();
+    drop(consumer);
+    Ok((c, app))
+}
+
+async fn app_close(app: App) {
     let _ = app.amqp.close(200, "done".into()).await;
     drop(app.pg);
     app.pg_task.abort();
-    Ok(c)
 }
 
 /// (b) The application consumer: from its `basic.consume` until `app_effect` has `n` rows.
@@ -511,13 +516,14 @@ fn app_once(cx: &mut Ctx, n: u64, tag: &str) -> Result<Outcome, String> {
             None
         }
     });
-    let counts = runtime()
+    let cpu = cpu_us_per_msg(backend, cpu0, n);
+    let (counts, app) = runtime()
         .block_on(async { tokio::time::timeout(Duration::from_secs(60), task).await })
         .map_err(|_| "app consumer: no end 60 s after its last row".to_string())?
         .map_err(|e| format!("app consumer task: {e}"))??;
+    runtime().block_on(app_close(app));
     let done = done?;
     let secs = (done - t0).as_secs_f64();
-    let cpu = cpu_us_per_msg(backend, cpu0, n);
     let left = wait_queue(cx, &queue, Duration::from_secs(10), |l| l == 0)?;
     let rows = count(cx, "app_effect")?;
     if rows != n as i64 || left > 0 {
