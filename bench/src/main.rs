@@ -6,10 +6,12 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,profile` to run a subset; `BENCH_PROFILE=0` to skip perf.
+//! latency,scale,growth,consume,profile` to run a subset;
+//! `BENCH_CONSUME_N` messages per consume run; `BENCH_PROFILE=0` to skip perf.
 //! `--charts <results.json>` prints the charts of an earlier run and exits.
 
 mod charts;
+mod consume;
 mod env;
 mod pgbench;
 mod phases;
@@ -44,6 +46,9 @@ pub struct Opts {
     pub scale_n: u64,
     /// (body size, backlog) for the size-growth drains.
     pub size_drains: Vec<(usize, u64)>,
+    /// Messages per run of the consume phase, and its repetitions.
+    pub consume_n: u64,
+    pub consume_reps: usize,
     pub profile: bool,
     pub only: Option<Vec<String>>,
 }
@@ -72,6 +77,8 @@ impl Opts {
                 lat_reps: 2,
                 scale_n: 200_000,
                 size_drains: vec![(4096, 20_000), (65536, 2_000)],
+                consume_n: 20_000,
+                consume_reps: 3,
                 profile: true,
                 only: None,
             }
@@ -88,6 +95,8 @@ impl Opts {
                 lat_reps: 3,
                 scale_n: 1_000_000,
                 size_drains: vec![(4096, 50_000), (65536, 5_000)],
+                consume_n: 100_000,
+                consume_reps: 5,
                 profile: true,
                 only: None,
             }
@@ -96,6 +105,7 @@ impl Opts {
         o.reps = num("BENCH_REPS", o.reps as u64) as usize;
         o.drain_n = num("BENCH_DRAIN_N", o.drain_n);
         o.scale_n = num("BENCH_SCALE_N", o.scale_n);
+        o.consume_n = num("BENCH_CONSUME_N", o.consume_n);
         o.profile = std::env::var("BENCH_PROFILE")
             .map(|v| v != "0")
             .unwrap_or(true);
@@ -120,6 +130,8 @@ pub struct Run {
     pub details: BTreeMap<String, Value>,
     pub errors: Vec<String>,
     pub notes: Vec<String>,
+    /// One line per phase that has a headline, printed above the table.
+    pub summary: Vec<String>,
     /// Medians shared between phases (e.g. the raw publisher's rate).
     pub shared: BTreeMap<String, f64>,
 }
@@ -217,12 +229,13 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 6] = [
+    let all: [(&str, Phase); 7] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
         ("scale", phases::scale),
         ("growth", phases::growth),
+        ("consume", consume::consume),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();
@@ -293,6 +306,9 @@ fn main() {
         "latency_reps": opts.lat_reps,
         "scale_n": opts.scale_n,
         "size_drains": opts.size_drains,
+        "consume_n": opts.consume_n,
+        "consume_reps": opts.consume_reps,
+        "summary": run.summary,
         "notes": run.notes,
     });
     let doc = json!({
@@ -302,11 +318,17 @@ fn main() {
         "errors": run.errors,
     });
     let json_text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+    let summary: String = if run.summary.is_empty() {
+        String::new()
+    } else {
+        let lines: Vec<String> = run.summary.iter().map(|l| format!("- {l}\n")).collect();
+        format!("Summary:\n\n{}\n", lines.concat())
+    };
     let mut md = format!(
         "## amqp_outbox benchmark — {} mode ({}), {:.0} s, git {}{}\n\n\
          Load average at start {load_start}, at end {load_end} (2 shared cores: read ratios, \
          not absolute numbers); synchronous_commit = {}. Medians of interleaved repetitions; ratio = median of the \
-         per-repetition ratios against the baseline measured in the same run.\n\n{table}",
+         per-repetition ratios against the baseline measured in the same run.\n\n{summary}{table}",
         if opts.quick { "quick" } else { "full" },
         if opts.quick { "make bench" } else { "make bench-full" },
         elapsed,

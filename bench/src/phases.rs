@@ -17,7 +17,7 @@ const BODY_SIZE: usize = 100;
 const RAW_WINDOW: usize = 1000;
 
 /// Rotates `items` left by `k` (interleaving: each repetition starts with another system).
-fn rotated<T: Clone>(items: &[T], k: usize) -> Vec<T> {
+pub fn rotated<T: Clone>(items: &[T], k: usize) -> Vec<T> {
     let n = items.len();
     (0..n).map(|i| items[(i + k) % n].clone()).collect()
 }
