@@ -102,6 +102,9 @@ pub fn handle_all(
     book: &mut Book,
 ) -> SpiResult<Vec<Outcome>> {
     let mut out = Vec::with_capacity(messages.len());
+    // Handled messages leave amqp.inbox_failed; look there only for subscriptions that have
+    // failed messages (and for retries, which come from it).
+    let mut has_failed = queries::with_failed(client, subs.keys().cloned().collect())?;
     for m in messages {
         let Some(sub) = subs.get(&m.subscription).filter(|s| s.call.is_some()) else {
             out.push(Outcome::Dropped);
@@ -115,7 +118,8 @@ pub fn handle_all(
             Some(id) => id.clone(),
             None => queries::derived_message_id(client, m.digest_input())?,
         };
-        let outcome = handle_one(sub, m, &message_id, rules);
+        let resolve = m.delivery.is_none() || has_failed.contains(&sub.name);
+        let outcome = handle_one(sub, m, &message_id, rules, resolve);
         let outcome = match outcome {
             Ok(true) => {
                 let e = book.entry(&sub.name);
@@ -134,6 +138,7 @@ pub fn handle_all(
             Err(caught) => {
                 let text = format!("{} (SQLSTATE {})", caught.message, caught.sqlstate);
                 let dead = record_failed(client, sub, m, &message_id, &caught, rules)?;
+                has_failed.insert(sub.name.clone());
                 let e = book.entry(&sub.name);
                 e.failed += 1;
                 e.error = Some(Some(format!("message {message_id}: {text}")));
@@ -149,7 +154,13 @@ pub fn handle_all(
 }
 
 /// One message in its own subtransaction: `Ok(true)` handled, `Ok(false)` a duplicate.
-fn handle_one(sub: &Sub, m: &Message, message_id: &str, rules: &Rules) -> Result<bool, Caught> {
+fn handle_one(
+    sub: &Sub,
+    m: &Message,
+    message_id: &str,
+    rules: &Rules,
+    resolve: bool,
+) -> Result<bool, Caught> {
     let call = sub.call.as_deref().unwrap_or_default();
     guarded::subtransaction(|| {
         Spi::connect_mut(|client| -> SpiResult<bool> {
@@ -173,9 +184,11 @@ fn handle_one(sub: &Sub, m: &Message, message_id: &str, rules: &Rules) -> Result
                 m.attempt.into(),
             ];
             guarded::as_owner(sub.owner, rules.handler_timeout, || {
-                client.update(call, None, &args).map(|_| ())
+                queries::call_handler(client, call, &args)
             })?;
-            queries::resolve_failed(client, &sub.name, message_id)?;
+            if resolve {
+                queries::resolve_failed(client, &sub.name, message_id)?;
+            }
             if rules.receipts {
                 queries::receipt(client, sub.broker_id, &sub.name, message_id, None)?;
             }

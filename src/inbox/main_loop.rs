@@ -179,6 +179,8 @@ impl Inbox {
                 }
                 if self.need_reload {
                     self.need_reload = false;
+                    // Handlers may have been replaced or dropped: plan their calls again.
+                    outbox_queries::forget_plans();
                     if let Some(configs) = self.subs.reload(client, &self.settings)? {
                         self.handle.send(InboxCommand::Configure(configs));
                     }

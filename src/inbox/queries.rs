@@ -3,6 +3,7 @@
 //! (`format('%I.%I')`), never from a value.
 
 use super::subscriptions::Sub;
+use crate::worker::queries::run_kept;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -43,8 +44,13 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
 /// `consume_once(subscription, message_id)`: false for a duplicate.
 pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> SpiResult<bool> {
     let args: [DatumWithOid; 2] = [sub.into(), message_id.into()];
-    let table = client.update("SELECT amqp.consume_once($1, $2)", None, &args)?;
-    Ok(table.first().get_one::<bool>()?.unwrap_or(false))
+    run_kept(
+        client,
+        "SELECT amqp.consume_once($1, $2)",
+        &args,
+        true,
+        |t| Ok(t.first().get_one::<bool>()?.unwrap_or(false)),
+    )
 }
 
 /// The key of a message that came without a message_id: a digest of what it carries.
@@ -61,12 +67,46 @@ pub fn derived_message_id(client: &SpiClient<'_>, content: Vec<u8>) -> SpiResult
 /// redelivered copy got through).
 pub fn resolve_failed(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> SpiResult<()> {
     let args: [DatumWithOid; 2] = [sub.into(), message_id.into()];
-    client.update(
+    run_kept(
+        client,
         "DELETE FROM amqp.inbox_failed WHERE subscription = $1 AND message_id = $2",
-        None,
         &args,
-    )?;
-    Ok(())
+        true,
+        |_| Ok(()),
+    )
+}
+
+/// Which of these subscriptions have failed messages now (only their handled messages may need
+/// [`resolve_failed`]).
+pub fn with_failed(
+    client: &mut SpiClient<'_>,
+    subs: Vec<String>,
+) -> SpiResult<std::collections::BTreeSet<String>> {
+    let args: [DatumWithOid; 1] = [subs.into()];
+    run_kept(
+        client,
+        "SELECT DISTINCT subscription FROM amqp.inbox_failed WHERE subscription = ANY($1)",
+        &args,
+        false,
+        |t| {
+            let mut out = std::collections::BTreeSet::new();
+            for r in t {
+                if let Some(s) = r.get::<String>(1)? {
+                    out.insert(s);
+                }
+            }
+            Ok(out)
+        },
+    )
+}
+
+/// Calls a subscription's handler (`call`, see [`Sub::call`]) from a kept plan.
+pub fn call_handler(
+    client: &mut SpiClient<'_>,
+    call: &str,
+    args: &[DatumWithOid],
+) -> SpiResult<()> {
+    run_kept(client, call, args, true, |_| Ok(()))
 }
 
 /// What a failure did to the message's record.

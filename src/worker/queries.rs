@@ -18,7 +18,7 @@ use std::time::Duration;
 thread_local! {
     /// The worker's hot statements, planned once and kept (re-planned by PostgreSQL itself when
     /// the table changes). Cleared when the extension goes away.
-    static PLANS: std::cell::RefCell<std::collections::HashMap<&'static str, pgrx::spi::OwnedPreparedStatement>> =
+    static PLANS: std::cell::RefCell<std::collections::HashMap<String, pgrx::spi::OwnedPreparedStatement>> =
         std::cell::RefCell::new(std::collections::HashMap::new());
 }
 
@@ -27,16 +27,17 @@ pub fn forget_plans() {
     PLANS.with_borrow_mut(|p| p.clear());
 }
 
-/// Runs `sql` from a kept plan, preparing it on first use.
-fn run_kept<'conn, R>(
+/// Runs `sql` from a kept plan, preparing it on first use. (Also used by the subscription
+/// worker, whose process has its own plans.)
+pub(crate) fn run_kept<'conn, R>(
     client: &mut SpiClient<'conn>,
-    sql: &'static str,
+    sql: &str,
     args: &[DatumWithOid],
     mutating: bool,
     read: impl FnOnce(pgrx::spi::SpiTupleTable<'conn>) -> SpiResult<R>,
 ) -> SpiResult<R> {
     PLANS.with_borrow_mut(|plans| {
-        let plan = match plans.entry(sql) {
+        let plan = match plans.entry(sql.to_owned()) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
