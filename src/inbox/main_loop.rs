@@ -154,8 +154,17 @@ impl Inbox {
         {
             return;
         }
+        // At most half of the smallest prefetch per transaction: while one half is handled,
+        // the broker refills the half acknowledged before, instead of waiting for a whole batch.
+        let half_prefetch = self
+            .subs
+            .active
+            .values()
+            .map(|s| usize::from(s.prefetch / 2).max(1))
+            .min()
+            .unwrap_or(batch_size);
         let batch: Vec<Message> = {
-            let n = self.pending.len().min(batch_size);
+            let n = self.pending.len().min(batch_size).min(half_prefetch);
             self.pending.drain(..n).collect()
         };
         pg::transaction("amqp_outbox subscriptions", || {
