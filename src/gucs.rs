@@ -342,6 +342,15 @@ pub fn database_names() -> Vec<String> {
     parse_database_list(&list)
 }
 
+/// The database at `slot` of the list (a worker's bgw_main_arg).
+pub fn database_of_slot(slot: usize) -> (usize, String) {
+    let name = database_names()
+        .into_iter()
+        .nth(slot)
+        .unwrap_or_else(|| "postgres".to_string());
+    (slot, name)
+}
+
 fn parse_database_list(list: &str) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {

@@ -33,7 +33,23 @@ pub extern "C-unwind" fn _PG_init() {
     drop_guard::install();
     if preloading {
         shmem::init();
-        worker::register();
+        register_workers();
+    }
+}
+
+/// An outbox worker and a subscription worker for each database `amqp_outbox.database` lists;
+/// its position is their shared-memory slot.
+fn register_workers() {
+    for (slot, name) in gucs::database_names().iter().enumerate() {
+        if slot >= shmem::MAX_DATABASES {
+            warning!(
+                "amqp_outbox: amqp_outbox.database lists more than {} databases; \"{name}\" and the ones after it are not served",
+                shmem::MAX_DATABASES
+            );
+            break;
+        }
+        worker::register(slot, name);
+        inbox::register(slot, name);
     }
 }
 

@@ -46,7 +46,7 @@ extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let (slot, database) = crate::worker::database_of_slot(arg);
+    let (slot, database) = crate::gucs::database_of_slot(arg.value());
     shmem::set_worker_slot(slot);
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with the

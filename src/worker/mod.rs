@@ -33,42 +33,20 @@ use pgrx::bgworkers::{
 use pgrx::prelude::*;
 use std::time::Duration;
 
-/// Registers an outbox worker and a subscription worker for each database of
-/// `amqp_outbox.database` (its position is the worker's shared-memory slot); called from
-/// `_PG_init` while shared_preload_libraries is processed.
-pub fn register() {
-    let names = gucs::database_names();
-    for (slot, name) in names.iter().enumerate() {
-        if slot >= shmem::MAX_DATABASES {
-            warning!(
-                "amqp_outbox: amqp_outbox.database lists more than {} databases; \"{name}\" and the ones after it are not served",
-                shmem::MAX_DATABASES
-            );
-            break;
-        }
-        BackgroundWorkerBuilder::new(&format!("amqp_outbox worker for {name}"))
-            .set_type("amqp_outbox")
-            .set_library("amqp_outbox")
-            .set_function("amqp_outbox_worker_main")
-            .set_argument((slot as i32).into_datum())
-            .enable_spi_access()
-            // Not started on a standby at all; after promotion it starts and publishes what the
-            // primary committed.
-            .set_start_time(BgWorkerStartTime::RecoveryFinished)
-            .set_restart_time(Some(Duration::from_secs(5)))
-            .load();
-        crate::inbox::register(slot, name);
-    }
-}
-
-/// The database of a worker's slot (its bgw_main_arg).
-pub(crate) fn database_of_slot(arg: pg_sys::Datum) -> (usize, String) {
-    let slot = arg.value();
-    let name = gucs::database_names()
-        .into_iter()
-        .nth(slot)
-        .unwrap_or_else(|| "postgres".to_string());
-    (slot, name)
+/// Registers the outbox worker of the database at `slot` (its position in
+/// `amqp_outbox.database`, which is also its shared-memory slot).
+pub fn register(slot: usize, name: &str) {
+    BackgroundWorkerBuilder::new(&format!("amqp_outbox worker for {name}"))
+        .set_type("amqp_outbox")
+        .set_library("amqp_outbox")
+        .set_function("amqp_outbox_worker_main")
+        .set_argument((slot as i32).into_datum())
+        .enable_spi_access()
+        // Not started on a standby at all; after promotion it starts and publishes what the
+        // primary committed.
+        .set_start_time(BgWorkerStartTime::RecoveryFinished)
+        .set_restart_time(Some(Duration::from_secs(5)))
+        .load();
 }
 
 /// Run by PostgreSQL as the worker exits: SQL functions must stop setting a latch that is gone.
@@ -81,7 +59,7 @@ extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let (slot, database) = database_of_slot(arg);
+    let (slot, database) = gucs::database_of_slot(arg.value());
     shmem::set_worker_slot(slot);
     // Raises FATAL (exit 1, restarted) while the database does not exist yet.
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
