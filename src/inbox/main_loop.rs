@@ -4,9 +4,10 @@
 //! latch + socket otherwise.
 
 use super::book::{self, Book};
-use super::handling::{self, Message, Outcome, Rules};
+use super::handling::{self, Outcome, Rules};
 use super::queries;
 use super::subscriptions::Subscriptions;
+use super::types::Message;
 use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use crate::worker::pg;

@@ -7,7 +7,7 @@
 //! - [`handling`]: one transaction handling a batch of messages, one subtransaction each.
 //! - [`guarded`]: a subtransaction that catches the handler's error, with a time bound.
 //! - [`book`]: counters and connection states, written to `amqp._subscription_state`.
-//! - [`queries`]: every SQL statement of the subscription worker.
+//! - [`queries`]: every SQL statement of the subscription worker; [`types`]: what they carry.
 
 mod book;
 mod guarded;
@@ -15,6 +15,7 @@ mod handling;
 mod main_loop;
 mod queries;
 mod subscriptions;
+mod types;
 
 use crate::shmem;
 use crate::worker::pg;

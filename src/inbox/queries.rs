@@ -2,7 +2,7 @@
 //! statement with a name in its text (the handler call) takes it from PostgreSQL's own quoting
 //! (`format('%I.%I')`), never from a value.
 
-use super::subscriptions::Sub;
+use super::types::{Message, Sub};
 use crate::worker::queries::run_kept;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -121,7 +121,7 @@ pub struct FailedRecord {
 #[allow(clippy::too_many_arguments)]
 pub fn record_failure(
     client: &mut SpiClient<'_>,
-    m: &super::handling::Message,
+    m: &Message,
     message_id: &str,
     error: &str,
     sqlstate: &str,
@@ -179,7 +179,7 @@ pub fn dead_letter(
     client: &mut SpiClient<'_>,
     sub: &Sub,
     exchange: &str,
-    m: &super::handling::Message,
+    m: &Message,
     message_id: &str,
     error: &str,
     attempts: i32,
@@ -240,7 +240,7 @@ pub fn due_retries(
     client: &SpiClient<'_>,
     subs: Vec<String>,
     limit: i64,
-) -> SpiResult<Vec<super::handling::Message>> {
+) -> SpiResult<Vec<Message>> {
     let args: [DatumWithOid; 2] = [subs.into(), limit.into()];
     let rows = client.select(
         "SELECT subscription, message_id, exchange, routing_key, body, headers::text, \
@@ -263,7 +263,7 @@ pub fn due_retries(
                 _ => None,
             })
             .unwrap_or_default();
-        out.push(super::handling::Message {
+        out.push(Message {
             subscription: r.get::<String>(1)?.unwrap_or_default(),
             message_id: r.get::<String>(2)?,
             exchange: r.get::<String>(3)?.unwrap_or_default(),

@@ -2,29 +2,13 @@
 //! consumers are closed) with the hosts of their brokers, and what is sent to the AMQP thread.
 
 use super::queries;
+use super::types::Sub;
 use crate::gucs::WorkerSettings;
 use crate::worker::brokers::template;
 use crate::worker::queries::load_brokers;
 use amqp_outbox_broker::inbox::SubscriptionConfig;
-use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::BTreeMap;
-
-/// One active subscription, as the handling needs it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sub {
-    pub name: String,
-    pub broker_id: i32,
-    pub queue: String,
-    pub prefetch: u16,
-    pub max_attempts: i32,
-    pub dead_letter_exchange: Option<String>,
-    /// The role the handler runs as.
-    pub owner: pg_sys::Oid,
-    /// `SELECT schema.function(ROW($1, …)::amqp.delivery)`, the names quoted by PostgreSQL;
-    /// `None` when the handler function no longer exists.
-    pub call: Option<String>,
-}
 
 #[derive(Default)]
 pub struct Subscriptions {

@@ -1,0 +1,83 @@
+//! The data the subscription worker works with: a subscription as handling needs it, and a
+//! message to handle. No SQL here (see `queries`), no handling (see `handling`).
+
+use amqp_outbox_broker::inbox::Delivery;
+use pgrx::pg_sys;
+
+/// One active subscription, as the handling needs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sub {
+    pub name: String,
+    pub broker_id: i32,
+    pub queue: String,
+    pub prefetch: u16,
+    pub max_attempts: i32,
+    pub dead_letter_exchange: Option<String>,
+    /// The role the handler runs as.
+    pub owner: pg_sys::Oid,
+    /// `SELECT schema.function(ROW($1, …)::amqp.delivery)`, the names quoted by PostgreSQL;
+    /// `None` when the handler function no longer exists.
+    pub call: Option<String>,
+}
+
+/// A message to handle: a delivery from the broker, or a failed one retried from the table.
+#[derive(Clone, Debug)]
+pub struct Message {
+    pub subscription: String,
+    pub message_id: Option<String>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    pub content_type: Option<String>,
+    pub correlation_id: Option<String>,
+    pub reply_to: Option<String>,
+    pub timestamp: Option<u64>,
+    pub redelivered: bool,
+    /// From the broker: (channel epoch, delivery tag), acknowledged after commit.
+    pub delivery: Option<(u64, u64)>,
+    /// 1 for the first try.
+    pub attempt: i32,
+}
+
+impl From<Delivery> for Message {
+    fn from(d: Delivery) -> Message {
+        Message {
+            subscription: d.subscription,
+            message_id: d.message_id.filter(|id| !id.is_empty()),
+            exchange: d.exchange,
+            routing_key: d.routing_key,
+            body: d.body,
+            headers: d.headers,
+            content_type: d.content_type,
+            correlation_id: d.correlation_id,
+            reply_to: d.reply_to,
+            timestamp: d.timestamp,
+            redelivered: d.redelivered,
+            delivery: Some((d.epoch, d.delivery_tag)),
+            attempt: 1,
+        }
+    }
+}
+
+impl Message {
+    /// What identifies a message that came without a message_id: everything it carries, so a
+    /// redelivery of it is recognised. (Two messages equal in all of this are one message.)
+    pub fn digest_input(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.body.len() + 128);
+        for part in [
+            self.exchange.as_bytes(),
+            self.routing_key.as_bytes(),
+            self.correlation_id.as_deref().unwrap_or("").as_bytes(),
+            self.timestamp.unwrap_or(0).to_string().as_bytes(),
+            serde_json::Value::Object(self.headers.clone())
+                .to_string()
+                .as_bytes(),
+        ] {
+            v.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            v.extend_from_slice(part);
+        }
+        v.extend_from_slice(&self.body);
+        v
+    }
+}
