@@ -913,8 +913,10 @@ fn ack_listener_keeps_working_during_a_resource_alarm() {
     // After its connection is closed, the listener reconnects after retry_backoff_min: long
     // enough to raise the alarm while records wait in the acknowledgement queue.
     let config = PgConfig::default()
-        .setting("amqp_outbox.retry_backoff_min", 15000)
-        .setting("amqp_outbox.retry_backoff_max", 30000);
+        // 30 s: RabbitMQ checks free disk space every few seconds, and a loaded machine needed
+        // more than 15 s to see the alarm up.
+        .setting("amqp_outbox.retry_backoff_min", 30000)
+        .setting("amqp_outbox.retry_backoff_max", 60000);
     let mut w = World::new("alarm", config, &rabbit);
     w.route.delete_on_drop = false; // the node goes away with its data
     let b = w.outbox.broker_id;
@@ -1033,7 +1035,7 @@ fn ack_listener_keeps_working_during_a_resource_alarm() {
     // The listener reconnects during the alarm and acknowledges the waiting messages.
     let mut seen_during: BTreeSet<String> = BTreeSet::new();
     eventually(
-        Duration::from_secs(40),
+        Duration::from_secs(60),
         "the waiting messages to be acknowledged during the alarm",
         || {
             let st = Outbox::message_statuses(&mut w.client)?;
