@@ -19,23 +19,17 @@ mod types;
 
 use crate::shmem;
 use crate::worker::pg;
-use pgrx::bgworkers::{
-    BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
-};
+use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
-use std::time::Duration;
 
 /// Registers the subscription worker of the database at `slot`.
 pub fn register(slot: usize, name: &str) {
-    BackgroundWorkerBuilder::new(&format!("amqp_outbox subscriptions for {name}"))
-        .set_type("amqp_outbox subscriptions")
-        .set_library("amqp_outbox")
-        .set_function("amqp_outbox_inbox_main")
-        .set_argument((slot as i32).into_datum())
-        .enable_spi_access()
-        .set_start_time(BgWorkerStartTime::RecoveryFinished)
-        .set_restart_time(Some(Duration::from_secs(5)))
-        .load();
+    crate::worker::register_for_slot(
+        &format!("amqp_outbox subscriptions for {name}"),
+        "amqp_outbox subscriptions",
+        "amqp_outbox_inbox_main",
+        slot,
+    );
 }
 
 #[pg_guard]

@@ -36,14 +36,23 @@ use std::time::Duration;
 /// Registers the outbox worker of the database at `slot` (its position in
 /// `amqp_outbox.database`, which is also its shared-memory slot).
 pub fn register(slot: usize, name: &str) {
-    BackgroundWorkerBuilder::new(&format!("amqp_outbox worker for {name}"))
-        .set_type("amqp_outbox")
+    register_for_slot(
+        &format!("amqp_outbox worker for {name}"),
+        "amqp_outbox",
+        "amqp_outbox_worker_main",
+        slot,
+    );
+}
+
+/// Registers one of a database's workers: `function` gets `slot` as its argument. Not started
+/// on a standby at all; after promotion it starts and works on what the primary committed.
+pub(crate) fn register_for_slot(name: &str, kind: &str, function: &str, slot: usize) {
+    BackgroundWorkerBuilder::new(name)
+        .set_type(kind)
         .set_library("amqp_outbox")
-        .set_function("amqp_outbox_worker_main")
+        .set_function(function)
         .set_argument((slot as i32).into_datum())
         .enable_spi_access()
-        // Not started on a standby at all; after promotion it starts and publishes what the
-        // primary committed.
         .set_start_time(BgWorkerStartTime::RecoveryFinished)
         .set_restart_time(Some(Duration::from_secs(5)))
         .load();
