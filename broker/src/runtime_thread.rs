@@ -84,6 +84,18 @@ fn restore_signals(old: &libc::sigset_t) {
     }
 }
 
+/// Waits at most `timeout` for an AMQP thread that was asked to stop, and joins it if it
+/// ended; a thread still running is left behind (the process is exiting).
+pub(crate) fn join_within(thread: std::thread::JoinHandle<()>, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !thread.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if thread.is_finished() {
+        let _ = thread.join();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -56,13 +56,7 @@ impl BrokerHandle {
     pub fn shutdown(mut self, timeout: Duration) {
         let _ = self.commands.send(Command::Shutdown);
         if let Some(t) = self.thread.take() {
-            let deadline = std::time::Instant::now() + timeout;
-            while !t.is_finished() && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
+            runtime_thread::join_within(t, timeout);
         }
     }
 }
