@@ -93,6 +93,10 @@ pub enum Event {
     },
     /// The connection is down (or never came up); `error` never contains a password.
     Disconnected { broker_id: i32, error: String },
+    /// The broker stopped (`true`) or resumed (`false`) reading this connection's publishes
+    /// (a resource alarm). Sent after `Connected` while still blocked. Meanwhile confirms do
+    /// not come, and a message waiting for one is not lost.
+    Blocked { broker_id: i32, blocked: bool },
     /// Positively confirmed with no return: these rows are on the broker.
     Confirmed {
         broker_id: i32,

@@ -302,6 +302,9 @@ impl BrokerTask {
                 host: host.clone(),
                 epoch,
             });
+            if *blocked_rx.borrow() {
+                self.report_blocked(true);
+            }
 
             // What ends this channel: Some(end of session), or None to open a new channel.
             let outcome: Option<End> = loop {
@@ -389,6 +392,7 @@ impl BrokerTask {
                                 .then(|| self.redactor.clean_secrets(&describe_error(&e))),
                             Some(lapin::Event::ConnectionBlocked(reason)) => {
                                 blocked_tx.send_replace(true);
+                                self.report_blocked(true);
                                 self.log(LogLevel::Info, format!(
                                     "{host}: publishing paused: broker resource alarm ({reason})"
                                 ));
@@ -396,6 +400,7 @@ impl BrokerTask {
                             }
                             Some(lapin::Event::ConnectionUnblocked) => {
                                 blocked_tx.send_replace(false);
+                                self.report_blocked(false);
                                 self.log(LogLevel::Info, format!("{host}: publishing resumed"));
                                 None
                             }
@@ -461,6 +466,13 @@ impl BrokerTask {
         self.sink.send(Event::Disconnected {
             broker_id: self.id(),
             error: self.redactor.clean(&error),
+        });
+    }
+
+    fn report_blocked(&self, blocked: bool) {
+        self.sink.send(Event::Blocked {
+            broker_id: self.id(),
+            blocked,
         });
     }
 

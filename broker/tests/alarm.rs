@@ -73,8 +73,13 @@ fn resource_alarm_pauses_publishing_without_a_hang_and_everything_drains_after()
     );
     bridge.wait_for(Duration::from_secs(20), |e| {
         tally(e, &mut confirmed, &mut acked);
-        matches!(e, Event::Log { level: LogLevel::Info, message }
-            if message.contains("publishing paused: broker resource alarm"))
+        matches!(
+            e,
+            Event::Blocked {
+                broker_id: 1,
+                blocked: true
+            }
+        )
         .then_some(())
     });
     // Several confirm timeouts pass: no hang is declared, nothing fails or disconnects.
@@ -86,6 +91,11 @@ fn resource_alarm_pauses_publishing_without_a_hang_and_everything_drains_after()
         }
     }
     assert!(confirmed < 30, "confirms came through a resource alarm");
+    // The worker is told (so its timeout sweep waits), and so is the log.
+    assert!(bridge.seen.iter().any(
+        |e| matches!(e, Event::Log { level: LogLevel::Info, message }
+            if message.contains("publishing paused: broker resource alarm"))
+    ));
     // The listener only consumes: the broker does not block it ("blocking" means it would be
     // blocked if it published; deliveries keep flowing).
     let states = connection_states(&node);
@@ -111,6 +121,13 @@ fn resource_alarm_pauses_publishing_without_a_hang_and_everything_drains_after()
         .iter()
         .any(|e| matches!(e, Event::Log { message, .. }
         if message.contains("publishing resumed"))));
+    assert!(bridge.seen.iter().any(|e| matches!(
+        e,
+        Event::Blocked {
+            broker_id: 1,
+            blocked: false
+        }
+    )));
     drop(bridge);
     drop(node);
 }

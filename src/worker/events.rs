@@ -43,6 +43,10 @@ pub fn take(
                 b.error = Some(error);
                 status.mark_changed();
             }
+            Event::Blocked { broker_id, blocked } => {
+                flight.set_blocked(broker_id, blocked);
+                status.mark_changed();
+            }
             Event::Confirmed { ids, .. } => {
                 shmem::count(|c| &c.confirmed, ids.len() as u64);
                 for id in ids {

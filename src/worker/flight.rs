@@ -28,8 +28,14 @@ pub struct BrokerFlight {
     pub host: Option<String>,
     pub epoch: u64,
     pub proof: ProofMode,
-    /// Why the connection is down, if it is.
+    /// Why the connection is down or paused, if it is.
     pub error: Option<String>,
+    /// The broker is not reading publishes (resource alarm): confirms are held back, nothing
+    /// in flight is lost for waiting.
+    pub blocked: bool,
+    /// When publishing last resumed after a block: the timeout sweep counts from here at the
+    /// earliest, as the AMQP thread's confirm timeout does.
+    pub resumed_at: Option<Instant>,
     pub in_flight: usize,
     /// Bodies handed over and not confirmed yet: what the worker's process may still hold.
     pub unconfirmed_bytes: usize,
@@ -46,6 +52,8 @@ impl Default for BrokerFlight {
             epoch: 0,
             proof: ProofMode::AckQueue,
             error: None,
+            blocked: false,
+            resumed_at: None,
             in_flight: 0,
             unconfirmed_bytes: 0,
             suspects: BTreeSet::new(),
@@ -244,6 +252,11 @@ impl Flight {
     /// them). Confirmed ones keep waiting for their acknowledgement record, which the listener
     /// still receives.
     pub fn forget_unconfirmed(&mut self, broker_id: i32) {
+        let b = self.broker(broker_id);
+        if b.blocked {
+            b.blocked = false;
+            b.error = None;
+        }
         let gone: Vec<i64> = self
             .entries
             .iter()
@@ -255,14 +268,41 @@ impl Flight {
         }
     }
 
+    /// The broker paused or resumed reading this connection's publishes.
+    pub fn set_blocked(&mut self, broker_id: i32, blocked: bool) {
+        let b = self.broker(broker_id);
+        if b.blocked == blocked {
+            return;
+        }
+        b.blocked = blocked;
+        if blocked {
+            b.error = Some("publishing paused by the broker (resource alarm)".into());
+        } else {
+            b.error = None;
+            b.resumed_at = Some(Instant::now());
+        }
+    }
+
     /// Messages in flight for longer than `after` without proof of delivery: taken back, to be
-    /// published again.
+    /// published again. Time spent while their broker blocked publishing does not count: the
+    /// messages are queued on a live connection and a second copy would only be a duplicate.
     pub fn expire(&mut self, after: Duration) -> Vec<i64> {
         let now = Instant::now();
+        let brokers = &self.brokers;
         let expired: Vec<i64> = self
             .entries
             .iter()
-            .filter(|(_, e)| now.duration_since(e.sent_at) >= after)
+            .filter(|(_, e)| {
+                let broker = brokers.get(&e.broker_id);
+                if broker.is_some_and(|b| b.blocked) {
+                    return false;
+                }
+                let since = match broker.and_then(|b| b.resumed_at) {
+                    Some(resumed) => e.sent_at.max(resumed),
+                    None => e.sent_at,
+                };
+                now.duration_since(since) >= after
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in &expired {
@@ -412,6 +452,33 @@ mod tests {
         assert!(f.expire(Duration::from_secs(3600)).is_empty());
         assert_eq!(f.expire(Duration::ZERO), vec![10]);
         assert!(!f.is_in_flight(10));
+    }
+
+    #[test]
+    fn expire_waits_while_the_broker_blocks_publishing_and_counts_from_the_resume() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10, 100);
+        f.set_blocked(1, true);
+        assert!(
+            f.broker(1).error.is_some(),
+            "the view says why nothing moves"
+        );
+        assert!(f.expire(Duration::ZERO).is_empty(), "blocked: not lost");
+        std::thread::sleep(Duration::from_millis(30));
+        f.set_blocked(1, false);
+        assert!(f.broker(1).error.is_none());
+        // Sent more than 30 ms ago, but resumed just now.
+        assert!(f.expire(Duration::from_millis(25)).is_empty());
+        assert_eq!(f.expire(Duration::ZERO), vec![10]);
+    }
+
+    #[test]
+    fn a_new_connection_is_not_blocked() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.set_blocked(1, true);
+        f.forget_unconfirmed(1);
+        assert!(!f.broker(1).blocked);
+        assert!(f.broker(1).error.is_none());
     }
 
     #[test]
