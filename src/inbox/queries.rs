@@ -287,7 +287,9 @@ pub fn next_retry_in(client: &SpiClient<'_>, subs: Vec<String>) -> SpiResult<Opt
     let args: [DatumWithOid; 1] = [subs.into()];
     client
         .select(
-            "SELECT greatest(extract(epoch FROM min(next_attempt_at) - clock_timestamp()), 0)::float8 \
+            // NULL when nothing waits (greatest() would turn that into 0: a retry due now, and
+            // the worker would never sleep); the caller clamps a past instant to now.
+            "SELECT extract(epoch FROM min(next_attempt_at) - clock_timestamp())::float8 \
                FROM amqp.inbox_failed \
               WHERE dead_lettered_at IS NULL AND subscription = ANY($1)",
             None,
