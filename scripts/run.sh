@@ -56,7 +56,6 @@ port = $PGPORT
 listen_addresses = '127.0.0.1'
 unix_socket_directories = '$RUN_DIR'
 shared_preload_libraries = 'amqp_outbox'
-amqp_outbox.database = '$DB, $CONSUMER_DB'
 EOF
 if is_root; then chown postgres: "$PGDATA/amqp_outbox_run.conf"; fi
 
@@ -189,15 +188,20 @@ demo_queue show
 say "A subscription in database $CONSUMER_DB: each order handled exactly once"
 psql_ -d postgres -c "DROP DATABASE IF EXISTS $CONSUMER_DB WITH (FORCE)"
 psql_ -d postgres -c "CREATE DATABASE $CONSUMER_DB"
-psql_ -d "$CONSUMER_DB" <<'EOF'
+psql_ -d "$CONSUMER_DB" -v ex="$EXCHANGE" <<'EOF'
 SET client_min_messages = warning;
 CREATE EXTENSION amqp_outbox;
 INSERT INTO amqp.broker (host) VALUES ('127.0.0.1');
 CREATE TABLE invoice (order_id int PRIMARY KEY, total numeric, message_id text);
+-- Where the handler publishes its own message (this database publishes too).
+CREATE TABLE demo_target (exchange text);
+INSERT INTO demo_target VALUES (:'ex');
 CREATE FUNCTION bill(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE o jsonb := amqp.body_text(d)::jsonb;
 BEGIN
     INSERT INTO invoice VALUES ((o->>'id')::int, (o->>'total')::numeric, d.message_id);
+    PERFORM amqp.publish(1, (SELECT exchange FROM demo_target), '',
+                         format('invoice for order %s, published by the billing database', o->>'id'));
 END $$;
 EOF
 value "SELECT amqp.exchange_declare($BROKER_ID, '$ORDERS_EXCHANGE', 'direct', false, true)" >/dev/null
@@ -227,6 +231,15 @@ if [ "$handled" = 3 ]; then
 else
     warn "$CONSUMER_DB handled $handled of 3; the log is in $LOG"
 fi
+
+say "Published from the second database: the handler's invoices, in RabbitMQ"
+for _ in $(seq 1 20); do
+    [ "$(psql_ -d "$CONSUMER_DB" -At -c "SELECT count(*) FROM amqp.message")" = 0 ] && break
+    sleep 0.5
+done
+demo_queue show
+note "each database has its own workers, started by the launcher (no setting names them):"
+sql -c "SELECT database, state, worker_pid, subscription_worker_pid, published FROM amqp.worker_status"
 
 sockdir_hint="$RUN_DIR"
 user_hint=""

@@ -58,21 +58,22 @@ CREATE TRIGGER broker_check BEFORE INSERT OR UPDATE ON @extschema@.broker
 
 -- Views for DBAs. Readable by pg_monitor; they show no secrets.
 CREATE VIEW @extschema@.worker_status AS
-    SELECT s.*,
-           pg_catalog.current_database()::text AS database,
-           pg_catalog.current_database()::text OPERATOR(pg_catalog.=) ANY (@extschema@._served_databases())
-               AS serves_this_database
-      FROM @extschema@._worker_status() s;
+    SELECT s.worker_pid, s.published, s.confirmed, s.acknowledged, s.resent_lost,
+           s.resent_timeout, s.failed, s.parked, s.ack_queue, s.steps, s.commit_wakeups,
+           s.subscription_worker_pid, d.datname::text AS database, s.state
+      FROM @extschema@._worker_status() s
+      LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) s.database_oid
+     ORDER BY d.datname;
 COMMENT ON VIEW @extschema@.worker_status IS
-    'This database''s workers: the outbox worker''s pid (NULL when not running) and counters since the server started, the subscription worker''s pid, and whether amqp_outbox.database lists this database.';
+    'One row per database the launcher serves or cannot serve, and one for this database: state (running, starting, paused, not served: why), the workers'' pids, and the outbox worker''s counters since the database got its workers.';
 
--- Workers serve the databases amqp_outbox.database lists: say so where it is not listed.
+-- Workers serve the databases amqp_outbox.database allows: say so where it does not.
 DO $served$
 BEGIN
-    IF NOT pg_catalog.current_database()::text OPERATOR(pg_catalog.=) ANY (@extschema@._served_databases()) THEN
-        RAISE WARNING 'amqp_outbox: no worker serves database "%" (amqp_outbox.database = ''%''): messages published here wait until it is listed',
+    IF NOT @extschema@._serves_this_database() THEN
+        RAISE WARNING 'amqp_outbox: no worker serves database "%" (amqp_outbox.database = ''%''): messages published here wait until it is served',
                       pg_catalog.current_database(), pg_catalog.current_setting('amqp_outbox.database', true)
-            USING HINT = 'Add this database to amqp_outbox.database in postgresql.conf and restart the server.';
+            USING HINT = 'Add this database to amqp_outbox.database in postgresql.conf and reload the configuration.';
     END IF;
 END
 $served$;
@@ -151,4 +152,4 @@ GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema
 
 -- The views call these; callers of a view need EXECUTE on the functions it calls.
 GRANT EXECUTE ON FUNCTION @extschema@._worker_status(), @extschema@._broker_status(),
-    @extschema@._in_flight(), @extschema@._served_databases() TO pg_monitor;
+    @extschema@._in_flight(), @extschema@._serves_this_database() TO pg_monitor;

@@ -5,9 +5,14 @@ use pgrx::pg_sys;
 
 /// A name no other database can have, even one on another cluster using the same broker.
 pub fn name() -> String {
-    // SAFETY: both are plain values PostgreSQL sets once at start and at connection (the
-    // control file's identifier, this backend's database); reading them has no side effect,
+    // SAFETY: a plain value PostgreSQL sets at connection (this process's database).
+    name_for(unsafe { pg_sys::MyDatabaseId }.to_u32())
+}
+
+/// The acknowledgement queue of the database `dboid` of this cluster.
+pub fn name_for(dboid: u32) -> String {
+    // SAFETY: the control file's identifier, set once at start; reading it has no side effect,
     // and every caller runs on a PostgreSQL thread.
-    let (sysid, dboid) = unsafe { (pg_sys::GetSystemIdentifier(), pg_sys::MyDatabaseId) };
-    format!("amqp_outbox.ack.{sysid:x}.{:x}", dboid.to_u32())
+    let sysid = unsafe { pg_sys::GetSystemIdentifier() };
+    format!("amqp_outbox.ack.{sysid:x}.{dboid:x}")
 }

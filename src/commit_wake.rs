@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static REGISTERED: AtomicBool = AtomicBool::new(false);
 static WAKE_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static RELOAD_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+static CREATED_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+static LAUNCHER_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 
 fn register() {
     if !REGISTERED.swap(true, Ordering::Relaxed) {
@@ -33,6 +35,20 @@ pub fn reload_worker_at_commit() {
     RELOAD_AT_COMMIT.store(true, Ordering::Relaxed);
 }
 
+/// The transaction creates the extension: once it commits, the launcher starts this
+/// database's workers.
+pub fn extension_created_at_commit() {
+    register();
+    CREATED_AT_COMMIT.store(true, Ordering::Relaxed);
+}
+
+/// The transaction creates a database (perhaps from a template with the extension): once it
+/// commits, the launcher looks at the databases.
+pub fn wake_launcher_at_commit() {
+    register();
+    LAUNCHER_AT_COMMIT.store(true, Ordering::Relaxed);
+}
+
 #[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(
     event: pg_sys::XactEvent::Type,
@@ -46,12 +62,20 @@ unsafe extern "C-unwind" fn on_xact_event(
             if WAKE_AT_COMMIT.swap(false, Ordering::Relaxed) {
                 shmem::wake_worker_for_commit();
             }
+            if CREATED_AT_COMMIT.swap(false, Ordering::Relaxed) {
+                shmem::launch::extension_created();
+            }
+            if LAUNCHER_AT_COMMIT.swap(false, Ordering::Relaxed) {
+                shmem::launch::wake_launcher();
+            }
         }
         // A prepared transaction commits later in another session (COMMIT PREPARED), which
         // wakes nobody: the worker's naptime finds those rows.
         pg_sys::XactEvent::XACT_EVENT_ABORT | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
             WAKE_AT_COMMIT.store(false, Ordering::Relaxed);
             RELOAD_AT_COMMIT.store(false, Ordering::Relaxed);
+            CREATED_AT_COMMIT.store(false, Ordering::Relaxed);
+            LAUNCHER_AT_COMMIT.store(false, Ordering::Relaxed);
         }
         _ => {}
     }

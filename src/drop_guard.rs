@@ -2,7 +2,9 @@
 //! not yet delivered, without a word. It is refused while the outbox holds messages; deleting
 //! them first (`DELETE FROM amqp.message`, in the same transaction if you like) says that
 //! losing them is meant. Installed as a ProcessUtility hook, the one place that sees which
-//! extension a DROP names before anything is dropped.
+//! extension a DROP names before anything is dropped. The same hook pauses a database's workers
+//! for the statements that need the database to themselves ([`crate::database_statements`]),
+//! and tells the launcher about a `CREATE EXTENSION amqp_outbox` once it commits.
 
 use pgrx::prelude::*;
 use pgrx::PgList;
@@ -35,6 +37,14 @@ unsafe extern "C-unwind" fn guard(
     if unsafe { drops_this_extension(pstmt) } {
         refuse_while_messages_wait();
     }
+    // SAFETY: as above.
+    if unsafe { creates_this_extension(pstmt) } {
+        // Whatever version's script runs: once the transaction commits, the launcher starts
+        // this database's workers.
+        crate::commit_wake::extension_created_at_commit();
+    }
+    // SAFETY: as above.
+    let paused = unsafe { crate::database_statements::pause_for(pstmt) };
     // SAFETY: the same arguments, passed on unchanged.
     unsafe {
         match PREVIOUS {
@@ -59,6 +69,26 @@ unsafe extern "C-unwind" fn guard(
                 qc,
             ),
         }
+    }
+    // Not reached when the statement fails: the pause then runs out by itself.
+    if let Some(p) = paused {
+        p.resume();
+    }
+}
+
+/// Whether the statement is a `CREATE EXTENSION amqp_outbox`.
+///
+/// # Safety
+/// `pstmt` is a valid `PlannedStmt` whose `utilityStmt` is a valid node.
+unsafe fn creates_this_extension(pstmt: *mut pg_sys::PlannedStmt) -> bool {
+    // SAFETY: per the contract above; the node is cast to the type its tag names.
+    unsafe {
+        let stmt = (*pstmt).utilityStmt;
+        if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_CreateExtensionStmt {
+            return false;
+        }
+        let name = (*stmt.cast::<pg_sys::CreateExtensionStmt>()).extname;
+        !name.is_null() && CStr::from_ptr(name).to_bytes() == b"amqp_outbox"
     }
 }
 

@@ -5,8 +5,8 @@ use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 use std::time::Duration;
 
-pub static DATABASE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
+pub static MAX_WORKERS: GucSetting<i32> = GucSetting::<i32>::new(8);
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static MAX_MESSAGE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024 * 1024);
 pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
@@ -40,12 +40,22 @@ pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// FATAL otherwise), so a backend that loads the library later (CREATE EXTENSION without
 /// preloading) leaves it out and still gets its clear error at the first publish.
 pub fn init(preloading: bool) {
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.database",
+        c"Databases served: * (all), or comma-separated names.",
+        c"The launcher starts an outbox worker and a subscription worker in every database that has the extension and is allowed here.",
+        &DATABASE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     if preloading {
-        GucRegistry::define_string_guc(
-            c"amqp_outbox.database",
-            c"Databases served: comma-separated names, each gets an outbox worker and a subscription worker.",
-            c"Each worker connects to its database and idles until the extension exists there. At most 8 databases; more are ignored with a WARNING.",
-            &DATABASE,
+        GucRegistry::define_int_guc(
+            c"amqp_outbox.max_workers",
+            c"Databases served at most (each gets two background workers).",
+            c"Databases beyond it get a WARNING and a row in amqp.worker_status. Each served database uses two of max_worker_processes.",
+            &MAX_WORKERS,
+            1,
+            crate::shmem::MAX_DATABASES as i32,
             GucContext::Postmaster,
             GucFlags::default(),
         );
@@ -332,46 +342,64 @@ impl WorkerSettings {
     }
 }
 
-/// The databases served, in the order listed (`amqp_outbox.database`: names separated by
-/// commas; surrounding spaces are ignored, a name with a comma cannot be listed).
-pub fn database_names() -> Vec<String> {
-    let list = DATABASE
+/// `amqp_outbox.database`: which databases the launcher serves.
+#[derive(Debug, PartialEq, Eq)]
+pub struct DatabaseFilter {
+    all: bool,
+    names: Vec<String>,
+}
+
+impl DatabaseFilter {
+    pub fn allows(&self, database: &str) -> bool {
+        self.all || self.names.iter().any(|n| n == database)
+    }
+}
+
+pub fn database_filter_text() -> String {
+    DATABASE
         .get()
         .and_then(|c| c.into_string().ok())
-        .unwrap_or_else(|| "postgres".to_string());
-    parse_database_list(&list)
+        .unwrap_or_default()
 }
 
-/// The database at `slot` of the list (a worker's bgw_main_arg).
-pub fn database_of_slot(slot: usize) -> (usize, String) {
-    let name = database_names()
-        .into_iter()
-        .nth(slot)
-        .unwrap_or_else(|| "postgres".to_string());
-    (slot, name)
+pub fn database_filter() -> DatabaseFilter {
+    parse_database_filter(&database_filter_text())
 }
 
-fn parse_database_list(list: &str) -> Vec<String> {
+pub fn max_workers() -> usize {
+    MAX_WORKERS.get().max(1) as usize
+}
+
+/// Names separated by commas, surrounding spaces ignored (a name with a comma cannot be
+/// listed); empty, or a `*` among them, means every database.
+fn parse_database_filter(list: &str) -> DatabaseFilter {
     let mut names: Vec<String> = Vec::new();
     for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         if !names.iter().any(|n| n == name) {
             names.push(name.to_string());
         }
     }
-    names
+    DatabaseFilter {
+        all: names.is_empty() || names.iter().any(|n| n == "*"),
+        names,
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_database_list;
+    use super::parse_database_filter;
 
     #[test]
     fn database_list_is_split_on_commas_trimmed_and_deduplicated() {
-        assert_eq!(parse_database_list("postgres"), ["postgres"]);
-        assert_eq!(
-            parse_database_list(" shop , billing,shop,, "),
-            ["shop", "billing"]
-        );
-        assert!(parse_database_list(" , ").is_empty());
+        let f = parse_database_filter(" shop , billing,shop,, ");
+        assert!(f.allows("shop") && f.allows("billing"));
+        assert!(!f.allows("postgres") && !f.allows(" shop"));
+    }
+
+    #[test]
+    fn empty_or_a_star_means_every_database() {
+        for list in ["", " , ", "*", "shop, *"] {
+            assert!(parse_database_filter(list).allows("anything"), "{list:?}");
+        }
     }
 }

@@ -7,11 +7,13 @@ use pgrx::prelude::*;
 mod ack_queue;
 mod api;
 mod commit_wake;
+mod database_statements;
 mod drop_guard;
 mod error;
 mod gucs;
 mod headers;
 mod inbox;
+mod launcher;
 mod shmem;
 mod worker;
 
@@ -33,30 +35,11 @@ pub extern "C-unwind" fn _PG_init() {
     drop_guard::install();
     if preloading {
         shmem::init();
-        register_workers();
+        // The launcher starts each database's workers (see launcher/).
+        launcher::register();
     }
 }
 
-/// An outbox worker and a subscription worker for each database `amqp_outbox.database` lists;
-/// its position is their shared-memory slot.
-fn register_workers() {
-    for (slot, name) in gucs::database_names().iter().enumerate() {
-        if slot >= shmem::MAX_DATABASES {
-            warning!(
-                "amqp_outbox: amqp_outbox.database lists more than {} databases; \"{name}\" and the ones after it are not served",
-                shmem::MAX_DATABASES
-            );
-            break;
-        }
-        worker::register(slot, name);
-        inbox::register(slot, name);
-    }
-}
-
-/// pgrx puts a Rust backtrace into the DETAIL of an error raised through Rust code whenever
-/// `std::backtrace` is enabled, which `RUST_BACKTRACE` in the server's environment does: clients
-/// would see our stack frames. Unless a developer asks for them with `RUST_LIB_BACKTRACE`, they
-/// are turned off for this process (and, set in the postmaster, for every backend it starts).
 fn hide_rust_backtraces() {
     if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
         // Runs while the library is loaded, before this process starts any thread.

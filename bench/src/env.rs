@@ -331,7 +331,10 @@ impl Env {
     /// `amqp.worker_status.confirmed`.
     pub fn confirmed(&mut self) -> Result<i64, String> {
         self.admin
-            .query_one("SELECT confirmed FROM amqp.worker_status", &[])
+            .query_one(
+                "SELECT confirmed FROM amqp.worker_status WHERE database = current_database()",
+                &[],
+            )
             .map(|r| r.get(0))
             .map_err(|e| format!("amqp.worker_status: {e}"))
     }

@@ -235,36 +235,52 @@ impl<'a> NewMessage<'a> {
     }
 }
 
-/// Workers serve the databases `amqp_outbox.database` lists: a session that publishes in
-/// another one is warned once, since its messages wait there.
+/// Workers serve the databases `amqp_outbox.database` allows, up to `amqp_outbox.max_workers`:
+/// a session that publishes in another one is warned once, since its messages wait there.
 fn warn_once_if_not_served() {
     if NOT_SERVED_CHECKED.replace(true) {
         return;
     }
-    let served = crate::gucs::database_names();
     // SAFETY: MyDatabaseId is set in a backend connected to a database; get_database_name
     // returns a palloc'd copy of its name, or NULL when it no longer exists.
-    let this = unsafe {
+    let (oid, this) = unsafe {
         let name = pg_sys::get_database_name(pg_sys::MyDatabaseId);
         if name.is_null() {
             return;
         }
-        std::ffi::CStr::from_ptr(name)
+        let this = std::ffi::CStr::from_ptr(name)
             .to_string_lossy()
-            .into_owned()
+            .into_owned();
+        (pg_sys::MyDatabaseId.to_u32(), this)
     };
-    if !served.contains(&this) {
-        let served = served.join(", ");
-        ErrorReport::new(
-            PgSqlErrorCode::ERRCODE_WARNING,
+    let (why, hint) = if !crate::gucs::database_filter().allows(&this) {
+        (
             format!(
-                "amqp_outbox: no worker serves database \"{this}\" (amqp_outbox.database = '{served}'): messages published here wait until it is listed"
+                "amqp_outbox.database = '{}'",
+                crate::gucs::database_filter_text()
             ),
-            "amqp_outbox",
+            "Add this database to amqp_outbox.database in postgresql.conf and reload the configuration.",
         )
-        .set_hint("Add this database to amqp_outbox.database in postgresql.conf and restart the server.")
-        .report(PgLogLevel::WARNING);
-    }
+    } else if crate::shmem::launch::unserved()
+        .iter()
+        .any(|(o, _)| *o == oid)
+    {
+        (
+            format!("amqp_outbox.max_workers = {}", crate::gucs::max_workers()),
+            "Raise amqp_outbox.max_workers (and max_worker_processes) and restart the server.",
+        )
+    } else {
+        return;
+    };
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_WARNING,
+        format!(
+            "amqp_outbox: no worker serves database \"{this}\" ({why}): messages published here wait until it is served"
+        ),
+        "amqp_outbox",
+    )
+    .set_hint(hint)
+    .report(PgLogLevel::WARNING);
 }
 
 /// `Some(cap)` when `amqp_outbox.max_pending` is set and the broker's backlog (as the worker last

@@ -4,20 +4,70 @@ use crate::shmem;
 use pgrx::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The databases `amqp_outbox.database` lists (each has an outbox and a subscription worker).
-#[pg_extern(stable, parallel_safe, name = "_served_databases")]
-fn served_databases() -> Vec<String> {
-    crate::gucs::database_names()
+/// Whether `amqp_outbox.database` allows this database (the install script warns if not).
+#[pg_extern(stable, parallel_safe, name = "_serves_this_database")]
+fn serves_this_database() -> bool {
+    // SAFETY: MyDatabaseId is set in a connected backend; get_database_name returns a palloc'd
+    // copy of its name, or NULL when it no longer exists.
+    let name = unsafe {
+        let p = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if p.is_null() {
+            return false;
+        }
+        std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+    };
+    crate::gucs::database_filter().allows(&name)
+}
+
+type StatusRow = (
+    pg_sys::Oid,
+    String,
+    Option<i32>,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    String,
+    i64,
+    i64,
+    Option<i32>,
+);
+
+fn status_row(oid: u32, state: &str, slot: Option<(&shmem::Counters, i32, i32)>) -> StatusRow {
+    let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
+        slot.map_or(0, |(c, _, _)| f(c).load(Ordering::Relaxed) as i64)
+    };
+    let pid = |p: i32| (p != 0).then_some(p);
+    (
+        pg_sys::Oid::from(oid),
+        state.to_string(),
+        slot.and_then(|(_, p, _)| pid(p)),
+        load(|c| &c.published),
+        load(|c| &c.confirmed),
+        load(|c| &c.acknowledged),
+        load(|c| &c.resent_gap),
+        load(|c| &c.resent_timeout),
+        load(|c| &c.failed),
+        load(|c| &c.parked),
+        crate::ack_queue::name_for(oid),
+        load(|c| &c.steps),
+        load(|c| &c.commit_wakeups),
+        slot.and_then(|(_, _, p)| pid(p)),
+    )
 }
 
 #[allow(clippy::type_complexity)]
-/// The worker's process id, its counters since server start (zeros when not preloaded), the
-/// name of this database's acknowledgement queue, and how often the worker stepped and was woken
-/// by a commit.
+/// One row per database the launcher serves or could not serve, and one for this database in
+/// any case: its state, the workers' pids, their counters since the slot was given to it.
 #[pg_extern(volatile, parallel_safe, name = "_worker_status")]
 fn worker_status() -> TableIterator<
     'static,
     (
+        name!(database_oid, pg_sys::Oid),
+        name!(state, String),
         name!(worker_pid, Option<i32>),
         name!(published, i64),
         name!(confirmed, i64),
@@ -32,23 +82,34 @@ fn worker_status() -> TableIterator<
         name!(subscription_worker_pid, Option<i32>),
     ),
 > {
-    let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
-        shmem::counters().map_or(0, |c| f(c).load(Ordering::Relaxed) as i64)
-    };
-    TableIterator::once((
-        shmem::worker_pid(shmem::WorkerKind::Outbox),
-        load(|c| &c.published),
-        load(|c| &c.confirmed),
-        load(|c| &c.acknowledged),
-        load(|c| &c.resent_gap),
-        load(|c| &c.resent_timeout),
-        load(|c| &c.failed),
-        load(|c| &c.parked),
-        crate::ack_queue::name(),
-        load(|c| &c.steps),
-        load(|c| &c.commit_wakeups),
-        shmem::worker_pid(shmem::WorkerKind::Inbox),
-    ))
+    // SAFETY: MyDatabaseId is a plain global of a connected backend.
+    let here = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let mut rows: Vec<StatusRow> = Vec::new();
+    if !shmem::ready() {
+        rows.push(status_row(here, "not preloaded", None));
+        return TableIterator::new(rows);
+    }
+    for (oid, state, counters, pids) in shmem::launch::served() {
+        rows.push(status_row(oid, state, Some((counters, pids.0, pids.1))));
+    }
+    for (oid, why) in shmem::launch::unserved() {
+        if !rows.iter().any(|r| r.0.to_u32() == oid) {
+            rows.push(status_row(oid, why.text(), None));
+        }
+    }
+    if !rows.iter().any(|r| r.0.to_u32() == here) {
+        let state = if serves_this_database() {
+            if shmem::launch::launcher_pid().is_some() {
+                "starting"
+            } else {
+                "no launcher"
+            }
+        } else {
+            "not served: excluded by amqp_outbox.database"
+        };
+        rows.push(status_row(here, state, None));
+    }
+    TableIterator::new(rows)
 }
 
 #[allow(clippy::type_complexity)]

@@ -32,6 +32,9 @@ pub struct Inbox {
     pending: VecDeque<Message>,
     need_reload: bool,
     present: bool,
+    /// The extension is not installed: the worker exits (the launcher starts it again after
+    /// CREATE EXTENSION).
+    missing: bool,
     rotated_at: Option<Instant>,
     retry_at: Option<Instant>,
 }
@@ -46,6 +49,7 @@ impl Inbox {
             pending: VecDeque::new(),
             need_reload: true,
             present: false,
+            missing: false,
             rotated_at: None,
             retry_at: Some(Instant::now()),
         }
@@ -56,7 +60,8 @@ impl Inbox {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: subscription worker shutting down");
                 self.handle.shutdown(Duration::from_secs(2));
-                // SAFETY: a clean exit (0 = do not restart), as the outbox worker's.
+                // SAFETY: the main thread, between transactions; never returns. The launcher
+                // starts it again unless its database is going away.
                 unsafe { pg_sys::proc_exit(0) };
             }
             if pg::reload_config_if_requested() {
@@ -68,6 +73,12 @@ impl Inbox {
             }
             self.take_events();
             self.step();
+            if self.missing {
+                log!("amqp_outbox: extension not installed in this database; the subscription worker exits");
+                self.handle.shutdown(Duration::from_secs(2));
+                // SAFETY: the main thread, between transactions; never returns.
+                unsafe { pg_sys::proc_exit(0) };
+            }
             let timeout = if !self.pending.is_empty() {
                 Duration::ZERO
             } else {
@@ -169,8 +180,9 @@ impl Inbox {
             self.pending.drain(..n).collect()
         };
         pg::transaction("amqp_outbox subscriptions", || {
-            let ready =
-                outbox_queries::extension_exists() && outbox_queries::version_mismatch().is_none();
+            let exists = outbox_queries::extension_exists();
+            let ready = exists && outbox_queries::version_mismatch().is_none();
+            self.missing = !exists;
             if !ready {
                 if self.present {
                     log!("amqp_outbox: extension not usable in this database; subscriptions stop");

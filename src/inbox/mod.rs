@@ -22,16 +22,6 @@ use crate::worker::pg;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
-/// Registers the subscription worker of the database at `slot`.
-pub fn register(slot: usize, name: &str) {
-    crate::worker::register_for_slot(
-        &format!("amqp_outbox subscriptions for {name}"),
-        "amqp_outbox subscriptions",
-        "amqp_outbox_inbox_main",
-        slot,
-    );
-}
-
 #[pg_guard]
 extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
     shmem::register_worker(shmem::WorkerKind::Inbox, None, 0);
@@ -41,9 +31,7 @@ extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let (slot, database) = crate::gucs::database_of_slot(arg.value());
-    shmem::set_worker_slot(slot);
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    let database = crate::worker::connect_to_slot_database(arg);
     // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with the
     // search_path the database would give a session (postgresql.conf, ALTER DATABASE ... SET),
     // read before the pin; see `guarded::as_owner`.

@@ -1,22 +1,38 @@
 //! Shared memory, one slot per database served: the workers' latches (so a commit can wake
 //! them), requests from SQL functions to the worker, counters, broker states. Only present when
-//! the library is in `shared_preload_libraries`.
+//! the library is in `shared_preload_libraries`. The launcher's part, and how it hands out
+//! slots, is in [`launch`].
+
+pub mod launch;
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-/// Databases served at most: one outbox worker and one subscription worker each
-/// (`amqp_outbox.database` lists them). Everything below exists once per database.
-pub const MAX_DATABASES: usize = 8;
+/// Databases served at most (`amqp_outbox.max_workers` may set fewer): one outbox worker and
+/// one subscription worker each. Everything below exists once per database.
+pub const MAX_DATABASES: usize = 32;
 
-/// One database's workers, as the other processes see them. A slot is claimed by the workers
-/// of the database listed at that position; backends find theirs by database oid.
+/// One database's workers, as the other processes see them. The launcher assigns a slot to a
+/// database and starts its workers with the slot's index; backends find theirs by database oid.
 #[derive(Default)]
 pub struct DbSlot {
-    /// The oid of the database this slot serves; 0 until its first worker connected. Kept
-    /// after the workers exit, so counters stay readable.
+    /// The oid of the database this slot serves (set by the launcher); 0 while never used.
+    /// Kept after the workers exit, so counters stay readable until the slot is reused.
     database: AtomicU32,
+    /// The outbox worker found no extension in its database and exited: not to be restarted
+    /// until a `CREATE EXTENSION`.
+    absent: AtomicBool,
+    /// Set by the launcher when it starts the outbox worker only to learn whether the
+    /// database has the extension (all `amqp_outbox.max_workers` are taken): it exits after
+    /// its first look.
+    probe_only: AtomicBool,
+    /// The launcher serves this database now (`amqp.worker_status` lists it).
+    served: AtomicBool,
+    /// A statement that needs the database to itself (DROP, RENAME, ALTER DATABASE SET
+    /// TABLESPACE, CREATE DATABASE from it as a template) stopped the workers until this
+    /// instant (milliseconds since the Unix epoch); 0: not paused.
+    paused_until_ms: AtomicU64,
     /// Address of the outbox worker's `PGPROC` latch, or 0 when it does not run. Shared memory
     /// is mapped at the same address in every process forked from the postmaster, so the
     /// pointer is valid in all backends. A stale pointer (worker gone, slot reused) only causes
@@ -72,7 +88,7 @@ static BROKER_STATES: PgLwLock<PerDb<BrokerStates>> =
 static IN_FLIGHT: PgLwLock<PerDb<InFlightTable>> =
     unsafe { PgLwLock::new(c"amqp_outbox_in_flight") };
 
-/// A worker's own slot (its position in `amqp_outbox.database`); `usize::MAX` in backends.
+/// A worker's own slot (its bgw_main_arg); `usize::MAX` in backends.
 static MY_SLOT: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Called by a worker before it registers: the slot it serves.
@@ -263,6 +279,7 @@ pub struct Requests {
 unsafe impl PGRXSharedMemory for Requests {}
 
 pub fn init() {
+    launch::init();
     pg_shmem_init!(SLOTS);
     pg_shmem_init!(REQUESTS);
     pg_shmem_init!(BROKER_STATES);
@@ -319,11 +336,6 @@ pub enum WorkerKind {
 /// Called by a worker once it runs (after [`set_worker_slot`]), and with `None` when it exits.
 pub fn register_worker(kind: WorkerKind, latch: Option<*mut pg_sys::Latch>, pid: i32) {
     let Some(s) = slot() else { return };
-    if latch.is_some() {
-        // SAFETY: MyDatabaseId is a plain global of this worker, set once it connected.
-        let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
-        s.database.store(db, Ordering::Release);
-    }
     let latch = latch.map_or(0, |l| l as usize);
     let (l, p) = match kind {
         WorkerKind::Outbox => (&s.latch, &s.pid),
@@ -331,18 +343,6 @@ pub fn register_worker(kind: WorkerKind, latch: Option<*mut pg_sys::Latch>, pid:
     };
     l.store(latch, Ordering::Release);
     p.store(pid, Ordering::Release);
-}
-
-pub fn worker_pid(kind: WorkerKind) -> Option<i32> {
-    let s = slot()?;
-    let pid = match kind {
-        WorkerKind::Outbox => &s.pid,
-        WorkerKind::Inbox => &s.inbox_pid,
-    };
-    match pid.load(Ordering::Acquire) {
-        0 => None,
-        pid => Some(pid),
-    }
 }
 
 pub fn counters() -> Option<&'static Counters> {

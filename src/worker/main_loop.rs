@@ -65,12 +65,9 @@ impl Worker {
         loop {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: worker shutting down");
-                self.handle.shutdown(Duration::from_secs(2));
-                // Exit 1, not 0: exit 0 tells the postmaster never to restart the worker, and
-                // a SIGTERM from pg_terminate_backend() is not a reason to stop publishing.
-                // SAFETY: the main thread, between transactions; proc_exit runs PostgreSQL's
-                // exit callbacks (ours included) and never returns.
-                unsafe { pg_sys::proc_exit(1) };
+                // The launcher starts it again unless its database is going away: a SIGTERM
+                // from pg_terminate_backend() is not a reason to stop publishing.
+                self.exit();
             }
             if pg::reload_config_if_requested() {
                 self.settings = WorkerSettings::snapshot();
@@ -114,6 +111,20 @@ impl Worker {
             shmem::count(|c| &c.steps, 1);
             let claimed =
                 pg::transaction("amqp_outbox: settle and claim", || self.step(settlement));
+            if self.presence.missing() {
+                // A probe finding nothing is routine (every database is looked at once).
+                if shmem::launch::probe_only() {
+                    debug1!("amqp_outbox: extension not installed in this database");
+                } else {
+                    log!("amqp_outbox: extension no longer installed in this database; the worker exits until CREATE EXTENSION");
+                }
+                shmem::launch::mark_absent();
+                self.exit();
+            }
+            if shmem::launch::probe_only() {
+                // Started only to look: the launcher starts both workers if there is room.
+                self.exit();
+            }
             self.more_work = claimed.more;
             for command in claimed.commands {
                 if !self.handle.send(command) {
@@ -135,6 +146,13 @@ impl Worker {
             // Events are drained at the top of the loop, whatever woke the worker.
             pg::wait(Some(self.handle.wake_fd()), timeout);
         }
+    }
+
+    fn exit(self) -> ! {
+        self.handle.shutdown(Duration::from_secs(2));
+        // SAFETY: the main thread, between transactions; proc_exit runs PostgreSQL's exit
+        // callbacks (ours included) and never returns.
+        unsafe { pg_sys::proc_exit(0) }
     }
 
     /// Disabled, with nothing to record and no configuration to reload: a commit's wake-up is

@@ -26,36 +26,25 @@ mod settle;
 mod status;
 mod step;
 
-use crate::{gucs, shmem};
-use pgrx::bgworkers::{
-    BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
-};
+use crate::shmem;
+use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
-use std::time::Duration;
 
-/// Registers the outbox worker of the database at `slot` (its position in
-/// `amqp_outbox.database`, which is also its shared-memory slot).
-pub fn register(slot: usize, name: &str) {
-    register_for_slot(
-        &format!("amqp_outbox worker for {name}"),
-        "amqp_outbox",
-        "amqp_outbox_worker_main",
-        slot,
-    );
-}
-
-/// Registers one of a database's workers: `function` gets `slot` as its argument. Not started
-/// on a standby at all; after promotion it starts and works on what the primary committed.
-pub(crate) fn register_for_slot(name: &str, kind: &str, function: &str, slot: usize) {
-    BackgroundWorkerBuilder::new(name)
-        .set_type(kind)
-        .set_library("amqp_outbox")
-        .set_function(function)
-        .set_argument((slot as i32).into_datum())
-        .enable_spi_access()
-        .set_start_time(BgWorkerStartTime::RecoveryFinished)
-        .set_restart_time(Some(Duration::from_secs(5)))
-        .load();
+/// Connects a database's worker (started by the launcher with its slot as argument) to the
+/// slot's database; returns the database's name (the worker's bgw_extra). Exits at once when
+/// the slot no longer names a database.
+pub(crate) fn connect_to_slot_database(arg: pg_sys::Datum) -> String {
+    let slot = arg.value();
+    shmem::set_worker_slot(slot);
+    let oid = shmem::launch::database_of_slot(slot);
+    if oid == 0 {
+        // SAFETY: the main thread, before any transaction; proc_exit never returns.
+        unsafe { pg_sys::proc_exit(0) };
+    }
+    // Raises FATAL when the database is gone (dropped meanwhile): the launcher sees the worker
+    // stop and finds the database no longer there.
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(pg_sys::Oid::from(oid)), None);
+    BackgroundWorker::get_extra().to_string()
 }
 
 /// Run by PostgreSQL as the worker exits: SQL functions must stop setting a latch that is gone.
@@ -68,10 +57,7 @@ extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let (slot, database) = gucs::database_of_slot(arg.value());
-    shmem::set_worker_slot(slot);
-    // Raises FATAL (exit 1, restarted) while the database does not exist yet.
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    let database = connect_to_slot_database(arg);
     // Pinned before the first query, for the worker's whole life (see pg::pin): its statements
     // resolve functions and operators in pg_catalog only, whatever a user creates elsewhere.
     pg::pin(c"search_path", c"pg_catalog, pg_temp");
@@ -91,7 +77,11 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
         );
         pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
     }
-    log!("amqp_outbox: worker started for database \"{database}\"");
+    if shmem::launch::probe_only() {
+        debug1!("amqp_outbox: looking for the extension in database \"{database}\"");
+    } else {
+        log!("amqp_outbox: worker started for database \"{database}\"");
+    }
     let handle = match amqp_outbox_broker::spawn() {
         Ok(h) => h,
         Err(e) => error!("amqp_outbox: could not start the AMQP thread: {e}"),

@@ -25,8 +25,8 @@ pub fn pin(name: &CStr, value: &CStr) {
 }
 
 /// Runs `body` in its own transaction with a snapshot, and reports it in pg_stat_activity.
-/// An ERROR inside aborts the transaction and ends the worker (exit 1, restarted by the
-/// postmaster): the worker never sits idle in transaction.
+/// An ERROR inside aborts the transaction and ends the worker (exit 1, started again by the
+/// launcher): the worker never sits idle in transaction.
 pub fn transaction<R>(what: &str, body: impl FnOnce() -> R) -> R {
     report_activity(Some(what));
     // SAFETY: the main thread, outside any transaction (the loop never nests them): start one,

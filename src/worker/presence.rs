@@ -1,5 +1,6 @@
 //! Whether the extension is installed in the worker's database, at the version of this library:
-//! until it is, the worker publishes nothing and says why once.
+//! while it is at another version, the worker publishes nothing and says why once; when it is
+//! not installed at all, the worker exits.
 
 use super::queries;
 use pgrx::prelude::*;
@@ -7,6 +8,8 @@ use pgrx::prelude::*;
 #[derive(Default)]
 pub struct Presence {
     present: bool,
+    /// Not installed at the last look (not merely at another version).
+    missing: bool,
     /// "Not installed" was logged (once per absence, not per step).
     announced_missing: bool,
     /// The installed version last warned about, while it differs from the library's.
@@ -28,16 +31,20 @@ impl Presence {
         self.present
     }
 
+    /// Not installed at the last step: the worker has nothing to do in this database.
+    pub fn missing(&self) -> bool {
+        self.missing
+    }
+
     /// Looks, inside the step's transaction (and locks `amqp.message`, see
     /// [`queries::extension_exists`]).
     pub fn check(&mut self) -> Found {
-        if !queries::extension_exists() {
+        self.missing = !queries::extension_exists();
+        if self.missing {
             queries::forget_plans();
             let unusable_now = self.present || !self.announced_missing;
-            if unusable_now {
-                log!("amqp_outbox: extension not installed in this database; waiting for CREATE EXTENSION");
-                self.announced_missing = true;
-            }
+            // The worker exits now (see main_loop); it says so there.
+            self.announced_missing = true;
             self.present = false;
             return Found::Waiting { unusable_now };
         }

@@ -107,13 +107,13 @@ pub struct MessageStatus {
 }
 
 impl Outbox {
-    /// `SELECT * FROM amqp.worker_status`.
+    /// This database's row of `amqp.worker_status`.
     pub fn worker_status(client: &mut Client) -> Result<WorkerStatus, String> {
         let row = client
             .query_one(
                 "SELECT worker_pid, published, confirmed, acknowledged, resent_lost, \
                         resent_timeout, failed, parked, steps, commit_wakeups \
-                   FROM amqp.worker_status",
+                   FROM amqp.worker_status WHERE database = current_database()",
                 &[],
             )
             .map_err(|e| format!("amqp.worker_status: {e}"))?;

@@ -139,9 +139,12 @@ fn case13_bad_input_is_refused_and_bad_rows_are_parked() {
         }
     });
     let failed_at = |c: &mut Client| -> i64 {
-        c.query_one("SELECT failed FROM amqp.worker_status", &[])
-            .unwrap()
-            .get(0)
+        c.query_one(
+            "SELECT failed FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .unwrap()
+        .get(0)
     };
     let f0 = failed_at(&mut rig.client);
     let client = &mut rig.client;
@@ -204,9 +207,12 @@ fn insert_direct(rig: &mut Rig, broker_id: i32, body: &str) -> i64 {
 fn case13b_direct_row_for_unknown_broker_is_parked() {
     let mut rig = Rig::new("13b bad input: unknown broker", base_config());
     let failed_at = |c: &mut Client| -> i64 {
-        c.query_one("SELECT failed FROM amqp.worker_status", &[])
-            .unwrap()
-            .get(0)
+        c.query_one(
+            "SELECT failed FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .unwrap()
+        .get(0)
     };
     let f1 = failed_at(&mut rig.client);
     let mut note = String::new();

@@ -1,0 +1,348 @@
+//! The launcher: one background worker, registered at server start and connected to no
+//! database, that gives every database with the extension its two workers (outbox and
+//! subscriptions) — databases allowed by `amqp_outbox.database`, at most
+//! `amqp_outbox.max_workers` of them.
+//!
+//! It looks at `pg_database` when woken (a committed `CREATE EXTENSION`, a worker that started
+//! or stopped, a database statement that paused a database, a reload) and otherwise once a
+//! minute. A database's outbox worker is its probe: it exits at once, marking the slot, when its
+//! database has no extension; the launcher then leaves the database alone until the next
+//! `CREATE EXTENSION` commits (or `ABSENT_FOR` passes).
+//!
+//! - [`catalog`]: the connectable databases; [`workers`]: start and stop one worker;
+//!   [`slots`]: which slot a database gets.
+
+mod catalog;
+mod slots;
+mod workers;
+
+use crate::gucs;
+use crate::shmem::launch::{self, Unserved};
+use crate::shmem::MAX_DATABASES;
+use catalog::Database;
+use pgrx::bgworkers::SignalWakeFlags;
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
+use pgrx::prelude::*;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+use workers::{Kind, Tracked};
+
+/// How often the launcher looks at `pg_database` when nothing wakes it.
+const RESCAN_EVERY: Duration = Duration::from_secs(60);
+/// A worker that stopped (terminated, failed) is started again after this.
+const RESTART_AFTER: Duration = Duration::from_secs(2);
+/// A database found without the extension is looked at again after this even if no
+/// `CREATE EXTENSION` was seen to commit (one in a prepared transaction wakes nobody).
+const ABSENT_FOR: Duration = Duration::from_secs(300);
+
+/// Registers the launcher; from `_PG_init` while preloading.
+pub fn register() {
+    BackgroundWorkerBuilder::new("amqp_outbox launcher")
+        .set_type("amqp_outbox launcher")
+        .set_library("amqp_outbox")
+        .set_function("amqp_outbox_launcher_main")
+        .enable_spi_access()
+        // Not on a standby: its databases' workers would publish nothing there.
+        .set_start_time(BgWorkerStartTime::RecoveryFinished)
+        .set_restart_time(Some(Duration::from_secs(5)))
+        .load();
+}
+
+/// A database the launcher gave a slot to.
+struct Served {
+    db: Database,
+    outbox: Tracked,
+    inbox: Tracked,
+    /// When a worker of it was found stopped (restart after `RESTART_AFTER`).
+    stopped_at: Option<Instant>,
+    /// `CREATE EXTENSION` count when its workers were last started: a commit after that
+    /// means "no extension" may already be out of date.
+    created_at_start: u64,
+    /// Only its outbox worker runs, to learn whether the extension is there (the cap is
+    /// reached); it does not count against the cap.
+    probe: bool,
+}
+
+impl Served {
+    fn tracked(&mut self, kind: Kind) -> &mut Tracked {
+        match kind {
+            Kind::Outbox => &mut self.outbox,
+            Kind::Inbox => &mut self.inbox,
+        }
+    }
+}
+
+struct Launcher {
+    served: Vec<Option<Served>>,
+    /// Databases found without the extension, and when.
+    absent: HashMap<u32, Instant>,
+    created_seen: u64,
+    /// Databases a probe found with the extension (they get both workers when there is room).
+    known: HashSet<u32>,
+    /// Databases already warned about as not served (one WARNING each, not one per scan).
+    warned: HashSet<u32>,
+}
+
+#[pg_guard]
+extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
+    launch::register_launcher(None, 0);
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // No database: only the shared catalogs, so that no DROP DATABASE ever waits for it.
+    BackgroundWorker::connect_worker_to_spi(None, None);
+    // SAFETY: the main thread of a started worker: MyLatch and MyProcPid are its own until it
+    // exits, and the callback registered here clears them from shared memory first.
+    unsafe {
+        launch::register_launcher(Some(pg_sys::MyLatch), pg_sys::MyProcPid);
+        pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
+    }
+    log!(
+        "amqp_outbox: launcher started (amqp_outbox.database = '{}', amqp_outbox.max_workers = {})",
+        gucs::database_filter_text(),
+        gucs::max_workers()
+    );
+    let mut launcher = Launcher {
+        served: (0..MAX_DATABASES).map(|_| None).collect(),
+        absent: HashMap::new(),
+        created_seen: launch::extensions_created(),
+        known: HashSet::new(),
+        warned: HashSet::new(),
+    };
+    launcher.adopt();
+    loop {
+        let timeout = launcher.round();
+        if !BackgroundWorker::wait_latch(Some(timeout)) {
+            break;
+        }
+        if BackgroundWorker::sighup_received() {
+            // SAFETY: the launcher's main thread, between transactions.
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+    }
+    log!("amqp_outbox: launcher shutting down");
+}
+
+/// Whether a `CREATE EXTENSION` committed in `database` between the counts `since` and `now`
+/// (then a probe that found nothing may be out of date).
+fn created_since(since: u64, now: u64, database: u32) -> bool {
+    since != now && launch::created_in(since, now).is_none_or(|dbs| dbs.contains(&database))
+}
+
+impl Launcher {
+    /// Workers left running by a launcher that exited: tracked by their pid.
+    fn adopt(&mut self) {
+        for (i, entry) in self.served.iter_mut().enumerate() {
+            let view = launch::slot_view(i);
+            if view.database != 0 && (view.outbox_pid != 0 || view.inbox_pid != 0) {
+                *entry = Some(Served {
+                    db: Database {
+                        oid: view.database,
+                        name: String::new(),
+                    },
+                    outbox: Tracked::default(),
+                    inbox: Tracked::default(),
+                    stopped_at: None,
+                    created_at_start: self.created_seen,
+                    probe: false,
+                });
+                self.known.insert(view.database);
+            }
+        }
+    }
+
+    fn release(&mut self, i: usize) {
+        self.served[i] = None;
+        launch::release_slot(i);
+    }
+
+    /// One look at the databases and the workers; returns how long to sleep at most.
+    fn round(&mut self) -> Duration {
+        let created = launch::extensions_created();
+        if created != self.created_seen {
+            match launch::created_in(self.created_seen, created) {
+                Some(dbs) => {
+                    for db in dbs {
+                        self.absent.remove(&db);
+                    }
+                }
+                None => self.absent.clear(),
+            }
+            self.created_seen = created;
+        }
+        self.absent.retain(|_, at| at.elapsed() < ABSENT_FOR);
+        let filter = gucs::database_filter();
+        let wanted: Vec<Database> = catalog::connectable_databases()
+            .into_iter()
+            .filter(|d| filter.allows(&d.name) && !self.absent.contains_key(&d.oid))
+            .collect();
+        let mut timeout = RESCAN_EVERY;
+        for i in 0..MAX_DATABASES {
+            if let Some(t) = self.tend(i, &wanted) {
+                timeout = timeout.min(t);
+            }
+        }
+        let unserved = self.assign(&wanted);
+        self.report_unserved(&unserved, &wanted);
+        timeout
+    }
+
+    /// Keeps slot `i`'s workers as they should be; `Some(t)`: look again within `t`.
+    fn tend(&mut self, i: usize, wanted: &[Database]) -> Option<Duration> {
+        let view = launch::slot_view(i);
+        let created_seen = self.created_seen;
+        let entry = self.served[i].as_mut()?;
+        if let Some(db) = wanted.iter().find(|d| d.oid == entry.db.oid) {
+            // Learns the name of an adopted database.
+            entry.db.name.clone_from(&db.name);
+        }
+        let alive = Kind::BOTH.map(|k| entry.tracked(k).alive(k, &view));
+        let keep = wanted.iter().any(|d| d.oid == entry.db.oid) && !view.paused;
+        if entry.probe {
+            if alive[0] && keep {
+                return None;
+            }
+            if alive[0] {
+                entry.outbox.stop(Kind::Outbox, &view);
+                return Some(RESTART_AFTER);
+            }
+            if view.absent {
+                if !created_since(entry.created_at_start, created_seen, entry.db.oid) {
+                    self.absent.insert(entry.db.oid, Instant::now());
+                }
+            } else if keep {
+                self.known.insert(entry.db.oid);
+            }
+            self.release(i);
+            return None;
+        }
+        if !alive[0] && view.absent {
+            // No extension there any more (DROP EXTENSION). Its subscription worker goes too.
+            self.known.remove(&entry.db.oid);
+            if alive[1] {
+                entry.inbox.stop(Kind::Inbox, &view);
+                return Some(RESTART_AFTER);
+            }
+            if !created_since(entry.created_at_start, created_seen, entry.db.oid) {
+                self.absent.insert(entry.db.oid, Instant::now());
+            }
+            self.release(i);
+            return None;
+        }
+        if !keep {
+            if alive[0] || alive[1] {
+                for k in Kind::BOTH {
+                    entry.tracked(k).stop(k, &view);
+                }
+                return Some(RESTART_AFTER);
+            }
+            if view.paused {
+                // Keeps the slot (and its counters) while the statement runs.
+                return Some(Duration::from_secs(1));
+            }
+            self.release(i);
+            return None;
+        }
+        if alive[0] && alive[1] {
+            entry.stopped_at = None;
+            return None;
+        }
+        let stopped_at = *entry.stopped_at.get_or_insert_with(Instant::now);
+        let due = RESTART_AFTER.saturating_sub(stopped_at.elapsed());
+        if !due.is_zero() {
+            return Some(due);
+        }
+        entry.stopped_at = None;
+        entry.created_at_start = created_seen;
+        let name = entry.db.name.clone();
+        for (k, up) in Kind::BOTH.into_iter().zip(alive) {
+            if !up && !entry.tracked(k).start(k, i, &name) {
+                warning!(
+                    "amqp_outbox: cannot start a worker for database \"{}\": no background worker slot free (raise max_worker_processes)",
+                    entry.db.name
+                );
+                return Some(RESTART_AFTER);
+            }
+        }
+        None
+    }
+
+    /// Gives a slot to every wanted database that has none; returns those left without.
+    fn assign(&mut self, wanted: &[Database]) -> Vec<(u32, Unserved)> {
+        let mut unserved = Vec::new();
+        let cap = gucs::max_workers().min(MAX_DATABASES);
+        self.known
+            .retain(|oid| wanted.iter().any(|d| d.oid == *oid));
+        for db in wanted {
+            // Found without the extension in this very round (after `wanted` was made).
+            if self.absent.contains_key(&db.oid)
+                || self.served.iter().flatten().any(|s| s.db.oid == db.oid)
+            {
+                continue;
+            }
+            if launch::slot_of(db.oid).is_some_and(|i| launch::slot_view(i).paused) {
+                continue;
+            }
+            // A database not known to have the extension is probed first: only its outbox
+            // worker starts, looks, and exits; a probe does not count against the cap.
+            let probe = !self.known.contains(&db.oid);
+            let serving = self.served.iter().flatten().filter(|s| !s.probe).count();
+            if !probe && serving >= cap {
+                unserved.push((db.oid, Unserved::MaxWorkers));
+                continue;
+            }
+            let views: Vec<_> = (0..MAX_DATABASES).map(launch::slot_view).collect();
+            let taken: Vec<bool> = self.served.iter().map(Option::is_some).collect();
+            let Some(i) = slots::choose(db.oid, &views, &taken) else {
+                // Every slot busy (probes included): the next round tries again.
+                continue;
+            };
+            launch::assign_slot(i, db.oid, probe);
+            let mut served = Served {
+                db: db.clone(),
+                outbox: Tracked::default(),
+                inbox: Tracked::default(),
+                stopped_at: None,
+                created_at_start: self.created_seen,
+                probe,
+            };
+            let started = served.outbox.start(Kind::Outbox, i, &db.name)
+                && (probe || served.inbox.start(Kind::Inbox, i, &db.name));
+            if !started {
+                let view = launch::slot_view(i);
+                served.outbox.stop(Kind::Outbox, &view);
+                unserved.push((db.oid, Unserved::NoWorkerSlot));
+                continue;
+            }
+            self.served[i] = Some(served);
+        }
+        unserved
+    }
+
+    fn report_unserved(&mut self, unserved: &[(u32, Unserved)], wanted: &[Database]) {
+        launch::set_unserved(unserved);
+        let now: HashSet<u32> = unserved.iter().map(|(oid, _)| *oid).collect();
+        for (oid, why) in unserved {
+            if !self.warned.insert(*oid) {
+                continue;
+            }
+            let name = wanted
+                .iter()
+                .find(|d| d.oid == *oid)
+                .map_or("?", |d| d.name.as_str());
+            match why {
+                Unserved::MaxWorkers => warning!(
+                    "amqp_outbox: database \"{name}\" is not served: amqp_outbox.max_workers ({}) databases are served already",
+                    gucs::max_workers()
+                ),
+                Unserved::NoWorkerSlot => warning!(
+                    "amqp_outbox: database \"{name}\" is not served: no background worker slot free (raise max_worker_processes)"
+                ),
+            }
+        }
+        self.warned.retain(|oid| now.contains(oid));
+    }
+}

@@ -1,0 +1,352 @@
+//! The launcher: every database with the extension gets its workers, without a per-database
+//! setting and without a restart — found at start, after `CREATE EXTENSION` (woken by its
+//! commit), gone after `DROP DATABASE` (which the workers must not block); one database's
+//! worker terminated while the others publish; `amqp_outbox.max_workers` reached.
+//!
+//! Each test runs its own cluster (`amqp_outbox.database = '*'`) against the shared RabbitMQ.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use amqp_outbox_e2e::outbox::{add_broker, create_extension};
+use amqp_outbox_e2e::{eventually, Collector, PgCluster, PgConfig, Rabbit, Route};
+use postgres::Client;
+
+const UP: Duration = Duration::from_secs(40);
+const ARRIVAL: Duration = Duration::from_secs(60);
+
+fn every_database(extra: &[(&str, &str)]) -> PgConfig {
+    // Written after the harness's own `amqp_outbox.database` line: the last one wins.
+    let mut config = PgConfig::default()
+        .setting("amqp_outbox.database", "'*'")
+        .setting("max_worker_processes", 24);
+    for (k, v) in extra {
+        config = config.setting(k, v);
+    }
+    config
+}
+
+/// A database with the extension, a broker row and its own exchange and queue.
+struct Db {
+    name: String,
+    client: Client,
+    route: Route,
+    collector: Collector,
+    broker: i32,
+    sent: usize,
+}
+
+impl Db {
+    fn create(cluster: &PgCluster, rabbit: &Rabbit, name: &str) -> Db {
+        cluster
+            .client_db("postgres")
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .unwrap_or_else(|e| panic!("CREATE DATABASE {name}: {e}"));
+        Db::with_extension(cluster, rabbit, name)
+    }
+
+    fn with_extension(cluster: &PgCluster, rabbit: &Rabbit, name: &str) -> Db {
+        let mut client = cluster.client_db(name);
+        create_extension(&mut client);
+        let broker = add_broker(&mut client, rabbit.endpoint());
+        let route = rabbit.declare_route(&format!("launcher_{name}"));
+        let collector = rabbit.consume(&route);
+        Db {
+            name: name.to_string(),
+            client,
+            route,
+            collector,
+            broker,
+            sent: 0,
+        }
+    }
+
+    fn publish(&mut self, n: usize) {
+        for _ in 0..n {
+            let body = format!("{}:{}", self.name, self.sent);
+            self.client
+                .execute(
+                    "SELECT amqp.publish($1, $2, $3, $4)",
+                    &[
+                        &self.broker,
+                        &self.route.exchange,
+                        &self.route.routing_key,
+                        &body,
+                    ],
+                )
+                .unwrap_or_else(|e| panic!("publish in {}: {e}", self.name));
+            self.sent += 1;
+        }
+    }
+
+    /// Every message published so far arrived, each from this database only.
+    fn wait_all_arrived(&self) {
+        let bodies = self.collector.wait_for_count(self.sent, ARRIVAL);
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for b in bodies {
+            *counts.entry(b.text()).or_default() += 1;
+        }
+        for i in 0..self.sent {
+            let body = format!("{}:{i}", self.name);
+            assert!(counts.contains_key(&body), "{body} missing in {counts:?}");
+        }
+        assert!(
+            counts
+                .keys()
+                .all(|b| b.starts_with(&format!("{}:", self.name))),
+            "another database's message in {}'s queue: {counts:?}",
+            self.name
+        );
+    }
+}
+
+/// `amqp.worker_status` as seen from `client`: database → (state, outbox pid, subscription pid).
+fn status(client: &mut Client) -> BTreeMap<String, (String, Option<i32>, Option<i32>)> {
+    client
+        .query(
+            "SELECT database, state, worker_pid, subscription_worker_pid FROM amqp.worker_status",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("amqp.worker_status: {e}"))
+        .iter()
+        .map(|r| {
+            (
+                r.get::<_, Option<String>>(0).unwrap_or_default(),
+                (r.get(1), r.get(2), r.get(3)),
+            )
+        })
+        .collect()
+}
+
+fn wait_running(client: &mut Client, database: &str) -> (i32, i32) {
+    eventually(
+        UP,
+        &format!("{database}'s workers running"),
+        || match status(client).get(database) {
+            Some((state, Some(w), Some(s))) if state == "running" => Ok((*w, *s)),
+            other => Err(format!("{other:?}")),
+        },
+    )
+}
+
+#[test]
+fn every_database_with_the_extension_is_served_and_dropping_one_is_not_blocked() {
+    let rabbit = Rabbit::shared();
+    let cluster = PgCluster::new(every_database(&[]));
+    let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
+    let mut a = Db::create(&cluster, &rabbit, "shop_a");
+    let mut b = Db::create(&cluster, &rabbit, "shop_b");
+    // `postgres` has no extension: probed, then left alone.
+    for db in ["e2e", "shop_a", "shop_b"] {
+        wait_running(&mut e2e.client, db);
+    }
+    let seen = status(&mut a.client);
+    assert!(!seen.contains_key("postgres"), "{seen:?}");
+    for d in [&mut e2e, &mut a, &mut b] {
+        d.publish(50);
+    }
+    for d in [&e2e, &a, &b] {
+        d.wait_all_arrived();
+    }
+
+    // A database created while the others run: its CREATE EXTENSION's commit wakes the
+    // launcher (its periodic look is once a minute).
+    let created_at = Instant::now();
+    let mut c = Db::create(&cluster, &rabbit, "shop_c");
+    wait_running(&mut c.client, "shop_c");
+    let took = created_at.elapsed();
+    eprintln!("shop_c served {took:?} after CREATE DATABASE");
+    assert!(
+        took < Duration::from_secs(30),
+        "shop_c served after {took:?}: not woken by CREATE EXTENSION"
+    );
+
+    // DROP DATABASE of a served database, while the others publish: not blocked by its
+    // workers, and the others do not notice.
+    let before = status(&mut e2e.client);
+    for d in [&mut e2e, &mut a, &mut c] {
+        d.publish(30);
+    }
+    drop(b.client);
+    let dropping = Instant::now();
+    cluster
+        .client_db("postgres")
+        .batch_execute("DROP DATABASE shop_b")
+        .unwrap_or_else(|e| panic!("DROP DATABASE shop_b: {e}\n{}", cluster.log_tail(20)));
+    eprintln!("DROP DATABASE shop_b took {:?}", dropping.elapsed());
+    for d in [&mut e2e, &mut a, &mut c] {
+        d.publish(30);
+    }
+    for d in [&e2e, &a, &c] {
+        d.wait_all_arrived();
+    }
+    let after = eventually(UP, "shop_b gone from worker_status", || {
+        let s = status(&mut e2e.client);
+        if s.contains_key("shop_b") || s.values().any(|(_, w, _)| w.is_none()) {
+            Err(format!("{s:?}"))
+        } else {
+            Ok(s)
+        }
+    });
+    for db in ["e2e", "shop_a"] {
+        assert_eq!(before[db].1, after[db].1, "{db}'s worker was restarted");
+    }
+
+    // ALTER DATABASE ... RENAME needs the database to itself too: its workers step aside and
+    // come back.
+    drop(c.client);
+    cluster
+        .client_db("postgres")
+        .batch_execute("ALTER DATABASE shop_c RENAME TO shop_d")
+        .unwrap_or_else(|e| panic!("RENAME: {e}\n{}", cluster.log_tail(20)));
+    let mut d_client = cluster.client_db("shop_d");
+    wait_running(&mut d_client, "shop_d");
+
+    // CREATE DATABASE ... TEMPLATE a served database: the template's workers step aside, and
+    // the copy (with the extension) is served once it is committed.
+    drop(a.client);
+    cluster
+        .client_db("postgres")
+        .batch_execute("CREATE DATABASE copy_a TEMPLATE shop_a")
+        .unwrap_or_else(|e| panic!("CREATE DATABASE TEMPLATE: {e}\n{}", cluster.log_tail(20)));
+    wait_running(&mut d_client, "copy_a");
+    wait_running(&mut d_client, "shop_a");
+    drop(b.route);
+}
+
+#[test]
+fn one_databases_worker_terminated_the_others_do_not_notice() {
+    let rabbit = Rabbit::shared();
+    let cluster = PgCluster::new(every_database(&[]));
+    let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
+    let mut a = Db::create(&cluster, &rabbit, "shop_a");
+    let (e2e_pid, _) = wait_running(&mut e2e.client, "e2e");
+    let (a_pid, _) = wait_running(&mut e2e.client, "shop_a");
+    e2e.publish(100);
+    a.publish(100);
+    let killed: bool = e2e
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&a_pid])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(killed);
+    e2e.publish(100);
+    a.publish(100);
+    let (new_a, _) = eventually(UP, "shop_a's worker back", || {
+        let (w, s) = wait_running(&mut e2e.client, "shop_a");
+        if w == a_pid {
+            Err("still the old pid".to_string())
+        } else {
+            Ok((w, s))
+        }
+    });
+    assert_ne!(new_a, a_pid);
+    e2e.wait_all_arrived();
+    a.wait_all_arrived();
+    assert_eq!(
+        wait_running(&mut e2e.client, "e2e").0,
+        e2e_pid,
+        "e2e's worker restarted"
+    );
+}
+
+#[test]
+fn databases_beyond_max_workers_are_listed_with_a_warning_and_served_when_room_frees() {
+    let rabbit = Rabbit::shared();
+    let cluster = PgCluster::new(every_database(&[("amqp_outbox.max_workers", "1")]));
+    let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
+    wait_running(&mut e2e.client, "e2e");
+    let mut a = Db::create(&cluster, &rabbit, "shop_a");
+    let state = eventually(UP, "shop_a listed as not served", || {
+        match status(&mut a.client).get("shop_a") {
+            Some((s, None, None)) if s.contains("max_workers") => Ok(s.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(state, "not served: amqp_outbox.max_workers reached");
+    eventually(UP, "the WARNING in the server log", || {
+        let log = cluster.log();
+        if log.contains("database \"shop_a\" is not served: amqp_outbox.max_workers (1)") {
+            Ok(())
+        } else {
+            Err(cluster.log_tail(10))
+        }
+    });
+    a.publish(10);
+    // Room frees: e2e loses its extension (nothing waits in its outbox).
+    e2e.client
+        .batch_execute("DROP EXTENSION amqp_outbox")
+        .unwrap_or_else(|e| panic!("DROP EXTENSION: {e}"));
+    wait_running(&mut a.client, "shop_a");
+    a.wait_all_arrived();
+}
+
+/// CPU time (utime + stime, in clock ticks) of these processes so far.
+fn cpu_ticks(pids: &[i32]) -> u64 {
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .map(|stat| {
+            // Fields after the command name (which may hold spaces) start after its ')'.
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+            f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+                + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+        })
+        .sum()
+}
+
+#[test]
+fn idle_databases_are_not_woken_by_another_databases_commits() {
+    let rabbit = Rabbit::shared();
+    let cluster = PgCluster::new(every_database(&[]));
+    let mut busy = Db::with_extension(&cluster, &rabbit, "e2e");
+    let idle: Vec<Db> = (0..5)
+        .map(|i| Db::create(&cluster, &rabbit, &format!("idle_{i}")))
+        .collect();
+    let mut pids = Vec::new();
+    for d in &idle {
+        let (w, s) = wait_running(&mut busy.client, &d.name);
+        pids.extend([w, s]);
+    }
+    let wakeups = |c: &mut Client| -> BTreeMap<String, (i64, i64)> {
+        c.query(
+            "SELECT database, commit_wakeups, steps FROM amqp.worker_status",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+        .iter()
+        .map(|r| (r.get::<_, String>(0), (r.get(1), r.get(2))))
+        .collect()
+    };
+    // Past their start (connections, declarations): what they cost while idle.
+    std::thread::sleep(Duration::from_secs(3));
+    let before = wakeups(&mut busy.client);
+    let per_pid: Vec<u64> = pids.iter().map(|p| cpu_ticks(&[*p])).collect();
+    let ticks_before = cpu_ticks(&pids);
+    let started = Instant::now();
+    busy.publish(500);
+    busy.wait_all_arrived();
+    std::thread::sleep(Duration::from_secs(5));
+    let ticks = cpu_ticks(&pids) - ticks_before;
+    let per_pid_after: Vec<u64> = pids.iter().map(|p| cpu_ticks(&[*p])).collect();
+    eprintln!("per worker (outbox, subscriptions, ...): {per_pid:?} -> {per_pid_after:?}");
+    let after = wakeups(&mut busy.client);
+    eprintln!(
+        "{} idle databases: {ticks} clock ticks of CPU (all {} workers together) in {:?} while e2e published 500 messages",
+        idle.len(),
+        pids.len(),
+        started.elapsed()
+    );
+    assert!(
+        after["e2e"].0 > before["e2e"].0,
+        "e2e's commits woke it: {after:?}"
+    );
+    for d in &idle {
+        assert_eq!(
+            after[&d.name].0, before[&d.name].0,
+            "{} was woken by e2e's commits: {before:?} → {after:?}",
+            d.name
+        );
+    }
+}
