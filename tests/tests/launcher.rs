@@ -350,3 +350,32 @@ fn idle_databases_are_not_woken_by_another_databases_commits() {
         );
     }
 }
+
+#[test]
+fn a_database_taken_out_of_amqp_outbox_database_loses_its_workers_at_the_reload() {
+    let rabbit = Rabbit::shared();
+    let mut cluster = PgCluster::new(every_database(&[]));
+    let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
+    let mut a = Db::create(&cluster, &rabbit, "shop_a");
+    let (e2e_pid, _) = wait_running(&mut e2e.client, "e2e");
+    wait_running(&mut e2e.client, "shop_a");
+    cluster.set_setting("amqp_outbox.database", "'e2e'");
+    cluster.reload();
+    eventually(UP, "shop_a excluded", || {
+        match status(&mut a.client).get("shop_a") {
+            Some((s, None, None)) if s == "not served: excluded by amqp_outbox.database" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    a.publish(5);
+    e2e.publish(5);
+    e2e.wait_all_arrived();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(a.collector.is_empty(), "shop_a delivered without workers");
+    assert_eq!(wait_running(&mut e2e.client, "e2e").0, e2e_pid);
+    // Back in the list: served again, and what waited goes out.
+    cluster.set_setting("amqp_outbox.database", "'*'");
+    cluster.reload();
+    wait_running(&mut a.client, "shop_a");
+    a.wait_all_arrived();
+}

@@ -233,8 +233,7 @@ fn case12_lifecycle_and_config() {
         || {
             let log = cluster.log();
             // The worker exits (the launcher starts it again after CREATE EXTENSION).
-            if count_log_lines(&log, from, &["extension no longer installed"]) > 0
-            {
+            if count_log_lines(&log, from, &["extension no longer installed"]) > 0 {
                 Ok(())
             } else {
                 Err(cluster.log_tail(5))
