@@ -7,6 +7,8 @@
 #   make test            make lint, then every tier: install-test, installcheck, broker unit
 #                        tests, end-to-end tests (including the fast fault-injection cases of
 #                        tests/tests/faults/)
+#   make package         the Debian package target/package/postgresql-15-amqp-outbox_<version>_<arch>.deb
+#                        (a user's release build, no fault-injection; sources in packaging/debian/)
 #   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
@@ -34,7 +36,7 @@ CARGO ?= cargo
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
 # `make sql`: see GENERATED_UPDATES.
-.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean
+.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean package
 
 all: build
 
@@ -76,6 +78,10 @@ test-broker:
 
 test-e2e:
 	$(CARGO) test -p amqp_outbox_e2e
+
+# The Debian package for the PostgreSQL that PG_CONFIG names (scripts/package.sh says what it holds).
+package:
+	PG_CONFIG=$(PG_CONFIG_REAL) CARGO="$(CARGO)" scripts/package.sh
 
 # The fault-injection suite (FAULTS.md): every case, slow ones included, one at a time, with
 # AMQP_OUTBOX_CHAOS_SCALE times the volumes (case 10: 100k x scale backlog). Each test appends a
