@@ -168,7 +168,7 @@ if command -v lintian >/dev/null 2>&1; then
     check "lintian finds no error or warning" lintian --fail-on error,warning "$ROOT/$DEB"
 fi
 step_done checks
-if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: ${failures[*]}"; fi
+if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(IFS=";"; echo "${failures[*]}")"; fi
 
 # --- 5. the SQL contract against the installed files ---------------------------------------------------------
 step "installcheck against the package's files"
@@ -199,6 +199,6 @@ if [ -n "$left" ]; then printf 'left behind: %s\n' "$left"; fi
 forgotten() { ! pkg_known; }
 check "dpkg keeps nothing of the package ($(pkg_state))" forgotten
 step_done remove
-if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: ${failures[*]}"; fi
+if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(IFS=";"; echo "${failures[*]}")"; fi
 
 say "Package test passed: ${times[*]}"
