@@ -6,7 +6,8 @@
 #
 # The package installs into the paths `make install-test` uses, and the other tiers need that test
 # build: the amqp_outbox files found there are saved first and put back at the end, also on
-# failure. While this runs, the installed build is the package's, so run no other tier meanwhile.
+# failure. While this runs, the installed build is the package's, so run no other tier meanwhile;
+# files another install writes during the test are kept (not replaced by older saved copies).
 # A .so that a running server may have loaded is never overwritten in place: dpkg renames new
 # files into place, and the restore copies to a temporary name in the same directory and renames.
 #
@@ -64,7 +65,7 @@ DEB="target/package/${PKG}_${VERSION}_${ARCH}.deb"
 [ -f "$ROOT/$DEB" ] || die "make package made no $DEB"
 step_done build
 
-# --- 2. save what is installed, and put it back on exit ---------------------------------------------
+# --- 2. save what is installed, and put it back on exit ---------------------------------------
 SAVE="$(mktemp -d /tmp/amqp_outbox-package-test.XXXXXX)"
 mkdir "$SAVE/saved" "$SAVE/kept"
 mapfile -t saved < <(installed_files)
@@ -170,7 +171,7 @@ fi
 step_done checks
 if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(IFS=";"; echo "${failures[*]}")"; fi
 
-# --- 5. the SQL contract against the installed files ---------------------------------------------------------
+# --- 5. the SQL contract against the installed files ------------------------------------------
 step "installcheck against the package's files"
 PG_CONFIG="$PG_CONFIG_REAL" "$ROOT/scripts/installcheck.sh"
 step_done installcheck
@@ -197,7 +198,7 @@ left="$(left_behind)"
 check "apt-get purge leaves none of them" test -z "$left"
 if [ -n "$left" ]; then printf 'left behind: %s\n' "$left"; fi
 forgotten() { ! pkg_known; }
-check "dpkg keeps nothing of the package ($(pkg_state))" forgotten
+check "dpkg keeps nothing of the package" forgotten
 step_done remove
 if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(IFS=";"; echo "${failures[*]}")"; fi
 
