@@ -85,7 +85,7 @@ put_back() { # put_back SAVED_COPY DESTINATION
 # Puts back what was installed before, unless another install (make install-test in another
 # shell) wrote newer files during the test: those are kept, not replaced by older saved copies.
 restore() {
-    local rc=$? f name kept=() put=0 listed_now=() changed=()
+    local rc=$? ok=1 f name kept=() put=0 listed_now=() changed=()
     trap - EXIT INT TERM
     say "Putting back the amqp_outbox files found before the test"
     # Not the package's: every file if it is no longer installed, else those dpkg did not write
@@ -99,11 +99,11 @@ restore() {
         if ! pkg_known || printf '%s\n' "${changed[@]}" | grep -Fxq -- "$f" ||
             ! printf '%s\n' "${listed_now[@]}" | grep -Fxq -- "$f"; then kept+=("$f"); fi
     done < <(installed_files)
-    for f in "${kept[@]}"; do cp -p "$f" "$SAVE/kept/" || rc=1; done
-    if pkg_known; then as_root apt-get purge -y -q "$PKG" >/dev/null || rc=1; fi
+    for f in "${kept[@]}"; do cp -p "$f" "$SAVE/kept/" || ok=; done
+    if pkg_known; then as_root apt-get purge -y -q "$PKG" >/dev/null || ok=; fi
     for f in "${kept[@]}"; do
         if ! cmp -s "$SAVE/kept/$(basename "$f")" "$f" 2>/dev/null; then
-            put_back "$SAVE/kept/$(basename "$f")" "$f" || { warn "could not put back $f"; rc=1; }
+            put_back "$SAVE/kept/$(basename "$f")" "$f" || { warn "could not put back $f"; ok=; }
         fi
     done
     for f in "${saved[@]}"; do
@@ -113,14 +113,15 @@ restore() {
             put=$((put + 1))
         else
             warn "could not put back $f (saved copy: $SAVE/saved/$name)"
-            rc=1
+            ok=
         fi
     done
     note "put back $put of ${#saved[@]} saved file(s)"
     if [ ${#kept[@]} -gt 0 ]; then
         note "kept ${#kept[@]} file(s) written by another install during the test: ${kept[*]}"
     fi
-    if [ "$rc" -eq 0 ]; then rm -rf "$SAVE"; fi
+    # The copies stay when something could not be put back, for doing it by hand.
+    if [ -n "$ok" ]; then rm -rf "$SAVE"; elif [ "$rc" -eq 0 ]; then rc=1; fi
     exit "$rc"
 }
 trap restore EXIT
@@ -169,7 +170,7 @@ if command -v lintian >/dev/null 2>&1; then
     check "lintian finds no error or warning" lintian --fail-on error,warning "$ROOT/$DEB"
 fi
 step_done checks
-if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(IFS=";"; echo "${failures[*]}")"; fi
+if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(printf "[%s] " "${failures[@]}")"; fi
 
 # --- 5. the SQL contract against the installed files ------------------------------------------
 step "installcheck against the package's files"
@@ -200,6 +201,6 @@ if [ -n "$left" ]; then printf 'left behind: %s\n' "$left"; fi
 forgotten() { ! pkg_known; }
 check "dpkg keeps nothing of the package" forgotten
 step_done remove
-if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(IFS=";"; echo "${failures[*]}")"; fi
+if [ ${#failures[@]} -gt 0 ]; then die "package checks failed: $(printf "[%s] " "${failures[@]}")"; fi
 
 say "Package test passed: ${times[*]}"
