@@ -6,7 +6,12 @@
 #   make installcheck    SQL contract tests (pg_regress, private temporary instance)
 #   make test            make lint, then every tier: install-test, installcheck, broker unit
 #                        tests, end-to-end tests (including the fast fault-injection cases of
-#                        tests/tests/faults/)
+#                        tests/tests/faults/), then test-package
+#   make package         the Debian package target/package/postgresql-15-amqp-outbox_<version>_<arch>.deb
+#                        (a user's release build, no fault-injection; sources in packaging/debian/)
+#   make test-package    builds the package, installs it with apt-get, checks its files, runs
+#                        installcheck against it, removes and purges it; puts back the build that
+#                        was installed before (needs root or sudo)
 #   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
@@ -34,7 +39,7 @@ CARGO ?= cargo
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
 # `make sql`: see GENERATED_UPDATES.
-.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean
+.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean package test-package
 
 all: build
 
@@ -77,6 +82,14 @@ test-broker:
 test-e2e:
 	$(CARGO) test -p amqp_outbox_e2e
 
+# The Debian package for the PostgreSQL that PG_CONFIG names (scripts/package.sh says what it holds).
+package:
+	PG_CONFIG=$(PG_CONFIG_REAL) CARGO="$(CARGO)" scripts/package.sh
+
+# Installs over the files install-test put there; scripts/package_test.sh saves and restores them.
+test-package:
+	PG_CONFIG=$(PG_CONFIG_REAL) CARGO="$(CARGO)" scripts/package_test.sh
+
 # The fault-injection suite (FAULTS.md): every case, slow ones included, one at a time, with
 # AMQP_OUTBOX_CHAOS_SCALE times the volumes (case 10: 100k x scale backlog). Each test appends a
 # row to target/chaos/results.tsv; the table is printed even when a case fails.
@@ -98,7 +111,8 @@ chaos-table:
 	else echo "(no results)"; fi
 
 # Runs every tier and reports each (with its duration); a failed install skips the rest.
-TEST_TIERS := test-unit installcheck test-broker test-e2e
+# test-package comes last: it replaces the installed test build for a while (then restores it).
+TEST_TIERS := test-unit installcheck test-broker test-e2e test-package
 test: lint
 	@passed=; failed=; skipped=; installed=; \
 	for t in install-test $(TEST_TIERS); do \
