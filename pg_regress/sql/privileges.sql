@@ -9,6 +9,7 @@ CREATE ROLE regress_amqp_nobody;
 CREATE ROLE regress_amqp_app IN ROLE amqp_outbox_publisher;
 CREATE ROLE regress_amqp_dba IN ROLE amqp_outbox_admin;
 CREATE ROLE regress_amqp_monitor IN ROLE pg_monitor;
+CREATE ROLE regress_amqp_consumer IN ROLE amqp_outbox_consumer;
 INSERT INTO amqp.broker (broker_id, host, username, password) VALUES (8, '127.0.0.1', 'app', 's3cret-pw');
 \set VERBOSITY sqlstate
 \set ON_ERROR_ROLLBACK on
@@ -55,6 +56,30 @@ SELECT amqp.discard(999999);
 INSERT INTO amqp.discarded SELECT * FROM amqp.discarded;
 SELECT discarded_by, reason, convert_from(body, 'UTF8') AS body FROM amqp.discarded;
 RESET ROLE;
+-- The consuming side. A handler only the superuser may execute, and one anybody may.
+CREATE FUNCTION public.regress_private_handler(d amqp.delivery) RETURNS void LANGUAGE sql AS '';
+REVOKE ALL ON FUNCTION public.regress_private_handler(amqp.delivery) FROM PUBLIC;
+CREATE FUNCTION public.regress_handler(d amqp.delivery) RETURNS void LANGUAGE sql AS '';
+-- Without grants: no subscription, no consumption record, no receipt.
+SET LOCAL ROLE regress_amqp_nobody;
+SELECT amqp.subscribe('s_nobody', 8, 'q', 'public.regress_handler(amqp.delivery)');
+SELECT amqp.consume_once('billing', 'm-1');
+SELECT amqp.send_receipt(8, 'm-1', 'billing', true);
+SELECT count(*) FROM amqp.subscription;
+RESET ROLE;
+-- amqp_outbox_consumer: records consumption, but subscribing is the administrator's.
+SET LOCAL ROLE regress_amqp_consumer;
+SELECT amqp.consume_once('billing', 'm-1');
+SELECT amqp.consume_once('billing', 'm-1');
+SELECT amqp.subscribe('s_consumer', 8, 'q', 'public.regress_handler(amqp.delivery)');
+RESET ROLE;
+-- The administrator subscribes with a handler it may execute (the subscription is its own, the
+-- handler runs with its rights), not with one it may not.
+SET LOCAL ROLE regress_amqp_dba;
+SELECT amqp.subscribe('s_private', 8, 'q', 'public.regress_private_handler(amqp.delivery)');
+SELECT amqp.subscribe('s_dba', 8, 'q', 'public.regress_handler(amqp.delivery)');
+SELECT subscription, owner FROM amqp.subscription;
+RESET ROLE;
 ROLLBACK;
 \set ON_ERROR_ROLLBACK off
 \set VERBOSITY terse
@@ -84,4 +109,5 @@ DROP FUNCTION public.always(integer, integer);
 DROP FUNCTION public.pg_backend_pid();
 DROP FUNCTION public.octet_length(text);
 DELETE FROM amqp.broker WHERE broker_id = 8;
-DROP ROLE regress_amqp_nobody, regress_amqp_app, regress_amqp_dba, regress_amqp_monitor;
+DROP ROLE regress_amqp_nobody, regress_amqp_app, regress_amqp_dba, regress_amqp_monitor,
+    regress_amqp_consumer;
