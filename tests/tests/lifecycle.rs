@@ -11,7 +11,7 @@ use amqp_outbox_e2e::outbox::{add_broker, create_extension};
 use amqp_outbox_e2e::{
     eventually, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, StopMode,
 };
-use postgres::Client;
+use postgres::{Client, GenericClient};
 
 const WORKER_UP: Duration = Duration::from_secs(30);
 const BULK_ARRIVAL: Duration = Duration::from_secs(150);
@@ -468,7 +468,7 @@ fn previous_message_ids(client: &mut Client, table: &str) -> BTreeMap<i64, Strin
         .collect()
 }
 
-fn stored_message_ids(client: &mut Client, table: &str) -> BTreeMap<i64, String> {
+fn stored_message_ids(client: &mut impl GenericClient, table: &str) -> BTreeMap<i64, String> {
     client
         .query(
             &format!("SELECT id, message_id FROM amqp.{table} ORDER BY id"),
@@ -584,9 +584,16 @@ fn update_from_the_previous_version_keeps_every_message_and_its_id() {
         "nothing moves before the update"
     );
 
-    client
-        .batch_execute("ALTER EXTENSION amqp_outbox UPDATE")
+    // The ids are read in the update's own transaction: once it commits, the worker may
+    // deliver (and delete) the rows at any moment.
+    let mut tx = client
+        .transaction()
+        .unwrap_or_else(|e| panic!("BEGIN: {e}"));
+    tx.batch_execute("ALTER EXTENSION amqp_outbox UPDATE")
         .unwrap_or_else(|e| panic!("ALTER EXTENSION amqp_outbox UPDATE: {e}"));
+    let stored = stored_message_ids(&mut tx, "message");
+    let stored_discarded = stored_message_ids(&mut tx, "discarded");
+    tx.commit().unwrap_or_else(|e| panic!("COMMIT: {e}"));
     let version: String = scalar(
         &mut client,
         "SELECT extversion FROM pg_extension WHERE extname = 'amqp_outbox'",
@@ -597,15 +604,11 @@ fn update_from_the_previous_version_keeps_every_message_and_its_id() {
     );
     assert_eq!(version, default_version);
     assert_ne!(version, PREVIOUS);
-    let stored = stored_message_ids(&mut client, "message");
     assert_eq!(
         stored, expected,
         "the update keeps the message_id each row had"
     );
-    assert_eq!(
-        stored_message_ids(&mut client, "discarded"),
-        expected_discarded
-    );
+    assert_eq!(stored_discarded, expected_discarded);
 
     // The worker now delivers the pending rows, each with its message_id.
     let pending: BTreeMap<String, Vec<u8>> = before
