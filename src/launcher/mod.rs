@@ -31,6 +31,9 @@ use workers::{Kind, Tracked};
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
 /// A worker that stopped (terminated, failed) is started again after this.
 const RESTART_AFTER: Duration = Duration::from_secs(2);
+/// Probes running at once: a server with many databases must not take every background worker
+/// slot to look for the extension.
+const MAX_PROBES: usize = 2;
 /// A database found without the extension is looked at again after this even if no
 /// `CREATE EXTENSION` was seen to commit (one in a prepared transaction wakes nobody).
 const ABSENT_FOR: Duration = Duration::from_secs(300);
@@ -81,6 +84,8 @@ struct Launcher {
     known: HashSet<u32>,
     /// Databases already warned about as not served (one WARNING each, not one per scan).
     warned: HashSet<u32>,
+    /// Served databases whose worker could not be started again (warned once until it is).
+    start_warned: HashSet<u32>,
 }
 
 #[pg_guard]
@@ -111,6 +116,7 @@ pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
         created_seen: launch::extensions_created(),
         known: HashSet::new(),
         warned: HashSet::new(),
+        start_warned: HashSet::new(),
     };
     launcher.adopt();
     loop {
@@ -185,8 +191,11 @@ impl Launcher {
                 timeout = timeout.min(t);
             }
         }
-        let unserved = self.assign(&wanted);
+        let (unserved, retry_soon) = self.assign(&wanted);
         self.report_unserved(&unserved, &wanted);
+        if retry_soon {
+            timeout = timeout.min(RESTART_AFTER);
+        }
         timeout
     }
 
@@ -248,6 +257,7 @@ impl Launcher {
         }
         if alive[0] && alive[1] {
             entry.stopped_at = None;
+            self.start_warned.remove(&entry.db.oid);
             return None;
         }
         let stopped_at = *entry.stopped_at.get_or_insert_with(Instant::now);
@@ -260,19 +270,23 @@ impl Launcher {
         let name = entry.db.name.clone();
         for (k, up) in Kind::BOTH.into_iter().zip(alive) {
             if !up && !entry.tracked(k).start(k, i, &name) {
-                warning!(
-                    "amqp_outbox: cannot start a worker for database \"{}\": no background worker slot free (raise max_worker_processes)",
-                    entry.db.name
-                );
+                // Once per database, not at every retry.
+                if self.start_warned.insert(entry.db.oid) {
+                    warning!(
+                        "amqp_outbox: cannot start a worker for database \"{name}\": no background worker slot free (raise max_worker_processes)"
+                    );
+                }
                 return Some(RESTART_AFTER);
             }
         }
         None
     }
 
-    /// Gives a slot to every wanted database that has none; returns those left without.
-    fn assign(&mut self, wanted: &[Database]) -> Vec<(u32, Unserved)> {
+    /// Gives a slot to every wanted database that has none; returns those left without, and
+    /// whether some must be tried again soon (a probe that could not start or wait its turn).
+    fn assign(&mut self, wanted: &[Database]) -> (Vec<(u32, Unserved)>, bool) {
         let mut unserved = Vec::new();
+        let mut retry_soon = false;
         let cap = gucs::max_workers().min(MAX_DATABASES);
         self.known
             .retain(|oid| wanted.iter().any(|d| d.oid == *oid));
@@ -290,6 +304,11 @@ impl Launcher {
             // worker starts, looks, and exits; a probe does not count against the cap.
             let probe = !self.known.contains(&db.oid);
             let serving = self.served.iter().flatten().filter(|s| !s.probe).count();
+            let probing = self.served.iter().flatten().filter(|s| s.probe).count();
+            if probe && probing >= MAX_PROBES {
+                // Its turn comes when a running probe exits (which wakes the launcher).
+                continue;
+            }
             if !probe && serving >= cap {
                 unserved.push((db.oid, Unserved::MaxWorkers));
                 continue;
@@ -314,12 +333,18 @@ impl Launcher {
             if !started {
                 let view = launch::slot_view(i);
                 served.outbox.stop(Kind::Outbox, &view);
-                unserved.push((db.oid, Unserved::NoWorkerSlot));
+                launch::release_slot(i);
+                retry_soon = true;
+                // A probe's database may not even have the extension: only a known one is
+                // reported as not served.
+                if !probe {
+                    unserved.push((db.oid, Unserved::NoWorkerSlot));
+                }
                 continue;
             }
             self.served[i] = Some(served);
         }
-        unserved
+        (unserved, retry_soon)
     }
 
     fn report_unserved(&mut self, unserved: &[(u32, Unserved)], wanted: &[Database]) {

@@ -379,3 +379,46 @@ fn a_database_taken_out_of_amqp_outbox_database_loses_its_workers_at_the_reload(
     wait_running(&mut a.client, "shop_a");
     a.wait_all_arrived();
 }
+
+#[test]
+fn databases_without_the_extension_are_probed_and_left_alone() {
+    // Little room (PostgreSQL's logical replication launcher, ours, two probes, one database's
+    // two workers), and eight databases that only a probe can tell apart from one to serve.
+    let rabbit = Rabbit::shared();
+    let cluster = PgCluster::new(
+        PgConfig::default()
+            .setting("amqp_outbox.database", "'*'")
+            .setting("max_worker_processes", 6),
+    );
+    let mut admin = cluster.client_db("postgres");
+    for i in 0..8 {
+        admin
+            .batch_execute(&format!("CREATE DATABASE plain_{i}"))
+            .unwrap_or_else(|e| panic!("CREATE DATABASE: {e}"));
+    }
+    let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
+    wait_running(&mut e2e.client, "e2e");
+    e2e.publish(20);
+    e2e.wait_all_arrived();
+    let log = cluster.log();
+    assert!(
+        !log.contains("is not served") && !log.contains("cannot start a worker"),
+        "{}",
+        cluster.log_tail(30)
+    );
+    let seen = status(&mut e2e.client);
+    assert_eq!(seen.len(), 1, "only e2e is served: {seen:?}");
+    let probing: i64 = e2e
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+              WHERE backend_type LIKE 'amqp_outbox%' AND datname LIKE 'plain_%'",
+            &[],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        probing, 0,
+        "a worker stayed in a database without the extension"
+    );
+}
