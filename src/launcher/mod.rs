@@ -171,8 +171,10 @@ impl Launcher {
         if created != self.created_seen {
             match launch::created_in(self.created_seen, created) {
                 Some(dbs) => {
+                    // Committed there: no probe needed, its workers start at once.
                     for db in dbs {
                         self.absent.remove(&db);
+                        self.known.insert(db);
                     }
                 }
                 None => self.absent.clear(),

@@ -283,11 +283,12 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     let collector = rabbit.consume_connected(&route);
     let target = PgCluster::new(PgConfig::default());
     let mut dst = target.client();
-    target.wait_for_worker(&mut dst, WORKER_UP);
     // pg_restore reads the file as the postgres user; it lies in the source's directory.
     target
         .run_client("pg_restore", &["--exit-on-error", "-d", "e2e", &custom])
         .unwrap_or_else(|e| panic!("{e}"));
+    // The restore's CREATE EXTENSION has the launcher start the database's workers.
+    target.wait_for_worker(&mut dst, WORKER_UP);
     assert_eq!(
         configuration(&mut dst),
         before_config,

@@ -508,9 +508,9 @@ fn unroutable_message_is_parked_while_later_messages_arrive() {
 }
 
 #[test]
-fn worker_starts_before_create_extension_and_before_broker() {
+fn worker_starts_at_create_extension_before_the_broker_is_up() {
     // The durable route exists on the node's disk; then the node is stopped, so nothing
-    // listens on its port when the cluster and the worker start.
+    // listens on its port when the cluster starts and the extension is created.
     let mut node = PrivateRabbit::start();
     let mut route = node.rabbit().declare_route("early");
     route.delete_on_drop = false;
@@ -531,9 +531,10 @@ fn worker_starts_before_create_extension_and_before_broker() {
         .expect("pg_extension")
         .get(0);
     assert!(!exists);
-    let first = cluster.wait_for_worker(&mut client, WORKER_UP);
 
+    // The commit of CREATE EXTENSION has the launcher start the database's workers.
     create_extension(&mut client);
+    let first = cluster.wait_for_worker(&mut client, WORKER_UP);
     let broker_id = amqp_outbox_e2e::outbox::add_broker(&mut client, &node.endpoint());
     let outbox = Outbox { broker_id };
     outbox.publish(&mut client, &route.exchange, &route.routing_key, "early:0");
@@ -546,7 +547,7 @@ fn worker_starts_before_create_extension_and_before_broker() {
     collector.wait_for_body("early:1", ARRIVAL);
     Outbox::wait_drained(&mut client, ARRIVAL);
     let now = cluster.wait_for_worker(&mut client, WORKER_UP);
-    eprintln!("worker pid before CREATE EXTENSION {first}, now {now}");
+    eprintln!("worker pid after CREATE EXTENSION {first}, after the broker came up {now}");
     let counts = collector.body_counts();
     assert_eq!(counts.get("early:0"), Some(&1), "{counts:?}");
     assert_eq!(counts.get("early:1"), Some(&1), "{counts:?}");
