@@ -1,27 +1,27 @@
 //! 8. Capacity: the highest publish rate each system sustains end to end.
 //!
-//! 8 clients commit one message per transaction at a paced rate. Three systems, each with its own fanout exchange, classic durable queue and auto-ack lapin
-//! consumer (which subtracts the client's timestamp at the start of each ~100-byte body from its
-//! receive time):
+//! 8 clients commit one message per transaction at a paced rate. Three systems, each with its
+//! own fanout exchange, classic durable queue and auto-ack lapin consumer (which subtracts the
+//! client's timestamp at the start of each ~100-byte body from its receive time):
 //!
 //! - **outbox**: `SELECT amqp.publish(…)` with the worker on (`ack_queue` mode, the default).
 //! - **relay**: what users write instead (Spring Modulith, MassTransit, Namastack…): a plain
 //!   table `relay_outbox (id bigserial, exchange, routing_key, body bytea, created_at)` that the
-//!   clients INSERT into, and one relay task (its own thread: a current-thread tokio runtime,
-//!   tokio-postgres and lapin) looping `BEGIN; SELECT … ORDER BY id LIMIT 100 FOR UPDATE SKIP
-//!   LOCKED;` publish each row with confirms, await them all, `DELETE … WHERE id = ANY(…);
-//!   COMMIT`, and sleeping 100 ms when it found nothing (batch 100, poll 100 ms: the usual
-//!   defaults).
+//!   clients INSERT into, and one relay task (tokio-postgres and lapin on a thread and a
+//!   one-worker tokio runtime of its own) looping `BEGIN; SELECT … ORDER BY id LIMIT 100 FOR
+//!   UPDATE SKIP LOCKED;` publish each row with confirms, await them all, `DELETE … WHERE id =
+//!   ANY(…); COMMIT`, and sleeping 100 ms when it found nothing (batch 100, poll 100 ms: the
+//!   usual defaults).
 //! - **floor**: what the machine can do at all: the same INSERTs into a plain table of the same
-//!   shape, and a raw lapin publisher (its own thread, confirms awaited in order by another
-//!   task, never more than the offered rate) publishing the same messages side by side.
+//!   shape, and a raw lapin publisher (its own threads likewise; confirms awaited in order by
+//!   another task, never ahead of the offered rate) publishing the same messages side by side.
 //!
 //! A step offers rate R: 8 sessions (connected once) each commit every 8th message of a schedule
 //! at R msg/s (catching up when late, never ahead), for a warm-up and then a window. The step is
 //! *sustained* when over the window the clients kept ≥ 95 % of R (for the floor, the INSERTs and
 //! the raw publisher each), the consumer received ≥ 95 % of R, the backlog (sent − received) grew
 //! by at most 5 % of what the window offered, and the p99 commit→consumer latency of what
-//! arrived in the window is ≤ 1 s. The search per system doubles from a start rate until a step
+//! arrived in the window is ≤ 1 s. The search per system doubles from 2,000 msg/s until a step
 //! fails (halves if the first fails), then bisects geometrically between the highest sustained
 //! and the lowest failed rate, for a fixed number of rounds; the capacity is the highest
 //! sustained rate. Each round runs the three systems one after the other in rotated order, so
@@ -30,9 +30,9 @@
 //! queue purged), and bodies carry the step number so late deliveries are not counted.
 //!
 //! CPU per delivered message over each window, from `/proc`: the amqp_outbox worker process, the
-//! RabbitMQ node (`beam.smp`, the listener on the AMQP port), the relay's own threads (its tokio
-//! thread and its connection's `lapin-io-loop` thread) and its PostgreSQL backend, and the raw
-//! publisher's own threads; reported at each system's capacity.
+//! RabbitMQ node (`beam.smp`, the listener on the AMQP port), the relay's own threads (its
+//! thread, its runtime's worker and its connection's `lapin-io-loop` thread) and its PostgreSQL
+//! backend, and the raw publisher's own threads; reported at each system's capacity.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -308,8 +308,9 @@ fn props() -> BasicProperties {
     BasicProperties::default().with_delivery_mode(2)
 }
 
-/// A task on its own thread with a current-thread tokio runtime, so its CPU time can be read
-/// from `/proc/self/task`: the thread, plus the `lapin-io-loop` thread of its connection.
+/// A task on its own thread with a tokio runtime of its own, so its CPU time can be read from
+/// `/proc/self/task`: that thread, the runtime's worker, and the `lapin-io-loop` thread of its
+/// AMQP connection.
 struct OwnThread {
     tids: Vec<i32>,
     handle: Option<JoinHandle<Result<(), String>>>,
@@ -328,10 +329,17 @@ impl OwnThread {
         let io_before = env::threads_named("lapin-io-loop");
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(i32, i32), String>>();
         let label = name.to_string();
+        // Thread names show in /proc/self/task/*/comm, cut to 15 bytes.
+        let rt_name = format!("{name}-rt");
+        let rt_name2 = rt_name.clone();
         let handle = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
+                // One worker of its own (it drives the sockets while this thread runs the
+                // task), so nothing else in the bench shares these threads.
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name(rt_name2)
                     .enable_all()
                     .build()
                     .map_err(|e| format!("{label}: tokio runtime: {e}"));
@@ -360,6 +368,7 @@ impl OwnThread {
             .recv_timeout(Duration::from_secs(60))
             .map_err(|_| format!("{name}: no answer from its thread"))??;
         let mut tids = vec![tid];
+        tids.extend(env::threads_named(&rt_name));
         tids.extend(
             env::threads_named("lapin-io-loop")
                 .into_iter()
@@ -553,7 +562,7 @@ impl RawPublisher {
             let _ = amqp.close(200, "done".into()).await;
             Ok(())
         };
-        let (thread, _) = OwnThread::start("bench-raw-pub", setup, body)?;
+        let (thread, _) = OwnThread::start("bench-rawpub", setup, body)?;
         Ok(RawPublisher {
             thread,
             cmds: Some(tx),
@@ -962,6 +971,23 @@ fn step(env: &mut Env, cx: &mut Ctx, sys: Sys, rate: f64) -> Result<Step, String
     Ok(out)
 }
 
+/// After a step failed with an error: empty tables and queue, all 8 sessions there again.
+fn recover(env: &mut Env, cx: &mut Ctx, sys: Sys) -> Result<(), String> {
+    match sys {
+        Sys::Outbox => {
+            env.clear_outbox()?;
+            env.set_enabled(true)?;
+        }
+        Sys::Relay => env.sql("TRUNCATE public.relay_outbox")?,
+        Sys::Floor => env.sql("TRUNCATE public.capacity_plain")?,
+    }
+    env.purge(&sys.queue())?;
+    while cx.clients.len() < CLIENTS {
+        cx.clients.push(env.cluster.try_client()?);
+    }
+    Ok(())
+}
+
 fn setup(env: &mut Env, plan: Plan) -> Result<Ctx, String> {
     env.set_enabled(true)?;
     env.set_proof("ack_queue")?;
@@ -1054,6 +1080,8 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
     let mut caps: BTreeMap<Sys, Vec<f64>> = BTreeMap::new();
     let mut at_cap: BTreeMap<Sys, Vec<Option<Step>>> = BTreeMap::new();
     let mut steps = Vec::new();
+    // Systems whose step failed with an error: their search stops there.
+    let mut broken: BTreeMap<Sys, String> = BTreeMap::new();
     for rep in 0..plan.reps {
         let mut search: BTreeMap<Sys, Search> =
             SYSTEMS.iter().map(|s| (*s, Search::default())).collect();
@@ -1063,7 +1091,19 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
                 let Some(rate) = search.get(&sys).and_then(Search::next) else {
                     continue;
                 };
-                let s = step(env, cx, sys, rate)?;
+                if broken.contains_key(&sys) {
+                    continue;
+                }
+                let s = match step(env, cx, sys, rate) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let e = format!("{} at {rate:.0}/s: {e}", sys.key());
+                        run.error("capacity", e.clone());
+                        recover(env, cx, sys)?;
+                        broken.insert(sys, e);
+                        continue;
+                    }
+                };
                 log(format!(
                     "  capacity rep {rep} round {round}: {} at {rate:.0}/s: {}; received {:.0}/s, backlog {:+}, p50 {:.1} ms, p99 {:.1} ms; \
                      CPU µs/msg: worker {:.1}, RabbitMQ {:.1}, relay {:.1} + backend {:.1}, raw {:.1}{}",
@@ -1096,6 +1136,12 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
         }
     }
     let load_end = crate::loadavg();
+    for (sys, e) in &broken {
+        run.notes.push(format!(
+            "capacity: the {} search stopped at an error ({e}); its capacity is the highest rate sustained before it",
+            sys.key()
+        ));
+    }
     let get = |s: Sys| caps.get(&s).cloned().unwrap_or_default();
     let (o, r, f) = (get(Sys::Outbox), get(Sys::Relay), get(Sys::Floor));
     // Median over repetitions of a CPU figure at a system's capacity.
@@ -1220,6 +1266,7 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
             "rounds": plan.rounds, "reps": plan.reps,
             "warmup_secs": plan.warmup.as_secs_f64(), "window_secs": plan.window.as_secs_f64(),
             "capacity_msg_per_sec": {"outbox": o, "relay": r, "floor": f},
+            "errors": broken.iter().map(|(k, v)| (k.key().to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "loadavg_start": load_start, "loadavg_end": load_end,
             "steps": steps,
         }),
