@@ -383,12 +383,9 @@ impl OwnThread {
         ))
     }
 
-    /// CPU seconds of its threads so far (NaN when one cannot be read).
-    fn cpu_secs(&self) -> f64 {
-        self.tids
-            .iter()
-            .map(|t| env::thread_cpu_secs(*t).unwrap_or(f64::NAN))
-            .sum()
+    /// CPU seconds of each of its threads so far (None: gone, e.g. an idle blocking thread).
+    fn cpu_secs(&self) -> Vec<Option<f64>> {
+        self.tids.iter().map(|t| env::thread_cpu_secs(*t)).collect()
     }
 
     fn finished(&self) -> bool {
@@ -747,9 +744,11 @@ impl Cpu {
 }
 
 /// Counters and CPU at one instant.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Snap {
     unix_us: i64,
+    relay_threads: Vec<Option<f64>>,
+    raw_threads: Vec<Option<f64>>,
     committed: u64,
     published: u64,
     received: u64,
@@ -772,18 +771,24 @@ impl Ctx {
         let cpu = |p: Option<i32>| p.and_then(env::proc_cpu_secs).unwrap_or(f64::NAN);
         Snap {
             unix_us: now_us(),
+            relay_threads: self
+                .relay
+                .as_ref()
+                .map_or_else(Vec::new, |r| r.thread.cpu_secs()),
+            raw_threads: self
+                .raw
+                .as_ref()
+                .map_or_else(Vec::new, |r| r.thread.cpu_secs()),
             committed,
             published,
             received: self.consumers.get(&sys).map_or(0, |c| c.received()),
             cpu: Cpu {
                 worker: cpu(worker),
                 broker: cpu(self.broker_pid),
-                relay: self
-                    .relay
-                    .as_ref()
-                    .map_or(f64::NAN, |r| r.thread.cpu_secs()),
+                // Per thread: see `threads_delta`.
+                relay: f64::NAN,
                 relay_backend: cpu(self.relay.as_ref().map(|r| r.backend_pid)),
-                raw: self.raw.as_ref().map_or(f64::NAN, |r| r.thread.cpu_secs()),
+                raw: f64::NAN,
             },
         }
     }
@@ -831,6 +836,21 @@ fn count(env: &mut Env, table: &str) -> i64 {
         .query_one(&format!("SELECT count(*) FROM {table}"), &[])
         .map(|r| r.get(0))
         .unwrap_or(-1)
+}
+
+/// CPU seconds used between two readings of the same threads, counting those readable at both
+/// (NaN when none was).
+fn threads_delta(a: &[Option<f64>], b: &[Option<f64>]) -> f64 {
+    let d: Vec<f64> = a
+        .iter()
+        .zip(b)
+        .filter_map(|(x, y)| Some((*y)? - (*x)?))
+        .collect();
+    if d.is_empty() {
+        f64::NAN
+    } else {
+        d.iter().sum()
+    }
 }
 
 fn sleep_until(t: Instant) {
@@ -936,7 +956,9 @@ fn step(env: &mut Env, cx: &mut Ctx, sys: Sys, rate: f64) -> Result<Step, String
         p99_ms: pct(&lat, 99.0),
     };
     let v = verdict(&window);
-    let d = s1.cpu.minus(&s0.cpu);
+    let mut d = s1.cpu.minus(&s0.cpu);
+    d.relay = threads_delta(&s0.relay_threads, &s1.relay_threads);
+    d.raw = threads_delta(&s0.raw_threads, &s1.raw_threads);
     let received = window.received.max(1) as f64;
     let per = |x: f64| x * 1e6 / received;
     let out = Step {
@@ -1295,6 +1317,13 @@ mod tests {
         f.record(100.0, false);
         assert_eq!(f.next(), None);
         assert_eq!(f.capacity(), 0.0);
+    }
+
+    #[test]
+    fn thread_cpu_counts_threads_seen_at_both_readings() {
+        let d = threads_delta(&[Some(1.0), Some(2.0), None], &[Some(1.5), None, Some(9.0)]);
+        assert_eq!(d, 0.5);
+        assert!(threads_delta(&[None], &[Some(1.0)]).is_nan());
     }
 
     #[test]
