@@ -1080,6 +1080,14 @@ fn drop_objects(env: &mut Env) {
     let _ = env.sql("DROP TABLE IF EXISTS public.relay_outbox, public.capacity_plain");
 }
 
+fn reps_text(n: usize) -> String {
+    if n == 1 {
+        "1 repetition".into()
+    } else {
+        format!("{n} repetitions")
+    }
+}
+
 /// 8. Capacity.
 pub fn capacity(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let plan = Plan::of(opts);
@@ -1101,6 +1109,8 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
     // Per repetition: each system's capacity and the step that found it.
     let mut caps: BTreeMap<Sys, Vec<f64>> = BTreeMap::new();
     let mut at_cap: BTreeMap<Sys, Vec<Option<Step>>> = BTreeMap::new();
+    // The first step of each search, at the same rate for the three: CPU at equal load.
+    let mut at_start: BTreeMap<Sys, Vec<Step>> = BTreeMap::new();
     let mut steps = Vec::new();
     // Systems whose step failed with an error: their search stops there.
     let mut broken: BTreeMap<Sys, String> = BTreeMap::new();
@@ -1148,6 +1158,9 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
                 if s.sustained && best.get(&sys).is_none_or(|b| b.rate < rate) {
                     best.insert(sys, s.clone());
                 }
+                if rate == START_RATE {
+                    at_start.entry(sys).or_default().push(s.clone());
+                }
                 steps.push(json!({"rep": rep, "round": round, "step": s.to_json()}));
             }
         }
@@ -1173,19 +1186,40 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
             .map(|v| v.iter().flatten().map(|st| pick(&st.cpu_us)).collect())
             .unwrap_or_default()
     };
-    let worker = cpu_at(Sys::Outbox, |c| c.worker);
-    let broker_o = cpu_at(Sys::Outbox, |c| c.broker);
-    let relay = cpu_at(Sys::Relay, |c| c.relay);
-    let relay_be = cpu_at(Sys::Relay, |c| c.relay_backend);
-    let broker_r = cpu_at(Sys::Relay, |c| c.broker);
-    let raw = cpu_at(Sys::Floor, |c| c.raw);
-    let broker_f = cpu_at(Sys::Floor, |c| c.broker);
+    let cpu_start = |s: Sys, pick: fn(&Cpu) -> f64| -> Vec<f64> {
+        at_start
+            .get(&s)
+            .map(|v| v.iter().map(|st| pick(&st.cpu_us)).collect())
+            .unwrap_or_default()
+    };
+    type Pick = fn(&Cpu) -> f64;
+    let cpu_rows: [(&str, Sys, Pick); 7] = [
+        ("worker (outbox)", Sys::Outbox, |c| c.worker),
+        ("RabbitMQ (outbox)", Sys::Outbox, |c| c.broker),
+        (
+            "relay's threads: tokio + lapin I/O (relay)",
+            Sys::Relay,
+            |c| c.relay,
+        ),
+        ("relay's PostgreSQL backend (relay)", Sys::Relay, |c| {
+            c.relay_backend
+        }),
+        ("RabbitMQ (relay)", Sys::Relay, |c| c.broker),
+        (
+            "raw publisher's threads: tokio + lapin I/O (floor)",
+            Sys::Floor,
+            |c| c.raw,
+        ),
+        ("RabbitMQ (floor)", Sys::Floor, |c| c.broker),
+    ];
+    let at = |i: usize| median(&cpu_at(cpu_rows[i].1, cpu_rows[i].2));
+    let at2k = |i: usize| median(&cpu_start(cpu_rows[i].1, cpu_rows[i].2));
     let sec = "8 capacity";
     let cfg = format!(
-        "{CLIENTS} clients, 1 msg/txn, ~100 B; sustained over {} s windows; {} rounds × {} rep",
+        "{CLIENTS} clients, 1 msg/txn, ~100 B; sustained over {} s windows; {} rounds × {}",
         plan.window.as_secs(),
         plan.rounds,
-        plan.reps
+        reps_text(plan.reps)
     );
     let relay_label = format!(
         "relay (FOR UPDATE SKIP LOCKED, batch {RELAY_BATCH}, poll {} ms)",
@@ -1200,14 +1234,16 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
     };
     let load = format!("load average {load_start} at start, {load_end} at end");
     run.fig(
-        Figure::new(sec, &format!("sustained rate, outbox / application {relay_label}"), &cfg, "msg/s")
-            .samples(o.clone())
-            .baseline("relay", r.clone())
-            .target(Target::RatioAtLeast(2.0))
-            .note(format!(
-                "CPU per delivered message at capacity: worker {:.1} µs, RabbitMQ {:.1} µs; relay threads {:.1} µs + its backend {:.1} µs, RabbitMQ {:.1} µs",
-                median(&worker), median(&broker_o), median(&relay), median(&relay_be), median(&broker_r)
-            )),
+        Figure::new(
+            sec,
+            &format!("sustained rate, outbox / application {relay_label}"),
+            &cfg,
+            "msg/s",
+        )
+        .samples(o.clone())
+        .baseline("relay", r.clone())
+        .target(Target::RatioAtLeast(2.0))
+        .note(load),
     );
     run.fig(
         Figure::new(
@@ -1218,12 +1254,7 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
         )
         .samples(o.clone())
         .baseline("floor", f.clone())
-        .target(Target::RatioAtLeast(0.8))
-        .note(format!(
-            "raw publisher {:.1} µs CPU/msg, RabbitMQ {:.1} µs; {load}",
-            median(&raw),
-            median(&broker_f)
-        )),
+        .target(Target::RatioAtLeast(0.8)),
     );
     run.fig(
         Figure::new(
@@ -1235,32 +1266,42 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
         .samples(r.clone())
         .baseline("floor", f.clone()),
     );
-    for (name, v) in [
-        ("worker CPU per delivered message, outbox at capacity", &worker),
-        ("RabbitMQ CPU per delivered message, outbox at capacity", &broker_o),
-        (
-            "relay CPU per delivered message (its tokio + lapin I/O threads), at capacity",
-            &relay,
-        ),
-        ("relay's PostgreSQL backend CPU per delivered message, at capacity", &relay_be),
-        ("RabbitMQ CPU per delivered message, relay at capacity", &broker_r),
-        (
-            "raw publisher CPU per delivered message (its tokio + lapin I/O threads), floor at capacity",
-            &raw,
-        ),
-        ("RabbitMQ CPU per delivered message, floor at capacity", &broker_f),
-    ] {
-        run.fig(Figure::new(sec, name, &cfg, "µs/msg").samples(v.clone()));
+    for (name, sys, pick) in cpu_rows {
+        run.fig(
+            Figure::new(
+                sec,
+                &format!("CPU per delivered message, {name}, at its capacity"),
+                &cfg,
+                "µs/msg",
+            )
+            .samples(cpu_at(sys, pick)),
+        );
+    }
+    let start_cfg = format!(
+        "{CLIENTS} clients, 1 msg/txn, ~100 B, {:.0} msg/s offered",
+        START_RATE
+    );
+    for (name, sys, pick) in cpu_rows {
+        run.fig(
+            Figure::new(
+                sec,
+                &format!("CPU per delivered message, {name}"),
+                &start_cfg,
+                "µs/msg",
+            )
+            .samples(cpu_start(sys, pick)),
+        );
     }
     let (ro_r, ro_f) = (ratio(&o, &r), ratio(&o, &f));
     let met = |x: f64, t: f64| if x >= t { "met" } else { "**not met**" };
     run.summary.push(format!(
-        "capacity ({CLIENTS} clients, 1 msg/txn, {} s windows, {} rep): outbox {:.0} msg/s, relay {:.0} msg/s, \
+        "capacity ({CLIENTS} clients, 1 msg/txn, {} s windows, {}): outbox {:.0} msg/s, relay {:.0} msg/s, \
          floor {:.0} msg/s; outbox / relay {:.2} (target ≥ 2, {}), outbox / floor {:.2} (target ≥ 0.8, {}); \
-         CPU per delivered message at capacity: worker {:.1} µs, relay {:.1} µs + backend {:.1} µs, raw publisher {:.1} µs, \
-         RabbitMQ {:.1} / {:.1} / {:.1} µs (outbox / relay / floor)",
+         CPU µs per delivered message at each one's capacity: worker {:.1}, relay {:.1} + its backend {:.1}, \
+         raw publisher {:.1}, RabbitMQ {:.1} / {:.1} / {:.1} (outbox / relay / floor); at {:.0} msg/s: \
+         worker {:.1}, relay {:.1} + {:.1}, raw publisher {:.1}, RabbitMQ {:.1} / {:.1} / {:.1}",
         plan.window.as_secs(),
-        plan.reps,
+        reps_text(plan.reps),
         median(&o),
         median(&r),
         median(&f),
@@ -1268,13 +1309,21 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
         met(ro_r, 2.0),
         ro_f,
         met(ro_f, 0.8),
-        median(&worker),
-        median(&relay),
-        median(&relay_be),
-        median(&raw),
-        median(&broker_o),
-        median(&broker_r),
-        median(&broker_f),
+        at(0),
+        at(2),
+        at(3),
+        at(5),
+        at(1),
+        at(4),
+        at(6),
+        START_RATE,
+        at2k(0),
+        at2k(2),
+        at2k(3),
+        at2k(5),
+        at2k(1),
+        at2k(4),
+        at2k(6),
     ));
     run.detail(
         "capacity",
