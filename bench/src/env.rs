@@ -468,7 +468,47 @@ pub fn listener_pid(port: u16) -> Option<i32> {
 
 /// CPU seconds (user + system) `pid` has used so far.
 pub fn proc_cpu_secs(pid: i32) -> Option<f64> {
-    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_cpu_secs(&format!("/proc/{pid}/stat"))
+}
+
+/// CPU seconds (user + system) one thread `tid` of this process has used so far.
+pub fn thread_cpu_secs(tid: i32) -> Option<f64> {
+    stat_cpu_secs(&format!("/proc/self/task/{tid}/stat"))
+}
+
+/// This thread's id (for [`thread_cpu_secs`]).
+pub fn gettid() -> i32 {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) as i32 }
+}
+
+/// The ids of this process's threads whose name is `name` (`/proc/self/task/*/comm`).
+pub fn threads_named(name: &str) -> Vec<i32> {
+    let Ok(dir) = fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let tid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = fs::read_to_string(e.path().join("comm")).ok()?;
+        (comm.trim_end() == name).then_some(tid)
+    })
+    .collect()
+}
+
+/// The RabbitMQ node's pid: the listener on `port`, else the oldest `beam.smp` (`pgrep`).
+pub fn broker_pid(port: u16) -> Option<i32> {
+    listener_pid(port).or_else(|| {
+        let out = Command::new("pgrep")
+            .args(["-o", "-f", "beam.smp"])
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+    })
+}
+
+fn stat_cpu_secs(path: &str) -> Option<f64> {
+    let s = fs::read_to_string(path).ok()?;
     // Fields after the command (which is in parentheses and may contain spaces).
     let rest = &s[s.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();

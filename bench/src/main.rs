@@ -6,10 +6,12 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,consume,profile` to run a subset;
-//! `BENCH_CONSUME_N` messages per consume run; `BENCH_PROFILE=0` to skip perf.
+//! latency,scale,growth,consume,capacity,profile` to run a subset;
+//! `BENCH_CONSUME_N` messages per consume run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
+//! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_PROFILE=0` to skip perf.
 //! `--charts <results.json>` prints the charts of an earlier run and exits.
 
+mod capacity;
 mod charts;
 mod consume;
 mod env;
@@ -49,6 +51,10 @@ pub struct Opts {
     /// Messages per run of the consume phase, and its repetitions.
     pub consume_n: u64,
     pub consume_reps: usize,
+    /// Rounds of the capacity search per repetition, repetitions, and seconds per window.
+    pub capacity_rounds: usize,
+    pub capacity_reps: usize,
+    pub capacity_secs: u64,
     pub profile: bool,
     pub only: Option<Vec<String>>,
 }
@@ -79,6 +85,9 @@ impl Opts {
                 size_drains: vec![(4096, 20_000), (65536, 2_000)],
                 consume_n: 20_000,
                 consume_reps: 3,
+                capacity_rounds: 7,
+                capacity_reps: 1,
+                capacity_secs: 4,
                 profile: true,
                 only: None,
             }
@@ -97,6 +106,9 @@ impl Opts {
                 size_drains: vec![(4096, 50_000), (65536, 5_000)],
                 consume_n: 100_000,
                 consume_reps: 5,
+                capacity_rounds: 8,
+                capacity_reps: 3,
+                capacity_secs: 10,
                 profile: true,
                 only: None,
             }
@@ -106,6 +118,9 @@ impl Opts {
         o.drain_n = num("BENCH_DRAIN_N", o.drain_n);
         o.scale_n = num("BENCH_SCALE_N", o.scale_n);
         o.consume_n = num("BENCH_CONSUME_N", o.consume_n);
+        o.capacity_rounds = num("BENCH_CAPACITY_ROUNDS", o.capacity_rounds as u64) as usize;
+        o.capacity_reps = num("BENCH_CAPACITY_REPS", o.capacity_reps as u64).max(1) as usize;
+        o.capacity_secs = num("BENCH_CAPACITY_SECS", o.capacity_secs).max(1);
         o.profile = std::env::var("BENCH_PROFILE")
             .map(|v| v != "0")
             .unwrap_or(true);
@@ -229,13 +244,14 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 7] = [
+    let all: [(&str, Phase); 8] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
         ("scale", phases::scale),
         ("growth", phases::growth),
         ("consume", consume::consume),
+        ("capacity", capacity::capacity),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();
@@ -308,6 +324,9 @@ fn main() {
         "size_drains": opts.size_drains,
         "consume_n": opts.consume_n,
         "consume_reps": opts.consume_reps,
+        "capacity_rounds": opts.capacity_rounds,
+        "capacity_reps": opts.capacity_reps,
+        "capacity_secs": opts.capacity_secs,
         "summary": run.summary,
         "notes": run.notes,
     });
