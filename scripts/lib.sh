@@ -40,6 +40,18 @@ real_pg_config() {
     if [ -x "$bindir/pg_config" ]; then echo "$bindir/pg_config"; else command -v "$pgc"; fi
 }
 
+# The Debian package's name and the paths it installs to, for the PostgreSQL that PG_CONFIG
+# names: sets PG_CONFIG_REAL, PG_MAJOR, PKGLIBDIR, EXTDIR, PKG and ARCH (package.sh and
+# package_test.sh must agree on them).
+package_layout() {
+    PG_CONFIG_REAL="$(real_pg_config)"
+    PG_MAJOR="$("$PG_CONFIG_REAL" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')"
+    PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
+    EXTDIR="$("$PG_CONFIG_REAL" --sharedir)/extension"
+    PKG="postgresql-$PG_MAJOR-amqp-outbox"
+    ARCH="$(dpkg --print-architecture)"
+}
+
 # Does something accept TCP connections on host:port?
 port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 

@@ -26,12 +26,7 @@ for cmd in dpkg dpkg-deb dpkg-shlibdeps dpkg-gencontrol dpkg-parsechangelog stri
     command -v "$cmd" >/dev/null 2>&1 || die "$cmd not found: install dpkg-dev (scripts/setup.sh does)"
 done
 
-PG_CONFIG_REAL="$(real_pg_config)"
-PG_MAJOR="$("$PG_CONFIG_REAL" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')"
-PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
-EXTDIR="$("$PG_CONFIG_REAL" --sharedir)/extension"
-PKG="postgresql-$PG_MAJOR-amqp-outbox"
-ARCH="$(dpkg --print-architecture)"
+package_layout
 
 # --- 1. the release build ----------------------------------------------------------------------
 # The output directory is named explicitly (pgrx's default place, whatever CARGO_TARGET_DIR says)

@@ -20,13 +20,8 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-PG_CONFIG_REAL="$(real_pg_config)"
-PG_MAJOR="$("$PG_CONFIG_REAL" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')"
-PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
-EXTDIR="$("$PG_CONFIG_REAL" --sharedir)/extension"
-PKG="postgresql-$PG_MAJOR-amqp-outbox"
+package_layout
 DOCDIR="/usr/share/doc/$PKG"
-ARCH="$(dpkg --print-architecture)"
 export DEBIAN_FRONTEND=noninteractive
 
 failures=()
