@@ -19,6 +19,7 @@ DB=amqp_demo
 CONSUMER_DB=amqp_demo_billing
 ORDERS_EXCHANGE=amqp_demo_orders
 ORDERS_QUEUE=amqp_demo_billing_orders
+RECEIPTS=amqp_demo_receipts   # the receipts exchange (consumers answer there) and queue
 EXCHANGE=amqp_outbox_demo     # fanout exchange, declared through amqp.exchange_declare()
 QUEUE=amqp_outbox_demo        # bound to it by demo_queue (below), when that can be done
 RUN_DIR="$(run_dir)"
@@ -56,6 +57,8 @@ port = $PGPORT
 listen_addresses = '127.0.0.1'
 unix_socket_directories = '$RUN_DIR'
 shared_preload_libraries = 'amqp_outbox'
+# Subscriptions answer every message with a receipt there (reconciliation, below).
+amqp_outbox.receipts_exchange = '$RECEIPTS'
 EOF
 if is_root; then chown postgres: "$PGDATA/amqp_outbox_run.conf"; fi
 
@@ -209,6 +212,16 @@ value "SELECT amqp.queue_declare($BROKER_ID, '$ORDERS_QUEUE')" >/dev/null
 value "SELECT amqp.queue_bind($BROKER_ID, '$ORDERS_QUEUE', '$ORDERS_EXCHANGE', 'order.created')" >/dev/null
 psql_ -d "$CONSUMER_DB" -c "SELECT amqp.subscribe('billing', 1, '$ORDERS_QUEUE', 'bill(amqp.delivery)')" >/dev/null
 note "database $CONSUMER_DB subscribes to queue $ORDERS_QUEUE with the handler bill(amqp.delivery)"
+# Reconciliation: $DB collects the receipts and expects one from billing for each order.
+value "SELECT amqp.collect_receipts($BROKER_ID, '$RECEIPTS', '$RECEIPTS')" >/dev/null
+sql -c "INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
+        VALUES ('order.created', '{billing}', '3 s', '30 s', 'resend')
+        ON CONFLICT (business_type) DO NOTHING" >/dev/null
+note "$DB collects receipts (queue $RECEIPTS) and expects billing to answer each order.created"
+for _ in $(seq 1 40); do
+    [ "$(value "SELECT count(*) FROM amqp.subscription_status WHERE state = 'consuming'")" = 1 ] && break
+    sleep 0.5
+done
 sql -v b="$BROKER_ID" -v ex="$ORDERS_EXCHANGE" <<'EOF'
 BEGIN;
 SELECT amqp.publish(:b, :'ex', 'order.created', '{"id": 1, "total": 10.00}') \g /dev/null
@@ -240,6 +253,23 @@ done
 demo_queue show
 note "each database has its own workers, started by the launcher (no setting names them):"
 sql -c "SELECT database, state, worker_pid, subscription_worker_pid, published FROM amqp.worker_status"
+
+# --- 6. reconciliation ---------------------------------------------------------------------------------
+say "Reconciliation in $DB: every order answered by billing?"
+for _ in $(seq 1 30); do
+    [ "$(value "SELECT count(*) FROM amqp.reconciliation WHERE business_type = 'order.created'")" = 0 ] && break
+    sleep 0.5
+done
+sql -c "SELECT business_type, status, messages, oldest_age FROM amqp.reconciliation_summary"
+if [ "$(value "SELECT count(*) FROM amqp.reconciliation")" = 0 ]; then
+    note "nothing unfinished: every message delivered, every monitored one answered"
+fi
+sql -c "SELECT day, business_type, produced, delivered, consumed, late, lost, resent, compensated, parked, failed
+          FROM amqp.daily_stats ORDER BY day, business_type"
+note "the life of the last order (amqp.trace):"
+sql -c "SELECT at::time(3) AS at, event, detail FROM amqp.trace(
+          (SELECT message_id FROM amqp.produced WHERE business_type = 'order.created' ORDER BY created_at DESC, seq DESC LIMIT 1))"
+sql -c "SELECT component, status, detail FROM amqp.health()"
 
 sockdir_hint="$RUN_DIR"
 user_hint=""

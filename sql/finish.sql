@@ -136,8 +136,8 @@ GRANT USAGE ON SCHEMA @extschema@ TO amqp_outbox_publisher, amqp_outbox_admin;
 
 GRANT EXECUTE ON FUNCTION
     @extschema@.publish(integer, text, text, text, integer, text, text, text),
-    @extschema@.publish_message(integer, text, text, text, jsonb, integer, text, text, text),
-    @extschema@.publish_bytes(integer, text, text, bytea, jsonb, integer, text, text, text),
+    @extschema@.publish_message(integer, text, text, text, jsonb, integer, text, text, text, text, text, text),
+    @extschema@.publish_bytes(integer, text, text, bytea, jsonb, integer, text, text, text, text, text, text),
     @extschema@.last_message_id(),
     @extschema@.autonomous_publish(integer, text, text, text, integer, text, text, text)
     TO amqp_outbox_publisher;

@@ -36,6 +36,14 @@ pub enum OutboxError {
     NotParked(i64),
     /// amqp.last_message_id() before any publish in this session.
     NoMessageYet,
+    /// A tag (business type or key, system or host id) over its limit.
+    TagTooLong {
+        what: &'static str,
+        bytes: usize,
+        max: usize,
+    },
+    /// A traceparent that is not W3C trace context (version-traceid-parentid-flags).
+    InvalidTraceparent(String),
 }
 
 impl OutboxError {
@@ -45,7 +53,8 @@ impl OutboxError {
         match self {
             NullArgument(_) => ERRCODE_NULL_VALUE_NOT_ALLOWED,
             UnknownBroker(_) => ERRCODE_UNDEFINED_OBJECT,
-            TooLong { .. } => ERRCODE_STRING_DATA_RIGHT_TRUNCATION,
+            TooLong { .. } | TagTooLong { .. } => ERRCODE_STRING_DATA_RIGHT_TRUNCATION,
+            InvalidTraceparent(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             InvalidDeliveryMode(_)
             | InvalidHeaders(_)
             | InvalidExchangeType(_)
@@ -90,6 +99,12 @@ impl OutboxError {
             NoMessageYet => {
                 "amqp_outbox: no message has been published in this session yet".to_string()
             }
+            TagTooLong { what, bytes, max } => {
+                format!("amqp_outbox: {what} is {bytes} bytes long; at most {max} are allowed")
+            }
+            InvalidTraceparent(v) => format!(
+                "amqp_outbox: invalid traceparent \"{v}\"; expected W3C trace context: 00-<32 hex>-<16 hex>-<2 hex>, lower case"
+            ),
         }
     }
 

@@ -31,6 +31,13 @@ pub static DEDUP_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(90 * 24 * 6
 pub static RECEIPTS_EXCHANGE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(None);
 pub static INBOX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
+/// Tags: empty means the default (the database's name, the host's name).
+pub static SYSTEM_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static HOST_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static TRACEPARENT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+/// Minutes (settings accept units: '15d').
+pub static RECONCILE_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(15 * 24 * 60);
+pub static STATS_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(400 * 24 * 60);
 /// Test builds only (feature `fault-injection`): absent from a user's build, and from SHOW ALL.
 #[cfg(feature = "fault-injection")]
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
@@ -272,6 +279,50 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.system_id",
+        c"Business system id sent with every message this session publishes (empty = the database's name).",
+        c"Header x-amqp-outbox-system-id; kept in amqp.produced.",
+        &SYSTEM_ID,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.host_id",
+        c"Host id sent with every message this session publishes (empty = the server's host name).",
+        c"Header x-amqp-outbox-host-id; kept in amqp.produced.",
+        &HOST_ID,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.traceparent",
+        c"W3C trace context (traceparent) sent with every message this session publishes (empty = none).",
+        c"A subscription sets it for its handler from the message's traceparent header, so a trace crosses the broker.",
+        &TRACEPARENT,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.reconcile_window",
+        c"How long the production log (amqp.produced) and receipts are kept; 0 = no production log.",
+        c"Whole days are dropped; monitoring rules only see messages within the window.",
+        &RECONCILE_WINDOW,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MIN,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.stats_retention",
+        c"How long the per-day statistics (amqp.daily_stats) are kept.",
+        c"Counted in whole days of message creation (UTC).",
+        &STATS_RETENTION,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MIN,
+    );
     #[cfg(feature = "fault-injection")]
     GucRegistry::define_int_guc(
         c"amqp_outbox.test_lose_one_in",
@@ -340,6 +391,14 @@ impl WorkerSettings {
             randomize_hosts: RANDOMIZE_HOSTS.get(),
         }
     }
+}
+
+/// A string setting's value, `None` when unset or empty.
+pub fn text(setting: &GucSetting<Option<CString>>) -> Option<String> {
+    setting
+        .get()
+        .and_then(|c| c.into_string().ok())
+        .filter(|s| !s.is_empty())
 }
 
 /// `amqp_outbox.database`: which databases the launcher serves.

@@ -51,9 +51,47 @@ pub fn json_kind(v: &Value) -> &'static str {
     }
 }
 
+/// W3C trace context, version 00 layout: `vv-<32 hex>-<16 hex>-<2 hex>`, lower case, version
+/// not `ff`, trace and parent id not all zeros.
+pub fn valid_traceparent(v: &str) -> bool {
+    let parts: Vec<&str> = v.split('-').collect();
+    let hex = |s: &str| {
+        s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let zero = |s: &str| s.bytes().all(|b| b == b'0');
+    parts.len() == 4
+        && [2, 32, 16, 2]
+            .iter()
+            .zip(&parts)
+            .all(|(n, p)| p.len() == *n && hex(p))
+        && parts[0] != "ff"
+        && !zero(parts[1])
+        && !zero(parts[2])
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{json_object, parse_object};
+    use super::{json_object, parse_object, valid_traceparent};
+
+    #[test]
+    fn traceparents_follow_w3c_trace_context() {
+        assert!(valid_traceparent(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        ));
+        for bad in [
+            "",
+            "garbage",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+            "00-0af7651916cd43dd8448eb211c80319-b7ad6b7169203331-01",
+        ] {
+            assert!(!valid_traceparent(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn objects_parse_and_unsendable_values_are_refused() {

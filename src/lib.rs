@@ -21,6 +21,11 @@ pgrx::pg_module_magic!();
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
+extension_sql_file!(
+    "../sql/reconcile.sql",
+    name = "reconcile",
+    requires = ["inbox"]
+);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]

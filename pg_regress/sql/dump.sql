@@ -11,13 +11,16 @@ SELECT x::regclass AS dumped, c.relkind
 SELECT extcondition FROM pg_extension WHERE extname = 'amqp_outbox';
 -- No table or sequence of the extension is left out (the list must grow with the schema), but
 -- the two that hold the workers' state: _consumed_since (when each hot consumption table was last
--- emptied; a restore restarts it) and _subscription_state (status counters); and the archive's
--- parent, which holds no rows: its day partitions are made at run time, so pg_dump dumps them as
--- tables of their own, rows included.
+-- emptied; a restore restarts it) and _subscription_state (status counters); and the parents of
+-- the tables partitioned by day (the consumption archive, the production log, receipts), which
+-- hold no rows: their day partitions are made at run time, so pg_dump dumps them as tables of
+-- their own, rows included (their default partitions are the extension's, and dumped).
 SELECT c.oid::regclass AS not_dumped
   FROM pg_class c
  WHERE c.relnamespace = 'amqp'::regnamespace AND c.relkind IN ('r', 'p', 'S')
-   AND c.oid <> ALL ((SELECT extconfig FROM pg_extension WHERE extname = 'amqp_outbox')::oid[]);
+   AND NOT (c.relispartition AND c.relname ~ '_[0-9]{8}$')
+   AND c.oid <> ALL ((SELECT extconfig FROM pg_extension WHERE extname = 'amqp_outbox')::oid[])
+ ORDER BY 1;
 -- CREATE EXTENSION fills none of them, so nothing is dumped twice.
 SELECT (SELECT count(*) FROM amqp.broker) + (SELECT count(*) FROM amqp.exchange)
      + (SELECT count(*) FROM amqp.queue) + (SELECT count(*) FROM amqp.binding)

@@ -23,10 +23,12 @@ WITH gone AS (DELETE FROM amqp.message \
 INSERT INTO amqp.discarded (id, producer_pid, producer_started_at, broker_id, exchange, routing_key, \
                             body, delivery_mode, content_type, reply_to, correlation_id, headers, \
                             created_at, attempts, next_attempt_at, last_error, parked_at, \
-                            message_id, discarded_at, discarded_by, reason) \
+                            message_id, business_type, business_key, traceparent, system_id, \
+                            host_id, resends, discarded_at, discarded_by, reason) \
 SELECT id, producer_pid, producer_started_at, broker_id, exchange, routing_key, body, \
        delivery_mode, content_type, reply_to, correlation_id, headers, created_at, attempts, \
-       next_attempt_at, last_error, parked_at, message_id, pg_catalog.now(), $3::pg_catalog.name, $2 \
+       next_attempt_at, last_error, parked_at, message_id, business_type, business_key, \
+       traceparent, system_id, host_id, resends, pg_catalog.now(), $3::pg_catalog.name, $2 \
   FROM gone \
 RETURNING id";
 

@@ -32,6 +32,7 @@ struct Insert {
 
 thread_local! {
     static INSERT: RefCell<Option<Insert>> = const { RefCell::new(None) };
+    static INSERT_TAGGED: RefCell<Option<Insert>> = const { RefCell::new(None) };
     static LAST_ID: Cell<Option<i64>> = const { Cell::new(None) };
     /// Whether this session was checked for publishing in a database the worker does not serve.
     static NOT_SERVED_CHECKED: Cell<bool> = const { Cell::new(false) };
@@ -42,6 +43,84 @@ INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange
                           body, delivery_mode, content_type, reply_to, correlation_id, headers) \
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb) \
 RETURNING id";
+
+/// With tags (0.4.0). A message without any takes the statement above: it is the cheaper one,
+/// and it still works while the library is newer than the installed SQL (before `ALTER
+/// EXTENSION amqp_outbox UPDATE`).
+const INSERT_TAGGED_SQL: &str = "\
+INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
+                          body, delivery_mode, content_type, reply_to, correlation_id, headers, \
+                          business_type, business_key, traceparent, system_id, host_id) \
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb, $12, $13, $14, $15, $16) \
+RETURNING id";
+
+/// Longest business type, system id and host id; business keys may be longer (as in
+/// `consume_once`).
+const TAG_MAX: usize = 255;
+const BUSINESS_KEY_MAX: usize = 1000;
+
+/// The reconciliation tags a caller gave (each optional).
+#[derive(Default, Clone, Copy)]
+pub struct Tags<'a> {
+    pub business_type: Option<&'a str>,
+    pub business_key: Option<&'a str>,
+    pub traceparent: Option<&'a str>,
+}
+
+/// The tags to store: the caller's, and the session's settings where the caller gave none.
+/// `None` for system and host id means the worker's default (database and host name).
+#[derive(Default, PartialEq, Eq)]
+struct StoredTags {
+    business_type: Option<String>,
+    business_key: Option<String>,
+    traceparent: Option<String>,
+    system_id: Option<String>,
+    host_id: Option<String>,
+}
+
+fn tag(value: Option<&str>, what: &'static str, max: usize) -> Result<Option<String>, OutboxError> {
+    match value {
+        None => Ok(None),
+        Some("") => Err(OutboxError::EmptyName(what)),
+        Some(v) if v.len() > max => Err(OutboxError::TagTooLong {
+            what,
+            bytes: v.len(),
+            max,
+        }),
+        Some(v) => Ok(Some(v.to_owned())),
+    }
+}
+
+impl StoredTags {
+    fn check(given: Tags<'_>) -> Result<Self, OutboxError> {
+        let traceparent = match given.traceparent {
+            Some(t) => Some(t.to_owned()),
+            None => crate::gucs::text(&crate::gucs::TRACEPARENT),
+        };
+        if let Some(t) = &traceparent {
+            if !crate::headers::valid_traceparent(t) {
+                return Err(OutboxError::InvalidTraceparent(
+                    t.chars().take(80).collect(),
+                ));
+            }
+        }
+        Ok(StoredTags {
+            business_type: tag(given.business_type, "business_type", TAG_MAX)?,
+            business_key: tag(given.business_key, "business_key", BUSINESS_KEY_MAX)?,
+            traceparent,
+            system_id: tag(
+                crate::gucs::text(&crate::gucs::SYSTEM_ID).as_deref(),
+                "amqp_outbox.system_id",
+                TAG_MAX,
+            )?,
+            host_id: tag(
+                crate::gucs::text(&crate::gucs::HOST_ID).as_deref(),
+                "amqp_outbox.host_id",
+                TAG_MAX,
+            )?,
+        })
+    }
+}
 
 /// A message to insert, already checked.
 pub struct NewMessage<'a> {
@@ -55,6 +134,7 @@ pub struct NewMessage<'a> {
     pub correlation_id: Option<&'a str>,
     /// The headers' jsonb text, checked: a JSON object that AMQP can carry.
     pub headers: Option<String>,
+    tags: StoredTags,
 }
 
 fn required<T>(value: Option<T>, name: &'static str) -> Result<T, OutboxError> {
@@ -115,6 +195,7 @@ impl<'a> NewMessage<'a> {
         content_type: Option<&'a str>,
         reply_to: Option<&'a str>,
         correlation_id: Option<&'a str>,
+        tags: Tags<'_>,
     ) -> Result<Self, OutboxError> {
         let broker_id = required(broker_id, "broker_id")?;
         let exchange = required(exchange, "exchange")?;
@@ -140,6 +221,7 @@ impl<'a> NewMessage<'a> {
             });
         }
         let headers = check_headers(headers)?;
+        let tags = StoredTags::check(tags)?;
         Ok(NewMessage {
             broker_id,
             exchange,
@@ -150,6 +232,7 @@ impl<'a> NewMessage<'a> {
             reply_to,
             correlation_id,
             headers,
+            tags,
         })
     }
 
@@ -168,7 +251,8 @@ impl<'a> NewMessage<'a> {
         let started_at = producer_started_at();
         // SAFETY: a global set once at process start, read on the backend's main thread.
         let pid = unsafe { pg_sys::MyProcPid };
-        let args: [DatumWithOid; 11] = [
+        let tagged = self.tags != StoredTags::default();
+        let mut args: Vec<DatumWithOid> = vec![
             pid.into(),
             started_at.into(),
             self.broker_id.into(),
@@ -181,6 +265,20 @@ impl<'a> NewMessage<'a> {
             self.correlation_id.into(),
             self.headers.into(),
         ];
+        if tagged {
+            args.extend([
+                self.tags.business_type.into(),
+                self.tags.business_key.into(),
+                self.tags.traceparent.into(),
+                self.tags.system_id.into(),
+                self.tags.host_id.into(),
+            ]);
+        }
+        let (cache, sql) = if tagged {
+            (&INSERT_TAGGED, INSERT_TAGGED_SQL)
+        } else {
+            (&INSERT, INSERT_SQL)
+        };
         if let Some(cap) = pending_cap_exceeded(self.broker_id) {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
@@ -195,13 +293,13 @@ impl<'a> NewMessage<'a> {
             .report(PgLogLevel::ERROR);
         }
         let id = Spi::connect_mut(|client| {
-            INSERT.with_borrow_mut(|insert| {
+            cache.with_borrow_mut(|insert| {
                 let insert = match insert {
                     Some(insert) => insert,
                     None => {
                         let owner = extension_owner();
                         let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
-                        let plan = client.prepare_mut(INSERT_SQL, &oids)?.keep();
+                        let plan = client.prepare_mut(sql, &oids)?.keep();
                         insert.insert(Insert { plan, owner })
                     }
                 };
@@ -219,7 +317,7 @@ impl<'a> NewMessage<'a> {
             Ok(None) => OutboxError::UnknownBroker(self.broker_id).raise(),
             Err(e) => {
                 // A stale plan (extension dropped and re-created) must not stay cached.
-                INSERT.with_borrow_mut(|p| *p = None);
+                cache.with_borrow_mut(|p| *p = None);
                 ErrorReport::new(
                     PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
                     format!("amqp_outbox: could not insert into amqp.message: {e}"),
@@ -316,14 +414,91 @@ fn publish(
         content_type,
         reply_to,
         correlation_id,
+        Tags::default(),
     )
     .or_raise()
     .insert();
     true
 }
 
-/// Like `publish`, with AMQP headers; returns the message id.
-#[pg_extern(volatile, parallel_unsafe)]
+/// Like `publish`, with AMQP headers and the reconciliation tags; returns the message id.
+#[pg_extern(volatile, parallel_unsafe, name = "publish_message")]
+#[allow(clippy::too_many_arguments)]
+fn publish_message_tagged(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    body: Option<&str>,
+    headers: default!(Option<JsonbArg>, "NULL"),
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+    business_type: default!(Option<&str>, "NULL"),
+    business_key: default!(Option<&str>, "NULL"),
+    traceparent: default!(Option<&str>, "NULL"),
+) -> i64 {
+    NewMessage::check(
+        broker_id,
+        exchange,
+        routing_key,
+        body.map(str::as_bytes),
+        headers,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+        Tags {
+            business_type,
+            business_key,
+            traceparent,
+        },
+    )
+    .or_raise()
+    .insert()
+}
+
+/// A binary body; returns the message id.
+#[pg_extern(volatile, parallel_unsafe, name = "publish_bytes")]
+#[allow(clippy::too_many_arguments)]
+fn publish_bytes_tagged(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    body: Option<&[u8]>,
+    headers: default!(Option<JsonbArg>, "NULL"),
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+    business_type: default!(Option<&str>, "NULL"),
+    business_key: default!(Option<&str>, "NULL"),
+    traceparent: default!(Option<&str>, "NULL"),
+) -> i64 {
+    NewMessage::check(
+        broker_id,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+        Tags {
+            business_type,
+            business_key,
+            traceparent,
+        },
+    )
+    .or_raise()
+    .insert()
+}
+
+/// The nine-argument entry points of versions before 0.4.0, kept (without SQL of their own) for
+/// the SQL definitions of an installed older version: until `ALTER EXTENSION amqp_outbox
+/// UPDATE` runs, those still call these symbols.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
 fn publish_message(
     broker_id: Option<i32>,
@@ -336,23 +511,23 @@ fn publish_message(
     reply_to: default!(Option<&str>, "NULL"),
     correlation_id: default!(Option<&str>, "NULL"),
 ) -> i64 {
-    NewMessage::check(
+    publish_message_tagged(
         broker_id,
         exchange,
         routing_key,
-        body.map(str::as_bytes),
+        body,
         headers,
         delivery_mode,
         content_type,
         reply_to,
         correlation_id,
+        None,
+        None,
+        None,
     )
-    .or_raise()
-    .insert()
 }
 
-/// A binary body; returns the message id.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
 fn publish_bytes(
     broker_id: Option<i32>,
@@ -365,7 +540,7 @@ fn publish_bytes(
     reply_to: default!(Option<&str>, "NULL"),
     correlation_id: default!(Option<&str>, "NULL"),
 ) -> i64 {
-    NewMessage::check(
+    publish_bytes_tagged(
         broker_id,
         exchange,
         routing_key,
@@ -375,9 +550,10 @@ fn publish_bytes(
         content_type,
         reply_to,
         correlation_id,
+        None,
+        None,
+        None,
     )
-    .or_raise()
-    .insert()
 }
 
 /// The id of the last message this session published (like `lastval()`).

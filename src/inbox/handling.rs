@@ -70,6 +70,18 @@ pub fn handle_all(
                     // A retry whose message got through meanwhile (a redelivered copy).
                     queries::resolve_failed(client, &sub.name, &message_id)?;
                 }
+                // Answered again: a producer resends a message when it saw no receipt, and the
+                // receipt may be what was lost.
+                if rules.receipts && !m.is_receipt() {
+                    queries::receipt(
+                        client,
+                        sub.broker_id,
+                        &sub.name,
+                        &message_id,
+                        None,
+                        m.business_type(),
+                    )?;
+                }
                 Outcome::Duplicate
             }
             Err(caught) => {
@@ -120,14 +132,25 @@ fn handle_one(
                 m.timestamp.map(|t| t as f64).into(),
                 m.attempt.into(),
             ];
+            let traceparent = m.traceparent();
             guarded::as_owner(sub.owner, rules.handler_timeout, || {
+                if let Some(t) = traceparent {
+                    queries::set_traceparent(client, t)?;
+                }
                 queries::call_handler(client, call, &args)
             })?;
             if resolve {
                 queries::resolve_failed(client, &sub.name, message_id)?;
             }
-            if rules.receipts {
-                queries::receipt(client, sub.broker_id, &sub.name, message_id, None)?;
+            if rules.receipts && !m.is_receipt() {
+                queries::receipt(
+                    client,
+                    sub.broker_id,
+                    &sub.name,
+                    message_id,
+                    None,
+                    m.business_type(),
+                )?;
             }
             Ok(true)
         })
@@ -177,13 +200,14 @@ fn record_failed(
                 rec.attempts,
             )?;
         }
-        if rules.receipts {
+        if rules.receipts && !m.is_receipt() {
             queries::receipt(
                 client,
                 sub.broker_id,
                 &sub.name,
                 message_id,
                 Some(&caught.message),
+                m.business_type(),
             )?;
         }
     }

@@ -6,6 +6,7 @@
 use super::book::{self, Book};
 use super::handling::{self, Outcome, Rules};
 use super::queries;
+use super::reconcile::Reconciler;
 use super::subscriptions::Subscriptions;
 use super::types::Message;
 use crate::gucs::{self, WorkerSettings};
@@ -37,6 +38,7 @@ pub struct Inbox {
     missing: bool,
     rotated_at: Option<Instant>,
     retry_at: Option<Instant>,
+    reconciler: Reconciler,
 }
 
 impl Inbox {
@@ -52,6 +54,7 @@ impl Inbox {
             missing: false,
             rotated_at: None,
             retry_at: Some(Instant::now()),
+            reconciler: Reconciler::default(),
         }
     }
 
@@ -73,6 +76,10 @@ impl Inbox {
             }
             self.take_events();
             self.step();
+            if self.present && self.reconciler.due() {
+                let rules = self.rules();
+                self.reconciler.run(&rules.backoff, rules.handler_timeout);
+            }
             if self.missing {
                 log!("amqp_outbox: extension not installed in this database; the subscription worker exits");
                 self.handle.shutdown(Duration::from_secs(2));

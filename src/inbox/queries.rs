@@ -216,22 +216,42 @@ pub fn dead_letter(
     Ok(())
 }
 
-/// A receipt through the outbox (only called when amqp_outbox.receipts_exchange is set).
+/// A receipt through the outbox (only called when amqp_outbox.receipts_exchange is set), with
+/// the message's business type when it carried one, for the producer's statistics.
 pub fn receipt(
     client: &mut SpiClient<'_>,
     broker_id: i32,
     sub: &str,
     message_id: &str,
     error: Option<&str>,
+    business_type: Option<&str>,
 ) -> SpiResult<()> {
-    let args: [DatumWithOid; 5] = [
+    let args: [DatumWithOid; 6] = [
         broker_id.into(),
         sub.into(),
         message_id.into(),
         error.is_none().into(),
         error.into(),
+        business_type.into(),
     ];
-    client.update("SELECT amqp.send_receipt($1, $2, $3, $4, $5)", None, &args)?;
+    client.update(
+        "SELECT amqp.send_receipt($1, $2, $3, $4, $5, $6)",
+        None,
+        &args,
+    )?;
+    Ok(())
+}
+
+/// Makes `traceparent` the session's `amqp_outbox.traceparent` until the current GUC nest
+/// level closes (the handler's, see `guarded::as_owner`): what the handler publishes carries
+/// the trace of the message it handles.
+pub fn set_traceparent(client: &mut SpiClient<'_>, traceparent: &str) -> SpiResult<()> {
+    let args: [DatumWithOid; 1] = [traceparent.into()];
+    client.update(
+        "SELECT pg_catalog.set_config('amqp_outbox.traceparent', $1, true)",
+        None,
+        &args,
+    )?;
     Ok(())
 }
 

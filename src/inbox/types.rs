@@ -60,7 +60,32 @@ impl From<Delivery> for Message {
     }
 }
 
+/// The header a receipt carries (see amqp.send_receipt): no receipt answers a receipt.
+const HEADER_RECEIPT_FOR: &str = "x-amqp-outbox-receipt-for";
+const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
+const HEADER_TRACEPARENT: &str = "traceparent";
+
 impl Message {
+    /// Whether this message is itself a receipt.
+    pub fn is_receipt(&self) -> bool {
+        self.headers.contains_key(HEADER_RECEIPT_FOR)
+    }
+
+    pub fn business_type(&self) -> Option<&str> {
+        self.headers
+            .get(HEADER_BUSINESS_TYPE)
+            .and_then(|v| v.as_str())
+    }
+
+    /// The W3C trace context it carries, if it is one (anything else is ignored: a consumer
+    /// does not fail a message over a malformed trace header).
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers
+            .get(HEADER_TRACEPARENT)
+            .and_then(|v| v.as_str())
+            .filter(|t| crate::headers::valid_traceparent(t))
+    }
+
     /// What identifies a message that came without a message_id: everything it carries, so a
     /// redelivery of it is recognised. (Two messages equal in all of this are one message.)
     pub fn digest_input(&self) -> Vec<u8> {

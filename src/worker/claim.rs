@@ -3,7 +3,8 @@
 
 use super::faults::Faults;
 use super::flight::{Flight, Room};
-use super::message::to_message;
+use super::message::{to_message, Origin};
+use super::origin;
 use super::queries::{self, Row};
 use super::settle::park_now;
 use crate::gucs::WorkerSettings;
@@ -133,7 +134,11 @@ fn prepare(
             }
         };
         let first_attempt = row.attempts == 0;
-        let mut message = to_message(row, headers);
+        let origin = Origin {
+            system_id: origin::system_id(),
+            host_id: origin::host_id(),
+        };
+        let mut message = to_message(row, headers, &origin);
         message.lose_in_transit = faults.lose_this_one(settings, first_attempt);
         out.push(message);
     }

@@ -51,26 +51,21 @@ pub fn take(
                 shmem::count(|c| &c.confirmed, ids.len() as u64);
                 for id in ids {
                     flight.holds.release(id);
-                    if flight.confirmed(id) == Verdict::Delivered {
-                        s.delivered.push(id);
-                    }
+                    // Delivered ones are collected by take_proven below.
+                    let _ = flight.confirmed(id);
                 }
             }
             Event::Acked { ids, .. } => {
                 shmem::count(|c| &c.acknowledged, ids.len() as u64);
                 for id in ids {
-                    if flight.acked(id) == Verdict::Delivered {
-                        s.delivered.push(id);
-                    }
+                    let _ = flight.acked(id);
                 }
             }
             Event::Lost { ids, .. } => {
                 let mut lost = Vec::new();
                 for id in ids {
-                    match flight.lost(id) {
-                        Verdict::Delivered => s.delivered.push(id),
-                        Verdict::Resend => lost.push(id),
-                        _ => {}
+                    if flight.lost(id) == Verdict::Resend {
+                        lost.push(id);
                     }
                 }
                 if !lost.is_empty() {
@@ -121,6 +116,7 @@ pub fn take(
             }
         }
     }
+    s.delivered = flight.take_proven();
     s
 }
 

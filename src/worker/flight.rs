@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 pub struct Entry {
     pub broker_id: i32,
     pub sent_at: Instant,
+    /// Wall-clock times (Unix microseconds) for the production log.
+    pub sent_unix: i64,
+    pub confirmed_unix: Option<i64>,
+    pub acked_unix: Option<i64>,
     /// Body size: counted against the broker's unconfirmed bytes until the confirm.
     pub bytes: usize,
     /// A positive confirm without a return arrived.
@@ -67,6 +71,22 @@ impl BrokerFlight {
     }
 }
 
+/// When a delivered message was last published, confirmed and acknowledged (Unix
+/// microseconds): what the production log records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Proof {
+    pub id: i64,
+    pub published: i64,
+    pub confirmed: Option<i64>,
+    pub acknowledged: Option<i64>,
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
 /// What a delivery event means for a row.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -111,6 +131,8 @@ pub struct Flight {
     changes: u64,
     /// Out of flight, but not to be claimed yet, or due at a known instant.
     pub holds: Holds,
+    /// Delivered since the last [`Flight::take_proven`].
+    proven: Vec<Proof>,
 }
 
 impl Flight {
@@ -153,6 +175,9 @@ impl Flight {
         let entry = Entry {
             broker_id,
             sent_at: Instant::now(),
+            sent_unix: unix_now(),
+            confirmed_unix: None,
+            acked_unix: None,
             bytes,
             confirmed: false,
             acked: false,
@@ -167,6 +192,24 @@ impl Flight {
             // Sent again while still tracked (a resend): its old counts go.
             Some(_) => self.recount(),
         }
+    }
+
+    /// Delivered: keeps its times for the production log, then settles it.
+    fn deliver(&mut self, id: i64) {
+        if let Some(e) = self.entries.get(&id) {
+            self.proven.push(Proof {
+                id,
+                published: e.sent_unix,
+                confirmed: e.confirmed_unix,
+                acknowledged: e.acked_unix,
+            });
+        }
+        self.settle(id);
+    }
+
+    /// What was delivered since the last call.
+    pub fn take_proven(&mut self) -> Vec<Proof> {
+        std::mem::take(&mut self.proven)
     }
 
     /// The row leaves the worker's hands (delivered, refused, or to be claimed again).
@@ -199,6 +242,7 @@ impl Flight {
         };
         if !e.confirmed {
             e.confirmed = true;
+            e.confirmed_unix = Some(unix_now());
             let (broker_id, bytes) = (e.broker_id, e.bytes);
             if let Some(b) = self.brokers.get_mut(&broker_id) {
                 b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(bytes);
@@ -210,7 +254,7 @@ impl Flight {
         };
         let done = e.acked || proof_mode == ProofMode::Confirm;
         if done {
-            self.settle(id);
+            self.deliver(id);
             Verdict::Delivered
         } else {
             Verdict::Wait
@@ -223,9 +267,10 @@ impl Flight {
             return Verdict::Unknown;
         };
         e.acked = true;
+        e.acked_unix = Some(unix_now());
         self.changes += 1;
         if e.confirmed {
-            self.settle(id);
+            self.deliver(id);
             Verdict::Delivered
         } else {
             Verdict::Wait
@@ -238,13 +283,12 @@ impl Flight {
         let Some(e) = self.entries.get(&id) else {
             return Verdict::Unknown;
         };
-        let verdict = if e.confirmed {
-            Verdict::Delivered
-        } else {
-            Verdict::Resend
-        };
+        if e.confirmed {
+            self.deliver(id);
+            return Verdict::Delivered;
+        }
         self.settle(id);
-        verdict
+        Verdict::Resend
     }
 
     /// The publishing connection of a broker went down or got a new channel: messages not yet
@@ -376,6 +420,37 @@ mod tests {
         b.proof = proof;
         b.connected = true;
         f
+    }
+
+    #[test]
+    fn delivered_messages_keep_their_publish_confirm_and_ack_times() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 7, 10);
+        f.mark_sent(1, 8, 10);
+        assert_eq!(f.confirmed(7), Verdict::Wait);
+        assert!(
+            f.take_proven().is_empty(),
+            "a confirm alone proves nothing in ack_queue mode"
+        );
+        assert_eq!(f.acked(7), Verdict::Delivered);
+        assert_eq!(f.lost(8), Verdict::Resend);
+        let proven = f.take_proven();
+        assert_eq!(proven.len(), 1, "the lost one is not delivered");
+        let p = proven[0];
+        assert_eq!(p.id, 7);
+        let (c, a) = (p.confirmed.unwrap(), p.acknowledged.unwrap());
+        assert!(
+            p.published > 1_600_000_000_000_000 && p.published <= c && c <= a,
+            "{p:?}"
+        );
+        assert!(f.take_proven().is_empty(), "taken once");
+
+        let mut f = flight(ProofMode::Confirm);
+        f.mark_sent(1, 9, 10);
+        assert_eq!(f.confirmed(9), Verdict::Delivered);
+        let p = f.take_proven()[0];
+        assert_eq!((p.id, p.acknowledged), (9, None));
+        assert!(p.confirmed.is_some());
     }
 
     #[test]

@@ -8,14 +8,54 @@ use amqp_outbox_broker::OutboundMessage;
 pub const HEADER_PRODUCER_PID: &str = "x-amqp-outbox-producer-pid";
 pub const HEADER_PRODUCER_START: &str = "x-amqp-outbox-producer-start";
 pub const HEADER_SEQUENCE: &str = "x-amqp-outbox-seq";
+/// The reconciliation tags.
+pub const HEADER_SYSTEM_ID: &str = "x-amqp-outbox-system-id";
+pub const HEADER_HOST_ID: &str = "x-amqp-outbox-host-id";
+pub const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
+pub const HEADER_BUSINESS_KEY: &str = "x-amqp-outbox-business-key";
+/// Creation time, Unix microseconds.
+pub const HEADER_CREATED_AT: &str = "x-amqp-outbox-created-at";
+/// W3C trace context, under its standard name.
+pub const HEADER_TRACEPARENT: &str = "traceparent";
+
+/// The defaults of the system and host tags.
+pub struct Origin<'a> {
+    pub system_id: &'a str,
+    pub host_id: &'a str,
+}
 
 pub fn to_message(
     row: Row,
     mut headers: serde_json::Map<String, serde_json::Value>,
+    origin: &Origin<'_>,
 ) -> OutboundMessage {
     headers.insert(HEADER_PRODUCER_PID.into(), row.producer_pid.into());
     headers.insert(HEADER_PRODUCER_START.into(), row.producer_started_at.into());
     headers.insert(HEADER_SEQUENCE.into(), row.id.into());
+    let tags = row.tags;
+    headers.insert(
+        HEADER_SYSTEM_ID.into(),
+        tags.system_id
+            .unwrap_or_else(|| origin.system_id.into())
+            .into(),
+    );
+    headers.insert(
+        HEADER_HOST_ID.into(),
+        tags.host_id.unwrap_or_else(|| origin.host_id.into()).into(),
+    );
+    headers.insert(
+        HEADER_BUSINESS_TYPE.into(),
+        tags.business_type
+            .unwrap_or_else(|| row.routing_key.clone())
+            .into(),
+    );
+    if let Some(key) = tags.business_key {
+        headers.insert(HEADER_BUSINESS_KEY.into(), key.into());
+    }
+    headers.insert(HEADER_CREATED_AT.into(), row.created_at.into());
+    if let Some(t) = tags.traceparent {
+        headers.insert(HEADER_TRACEPARENT.into(), t.into());
+    }
     OutboundMessage {
         id: row.id,
         message_id: row.message_id,
@@ -41,7 +81,14 @@ mod tests {
             Some(serde_json::Value::Object(map)) => map,
             _ => serde_json::Map::new(),
         };
-        to_message(row(delivery_mode), headers)
+        to_message(
+            row(delivery_mode),
+            headers,
+            &Origin {
+                system_id: "shop",
+                host_id: "db1",
+            },
+        )
     }
 
     fn row(delivery_mode: i16) -> Row {
@@ -61,6 +108,7 @@ mod tests {
             producer_started_at: 1_700_000_000_123_456,
             created_at: 1_700_000_100_999_999,
             attempts: 0,
+            tags: Default::default(),
         }
     }
 
@@ -84,6 +132,38 @@ mod tests {
         assert_eq!(m.headers[HEADER_SEQUENCE], 42);
         assert_eq!(m.delivery_mode, 1);
         let m = message(None, 2);
-        assert_eq!(m.headers.len(), 3);
+        assert_eq!(m.headers.len(), 7, "{:?}", m.headers);
+    }
+
+    #[test]
+    fn tags_default_to_database_host_and_routing_key_and_the_stored_ones_win() {
+        let m = message(None, 2);
+        assert_eq!(m.headers[HEADER_SYSTEM_ID], "shop");
+        assert_eq!(m.headers[HEADER_HOST_ID], "db1");
+        assert_eq!(m.headers[HEADER_BUSINESS_TYPE], "order.created");
+        assert_eq!(m.headers[HEADER_CREATED_AT], 1_700_000_100_999_999i64);
+        assert!(!m.headers.contains_key(HEADER_BUSINESS_KEY));
+        assert!(!m.headers.contains_key(HEADER_TRACEPARENT));
+        let mut r = row(2);
+        r.tags = crate::worker::queries::RowTags {
+            business_type: Some("order".into()),
+            business_key: Some("42".into()),
+            traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+            system_id: Some("billing".into()),
+            host_id: Some("h2".into()),
+        };
+        let origin = Origin {
+            system_id: "shop",
+            host_id: "db1",
+        };
+        let m = to_message(r, serde_json::Map::new(), &origin);
+        assert_eq!(m.headers[HEADER_SYSTEM_ID], "billing");
+        assert_eq!(m.headers[HEADER_HOST_ID], "h2");
+        assert_eq!(m.headers[HEADER_BUSINESS_TYPE], "order");
+        assert_eq!(m.headers[HEADER_BUSINESS_KEY], "42");
+        assert_eq!(
+            m.headers[HEADER_TRACEPARENT],
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        );
     }
 }

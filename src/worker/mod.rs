@@ -19,6 +19,7 @@ mod faults;
 mod flight;
 mod main_loop;
 mod message;
+mod origin;
 pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;

@@ -9,6 +9,7 @@ mod config;
 
 pub use config::load_brokers;
 
+use super::flight::Proof;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -82,6 +83,17 @@ pub struct Row {
     /// Unix microseconds.
     pub created_at: i64,
     pub attempts: i32,
+    pub tags: RowTags,
+}
+
+/// A row's reconciliation tags as stored (`None`: the default applies).
+#[derive(Default, Debug, Clone)]
+pub struct RowTags {
+    pub business_type: Option<String>,
+    pub business_key: Option<String>,
+    pub traceparent: Option<String>,
+    pub system_id: Option<String>,
+    pub host_id: Option<String>,
 }
 
 /// Whether the extension is installed; if so, also takes a share lock on `amqp.message` until
@@ -140,7 +152,7 @@ pub const CLAIM_SQL: &str = include_str!("claim.sql");
 const CLAIM_BY_ID_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
        correlation_id, headers::text, producer_pid, producer_started_at, created_at, \
-       attempts, message_id \
+       attempts, message_id, business_type, business_key, traceparent, system_id, host_id \
   FROM amqp.message \
  WHERE id = ANY ($1) AND parked_at IS NULL \
  ORDER BY id";
@@ -164,6 +176,13 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
             created_at: unix_micros(r.get::<TimestampWithTimeZone>(13)?),
             attempts: r.get::<i32>(14)?.unwrap_or_default(),
             message_id: r.get::<String>(15)?.unwrap_or_default(),
+            tags: RowTags {
+                business_type: r.get::<String>(16)?,
+                business_key: r.get::<String>(17)?,
+                traceparent: r.get::<String>(18)?,
+                system_id: r.get::<String>(19)?,
+                host_id: r.get::<String>(20)?,
+            },
         });
     }
     Ok(rows)
@@ -195,16 +214,84 @@ pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {
     rows_from(client.select(CLAIM_BY_ID_SQL, None, &args)?)
 }
 
-/// Deletes rows whose delivery is proven. Returns how many existed.
-pub fn delete_delivered(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<usize> {
-    let args: [DatumWithOid; 1] = [ids.to_vec().into()];
-    run_kept(
-        client,
-        "DELETE FROM amqp.message WHERE id = ANY ($1)",
-        &args,
-        true,
-        |t| Ok(t.len()),
-    )
+/// Deletes rows whose delivery is proven, in one statement that also keeps their record in
+/// the production log (`log`: `amqp_outbox.reconcile_window` is not 0) and counts them in the
+/// day's statistics. Resends of the monitor (`resends > 0`) are in the log already. The
+/// statistics rows written here (`part` 0) are this worker's alone, so it never waits on the
+/// subscription worker's counting. Returns how many rows existed.
+const DELETE_DELIVERED_SQL: &str = "\
+WITH t AS ( \
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::int8[]) \
+        AS t (id, published, confirmed, acknowledged) \
+), d AS ( \
+    DELETE FROM amqp.message m USING t \
+     WHERE m.id = ANY ($1) AND m.id = t.id \
+    RETURNING m.*, t.published, t.confirmed, t.acknowledged, \
+              coalesce(amqp._uuid7_time(m.message_id), m.created_at) AS message_at, \
+              coalesce(m.business_type, m.routing_key) AS kind \
+), p AS ( \
+    INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key, \
+        system_id, host_id, business_type, business_key, traceparent, producer_pid, \
+        producer_started_at, created_at, published_at, confirmed_at, acknowledged_at, attempts, \
+        expected, body, headers, delivery_mode, content_type, reply_to, correlation_id) \
+    SELECT d.message_id, d.message_at, d.id, d.broker_id, d.exchange, d.routing_key, \
+           coalesce(d.system_id, $6), coalesce(d.host_id, $7), d.kind, d.business_key, \
+           d.traceparent, d.producer_pid, d.producer_started_at, d.created_at, \
+           to_timestamp(d.published / 1000000.0), to_timestamp(d.confirmed / 1000000.0), \
+           to_timestamp(d.acknowledged / 1000000.0), d.attempts, r.consumers, \
+           CASE WHEN r.consumers IS NOT NULL THEN d.body END, \
+           CASE WHEN r.consumers IS NOT NULL THEN d.headers END, \
+           CASE WHEN r.consumers IS NOT NULL THEN d.delivery_mode END, \
+           CASE WHEN r.consumers IS NOT NULL THEN d.content_type END, \
+           CASE WHEN r.consumers IS NOT NULL THEN d.reply_to END, \
+           CASE WHEN r.consumers IS NOT NULL THEN d.correlation_id END \
+      FROM d LEFT JOIN amqp.monitor_rule r ON r.business_type = d.kind \
+     WHERE $5 AND d.resends = 0 \
+), s AS ( \
+    INSERT INTO amqp._daily_stat AS s (day, business_type, part, delivered) \
+    SELECT amqp._day(d.message_at), d.kind, 0, count(*) FROM d WHERE d.resends = 0 \
+     GROUP BY 1, 2 \
+    ON CONFLICT (day, business_type, part) DO UPDATE SET delivered = s.delivered + excluded.delivered \
+) \
+SELECT count(*) FROM d";
+
+/// What the production log records beside each delivered row.
+pub struct LogSettings<'a> {
+    /// `amqp_outbox.reconcile_window` is not 0.
+    pub enabled: bool,
+    pub system_id: &'a str,
+    pub host_id: &'a str,
+}
+
+pub fn delete_delivered(
+    client: &mut SpiClient<'_>,
+    proofs: &[Proof],
+    log: &LogSettings<'_>,
+) -> SpiResult<usize> {
+    let args: [DatumWithOid; 7] = [
+        proofs.iter().map(|p| p.id).collect::<Vec<i64>>().into(),
+        proofs
+            .iter()
+            .map(|p| p.published)
+            .collect::<Vec<i64>>()
+            .into(),
+        proofs
+            .iter()
+            .map(|p| p.confirmed)
+            .collect::<Vec<Option<i64>>>()
+            .into(),
+        proofs
+            .iter()
+            .map(|p| p.acknowledged)
+            .collect::<Vec<Option<i64>>>()
+            .into(),
+        log.enabled.into(),
+        log.system_id.into(),
+        log.host_id.into(),
+    ];
+    run_kept(client, DELETE_DELIVERED_SQL, &args, true, |t| {
+        Ok(t.first().get_one::<i64>()?.unwrap_or(0) as usize)
+    })
 }
 
 pub struct Recorded {

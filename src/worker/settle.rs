@@ -2,7 +2,8 @@
 //! failed attempts (scheduling the retry with the product's backoff, or parking), parks what can
 //! never be sent.
 
-use super::flight::Flight;
+use super::flight::{Flight, Proof};
+use super::origin;
 use super::queries::{self, RetryDelays};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
@@ -14,7 +15,7 @@ use std::time::Instant;
 /// What the events of one wake-up ask the database to do.
 #[derive(Default)]
 pub struct Settlement {
-    pub delivered: Vec<i64>,
+    pub delivered: Vec<Proof>,
     pub rejected: Vec<(i64, String)>,
     /// Can never be published as it is: parked at once.
     pub unsendable: Vec<(i64, String)>,
@@ -37,7 +38,12 @@ impl Settlement {
         flight: &mut Flight,
     ) -> SpiResult<()> {
         if !self.delivered.is_empty() {
-            queries::delete_delivered(client, &self.delivered)?;
+            let log = queries::LogSettings {
+                enabled: crate::gucs::RECONCILE_WINDOW.get() > 0,
+                system_id: origin::system_id(),
+                host_id: origin::host_id(),
+            };
+            queries::delete_delivered(client, &self.delivered, &log)?;
         }
         let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
         for (id, error) in &self.rejected {

@@ -154,6 +154,16 @@ fn configuration(client: &mut Client) -> Vec<String> {
            FROM amqp.inbox_failed ORDER BY 1",
         "SELECT format('%s %s %s %s', consumer, message_id, business_key, storage)
            FROM amqp.consumption ORDER BY 1",
+        // Reconciliation: rules, handlers, the production log (a day partition and the
+        // default one), receipts, compensations, statistics.
+        "SELECT format('%s', r) FROM amqp.monitor_rule r ORDER BY 1",
+        "SELECT format('%s %s', business_type, handler) FROM amqp.compensation_handler ORDER BY 1",
+        "SELECT format('%s %s %s %s %s', message_id, business_type, resends, expected, tableoid::regclass)
+           FROM amqp.produced ORDER BY 1",
+        "SELECT format('%s %s %s %s', message_id, consumer, status, tableoid::regclass)
+           FROM amqp.receipt ORDER BY 1",
+        "SELECT format('%s %s %s %s', message_id, consumer, state, attempts) FROM amqp.compensation ORDER BY 1",
+        "SELECT format('%s', d) FROM amqp.daily_stats d ORDER BY 1",
     ] {
         for r in client
             .query(sql, &[])
@@ -187,6 +197,41 @@ fn consumer_state(client: &mut Client, broker_id: i32) {
         .unwrap_or_else(|e| panic!("consumer state: {e}"));
     let archived: i64 = scalar(client, "SELECT count(*) FROM amqp.consumption_archive");
     assert_eq!(archived, 3, "the old records were archived");
+}
+
+/// A producer's reconciliation state: a rule, a compensation handler, production records in
+/// today's partition and in the default one (an older day without its own), receipts, a
+/// pending compensation, statistics.
+fn reconciliation_state(client: &mut Client) {
+    client
+        .batch_execute(
+            "CREATE FUNCTION undo(original amqp.produced, failure amqp.receipt) RETURNS void
+                 LANGUAGE sql AS $$ SELECT $$;
+             INSERT INTO amqp.monitor_rule (business_type, consumers, action)
+             VALUES ('signup', '{mail,coupon}', 'report');
+             -- For another type: the monitor (it runs) must leave this state as it is.
+             SELECT amqp.on_failure('refund', 'undo(amqp.produced, amqp.receipt)');
+             SELECT amqp._history_day('produced', amqp._day(now()));
+             SELECT amqp._history_day('receipt', amqp._day(now()));
+             CREATE TEMP TABLE ids AS
+                 SELECT amqp._new_message_id() AS message_id, NULL::timestamptz AS at
+                 UNION ALL SELECT 'custom-id-2', now() - interval '3 days';
+             UPDATE ids SET at = amqp._uuid7_time(message_id) WHERE at IS NULL;
+             INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key,
+                                        system_id, host_id, business_type, producer_pid,
+                                        producer_started_at, created_at, expected, body)
+             SELECT message_id, at, 1, 1, 'x', 'signup', 'shop', 'db', 'signup', 1, now(), at,
+                    '{mail,coupon}', 'b'
+               FROM ids;
+             INSERT INTO amqp.receipt (message_id, message_at, consumer, status, error)
+             SELECT message_id, at, 'coupon', 'failed', 'down' FROM ids;
+             INSERT INTO amqp.compensation (message_id, consumer, message_at, business_type)
+             SELECT message_id, 'coupon', at, 'signup' FROM ids;
+             SELECT amqp._count(amqp._day(now()), 'signup', 'failed', 2);",
+        )
+        .unwrap_or_else(|e| panic!("reconciliation state: {e}"));
+    let in_default: i64 = scalar(client, "SELECT count(*) FROM amqp.produced_default");
+    assert_eq!(in_default, 1, "one record in the default partition");
 }
 
 /// Publishes with `publish_sql` and reads the new row's stored message_id in the same
@@ -229,6 +274,7 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     let broker_id = add_broker(&mut src, rabbit.endpoint());
     configure(&mut src, broker_id, rabbit.endpoint(), &names);
     consumer_state(&mut src, broker_id);
+    reconciliation_state(&mut src);
     fill(
         &mut src,
         broker_id,
@@ -487,7 +533,10 @@ fn stored_message_ids(client: &mut impl GenericClient, table: &str) -> BTreeMap<
 /// same schema.
 const DESCRIBE_SQL: &str = "
 WITH ext AS (SELECT oid, extconfig FROM pg_extension WHERE extname = 'amqp_outbox'),
-     rel AS (SELECT c.* FROM pg_class c WHERE c.relnamespace = 'amqp'::regnamespace)
+     -- Day partitions are made by the worker, at its own time: not part of the schema.
+     day AS (SELECT '^(produced|receipt|consumption_archive)_[0-9]{8}'::text AS re),
+     rel AS (SELECT c.* FROM pg_class c, day
+              WHERE c.relnamespace = 'amqp'::regnamespace AND c.relname !~ day.re)
 SELECT 'member ' || pg_describe_object(classid, objid, objsubid)
   FROM pg_depend WHERE refclassid = 'pg_extension'::regclass
    AND refobjid = (SELECT oid FROM ext) AND deptype = 'e'
@@ -504,9 +553,10 @@ SELECT format('relation %s %s acl=%s options=%s comment=%s', relname, relkind, r
   FROM rel
 UNION ALL
 SELECT format('constraint %s %s %s', conrelid::regclass, conname, pg_get_constraintdef(oid))
-  FROM pg_constraint WHERE connamespace = 'amqp'::regnamespace
+  FROM pg_constraint, day WHERE connamespace = 'amqp'::regnamespace
+   AND coalesce(conrelid::regclass::text, '') !~ ('^amqp[.]' || substr(day.re, 2))
 UNION ALL
-SELECT 'index ' || indexdef FROM pg_indexes WHERE schemaname = 'amqp'
+SELECT 'index ' || indexdef FROM pg_indexes, day WHERE schemaname = 'amqp' AND tablename !~ day.re
 UNION ALL
 SELECT format('trigger %s', pg_get_triggerdef(t.oid))
   FROM pg_trigger t JOIN rel c ON c.oid = t.tgrelid WHERE NOT t.tgisinternal
