@@ -166,14 +166,13 @@ END $$;
 
 #[test]
 fn lost_silent_and_failed_messages_are_classified_resent_and_compensated() {
-    if !amqp_outbox_testkit::node::rabbitmq_installed() {
+    if !amqp_outbox_testkit::rabbitmq_installed() {
         eprintln!("\n*** SKIPPED: reconciliation: rabbitmq-server is not installed ***\n");
         return;
     }
     let mut rabbit = PrivateRabbit::prepare();
     rabbit.boot();
     let endpoint = rabbit.endpoint();
-    let admin = AmqpAdmin::connect(&endpoint.uri()).expect("admin connection");
 
     let config = PgConfig {
         database: USERS.to_string(),
@@ -225,6 +224,13 @@ fn lost_silent_and_failed_messages_are_classified_resent_and_compensated() {
             )
             .unwrap_or_else(|e| panic!("subscribe {consumer}: {e}"));
     }
+    // archive's queue: bound, but nobody consumes it.
+    services
+        .query_one(
+            "SELECT amqp.queue_declare($1, 'q.archive'), amqp.queue_bind($1, 'q.archive', 'biz', 'audit')",
+            &[&services_broker],
+        )
+        .expect("archive queue");
     // Producer: receipts, rules, the compensation handler.
     users.batch_execute(USERS_SCHEMA).expect("users schema");
     users
@@ -306,6 +312,7 @@ fn lost_silent_and_failed_messages_are_classified_resent_and_compensated() {
     );
 
     // order: lost on its way to billing (purged while billing is paused), then resent.
+    let admin = AmqpAdmin::connect(&endpoint.uri()).expect("admin connection");
     rig.services
         .batch_execute("SELECT amqp.pause_subscription('billing')")
         .expect("pause billing");
@@ -330,7 +337,7 @@ fn lost_silent_and_failed_messages_are_classified_resent_and_compensated() {
     eventually(WITHIN, "order resent", || {
         let n = scalar_i64(
             &mut rig.users,
-            &format!("SELECT resends FROM amqp.produced WHERE message_id = '{order}'"),
+            &format!("SELECT resends::int8 FROM amqp.produced WHERE message_id = '{order}'"),
         )?;
         if n >= 1 {
             Ok(())
