@@ -232,14 +232,15 @@ BEGIN
     IF parent NOT IN ('produced', 'receipt') THEN
         RAISE EXCEPTION 'amqp_outbox: no history table %', parent USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- No insert may be routing a row to the default partition while the day is attached (it
+    -- would fail its partition check): writers wait for this short transaction. The lock also
+    -- makes two callers take turns (the second finds the day made).
+    EXECUTE pg_catalog.format('LOCK TABLE @extschema@.%I IN SHARE ROW EXCLUSIVE MODE', parent);
     IF pg_catalog.to_regclass('@extschema@.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident(part)) IS NOT NULL THEN
         RETURN false;
     END IF;
     EXECUTE pg_catalog.format('CREATE TABLE @extschema@.%I (LIKE @extschema@.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
                               part, parent);
-    -- No insert may be routing a row to the default partition while the day is attached (it
-    -- would fail its partition check): writers wait for this short transaction.
-    EXECUTE pg_catalog.format('LOCK TABLE @extschema@.%I IN SHARE ROW EXCLUSIVE MODE', parent);
     EXECUTE pg_catalog.format(
         'WITH moved AS (DELETE FROM @extschema@.%I WHERE message_at >= $1 AND message_at < $2 RETURNING *)
          INSERT INTO @extschema@.%I SELECT * FROM moved', parent || '_default', part) USING lo, hi;

@@ -229,7 +229,7 @@ fn reconciliation_state(client: &mut Client) {
              SELECT message_id, 'coupon', at, 'signup' FROM ids;
              SELECT amqp._count(amqp._day(now()), 'signup', 'failed', 2);",
         )
-        .unwrap_or_else(|e| panic!("reconciliation state: {e}"));
+        .unwrap_or_else(|e| panic!("reconciliation state: {e:?}"));
     let in_default: i64 = scalar(client, "SELECT count(*) FROM amqp.produced_default");
     assert_eq!(in_default, 1, "one record in the default partition");
 }
