@@ -786,7 +786,9 @@ GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date
     @extschema@.send_receipt(integer, text, text, boolean, text, text),
     @extschema@.on_failure(text, regprocedure), @extschema@.trace(text), @extschema@.health()
     TO amqp_outbox_admin;
-GRANT SELECT ON @extschema@.produced, @extschema@.receipt, @extschema@.compensation,
+-- Not amqp.produced: it holds the bodies of monitored messages (the views show what operators
+-- need of it).
+GRANT SELECT ON @extschema@.receipt, @extschema@.compensation,
     @extschema@.compensation_handler, @extschema@._daily_stat TO pg_monitor;
 GRANT SELECT ON @extschema@.daily_stats, @extschema@.reconciliation,
     @extschema@.reconciliation_summary, @extschema@._open TO pg_monitor;

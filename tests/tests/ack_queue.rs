@@ -33,10 +33,16 @@ const ARRIVAL: Duration = Duration::from_secs(30);
 const BULK_ARRIVAL: Duration = Duration::from_secs(150);
 
 /// The headers the worker adds to every business message (README, "What a message carries").
-const WORKER_HEADERS: [&str; 3] = [
+/// The headers the worker adds to every message (the business key and traceparent only when
+/// a message has them).
+const WORKER_HEADERS: [&str; 7] = [
     "x-amqp-outbox-producer-pid",
     "x-amqp-outbox-producer-start",
     "x-amqp-outbox-seq",
+    "x-amqp-outbox-system-id",
+    "x-amqp-outbox-host-id",
+    "x-amqp-outbox-business-type",
+    "x-amqp-outbox-created-at",
 ];
 
 fn spawn_producers(
