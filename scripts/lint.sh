@@ -31,9 +31,14 @@ check_sql() {
     for f in sql/upgrade/*.head.sql; do
         local step=${f#sql/upgrade/}
         step=${step%.head.sql}
-        local tail=sql/upgrade/$step.tail.sql
-        cat "$f" sql/inbox.sql "$tail" | cmp -s - "sql/amqp_outbox--$step.sql" ||
-            { echo "lint: sql/amqp_outbox--$step.sql is not current: run 'make sql'" >&2; return 1; }
+        local target=sql/amqp_outbox--$step.sql
+        # Its parts, in order: the prerequisites of its rule in the Makefile (`cat $^`).
+        local parts
+        parts=$(sed -n "s|^$target: *||p" Makefile)
+        [ -n "$parts" ] || { echo "lint: the Makefile has no rule for $target" >&2; return 1; }
+        # shellcheck disable=SC2086 # a list of file names
+        cat $parts | cmp -s - "$target" ||
+            { echo "lint: $target is not current: run 'make sql'" >&2; return 1; }
     done
 }
 

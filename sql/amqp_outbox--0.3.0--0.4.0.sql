@@ -72,13 +72,10 @@ ALTER TABLE @extschema@.message
     ADD COLUMN traceparent text,
     ADD COLUMN system_id text,
     ADD COLUMN host_id text,
-    ADD COLUMN resends integer NOT NULL DEFAULT 0,
-    ADD CONSTRAINT message_business_type_length CHECK (pg_catalog.octet_length(business_type) <= 255),
-    ADD CONSTRAINT message_business_key_length CHECK (pg_catalog.octet_length(business_key) <= 1000),
-    ADD CONSTRAINT message_system_id_length CHECK (pg_catalog.octet_length(system_id) <= 255),
-    ADD CONSTRAINT message_host_id_length CHECK (pg_catalog.octet_length(host_id) <= 255),
-    ADD CONSTRAINT message_traceparent_valid
-        CHECK (traceparent OPERATOR(pg_catalog.~) '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$');
+    ADD COLUMN resends integer NOT NULL DEFAULT 0;
+-- No CHECK constraints for the tags: publish() checks them, and every constraint of this table
+-- is compiled again for each INSERT (executor start), a cost on every publish. A direct INSERT
+-- may store any text: the tags travel as AMQP long strings, which take any length.
 ALTER TABLE @extschema@.discarded
     ADD COLUMN business_type text,
     ADD COLUMN business_key text,
@@ -98,8 +95,8 @@ COMMENT ON COLUMN @extschema@.message.resends IS
 -- The production log: one compact record per delivered message, written by the worker in the
 -- statement that deletes the outbox row, kept for amqp_outbox.reconcile_window. Partitioned by
 -- day (UTC) of message_at, the time in the message_id, so a lookup by message_id reads one
--- day, and retention drops whole days. Days are made by the subscription worker ahead of time;
--- the default partition takes what comes before (moved out when its day is made). No index on
+-- day, and retention drops whole days. A day's records go to the default partition until the
+-- subscription worker makes the day (within seconds) and moves them in. No index on
 -- the parent: each day gets its own (a partitioned index of the extension would make pg_dump's
 -- copy of a day's index collide with the one ATTACH creates).
 CREATE TABLE @extschema@.produced (
@@ -143,6 +140,8 @@ COMMENT ON TABLE @extschema@.produced IS
     'The production log: a record of each delivered message (tags, when it was created, published, confirmed, acknowledged; attempts, resends; its monitoring state), kept for amqp_outbox.reconcile_window in daily partitions.';
 CREATE TABLE @extschema@.produced_default PARTITION OF @extschema@.produced DEFAULT;
 CREATE INDEX produced_default_message ON @extschema@.produced_default (message_id);
+CREATE INDEX produced_default_open ON @extschema@.produced_default (message_at)
+    WHERE expected IS NOT NULL AND completed_at IS NULL;
 
 -- Receipts consumers sent (amqp.record_receipt(), fed by amqp.collect_receipts()), and the
 -- 'lost' ones the monitor records for a consumer that never answered a rule with action
@@ -324,14 +323,14 @@ CREATE FUNCTION @extschema@._setting_interval(name text) RETURNS interval
     SELECT nullif(pg_catalog.current_setting(name, true), '')::pg_catalog.interval
 $setting$;
 
--- Upkeep, run by the subscription worker once a minute: today's and tomorrow's partitions,
--- retention of whole days, statistics past amqp_outbox.stats_retention. Returns what it did.
+-- Upkeep, run by the subscription worker every few seconds: the day partitions of what the
+-- default partitions hold, retention of whole days, statistics past
+-- amqp_outbox.stats_retention. Returns what it did.
 CREATE FUNCTION @extschema@._reconcile_upkeep() RETURNS text
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $upkeep$
 DECLARE
     window_ interval := coalesce(@extschema@._setting_interval('amqp_outbox.reconcile_window'), '15 days');
     keep_stats interval := coalesce(@extschema@._setting_interval('amqp_outbox.stats_retention'), '400 days');
-    today date := @extschema@._day(pg_catalog.now());
     cutoff date := @extschema@._day(pg_catalog.now() OPERATOR(pg_catalog.-) window_);
     t text;
     d date;
@@ -340,7 +339,12 @@ DECLARE
     dropped integer := 0;
 BEGIN
     FOREACH t IN ARRAY ARRAY['produced', 'receipt'] LOOP
-        FOREACH d IN ARRAY ARRAY[today, today + 1] LOOP
+        -- A day is made once the default partition holds rows of it, never ahead: a restore
+        -- (pg_restore creates the days its dump holds) must never find one made already.
+        FOR d IN EXECUTE pg_catalog.format(
+                'SELECT DISTINCT @extschema@._day(message_at) FROM @extschema@.%I WHERE message_at >= $1',
+                t || '_default') USING cutoff::timestamp AT TIME ZONE 'UTC'
+        LOOP
             IF @extschema@._history_day(t, d) THEN
                 made := made + 1;
             END IF;
@@ -845,7 +849,9 @@ GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date
     @extschema@.send_receipt(integer, text, text, boolean, text, text),
     @extschema@.on_failure(text, regprocedure), @extschema@.trace(text), @extschema@.health()
     TO amqp_outbox_admin;
-GRANT SELECT ON @extschema@.produced, @extschema@.receipt, @extschema@.compensation,
+-- Not amqp.produced: it holds the bodies of monitored messages (the views show what operators
+-- need of it).
+GRANT SELECT ON @extschema@.receipt, @extschema@.compensation,
     @extschema@.compensation_handler, @extschema@._daily_stat TO pg_monitor;
 GRANT SELECT ON @extschema@.daily_stats, @extschema@.reconciliation,
     @extschema@.reconciliation_summary, @extschema@._open TO pg_monitor;

@@ -1,5 +1,5 @@
 //! The subscription worker's reconciliation duties: the production log's day partitions and
-//! retention (once a minute), the monitor (once a second: late, lost, resends, compensations to
+//! retention (every ten seconds), the monitor (once a second: late, lost, resends, compensations to
 //! make), and the compensations themselves — each in its own transaction, in a subtransaction
 //! that keeps the handler's effects and the "done" mark together, so a compensation happens at
 //! most once and is retried with backoff until it does. Errors are caught and logged: nothing a
@@ -13,10 +13,13 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::time::{Duration, Instant};
 
-const UPKEEP_EVERY: Duration = Duration::from_secs(60);
+const UPKEEP_EVERY: Duration = Duration::from_secs(10);
 const MONITOR_EVERY: Duration = Duration::from_secs(1);
-/// Compensations run per wake-up at most; the rest wait for the next one.
+/// Compensations run per wake-up at most, and the time after which no further one starts: the
+/// subscriptions of this worker wait meanwhile (a slow function is bounded by
+/// `amqp_outbox.handler_timeout` on top).
 const COMPENSATIONS_PER_TICK: usize = 20;
+const COMPENSATION_BUDGET: Duration = Duration::from_millis(500);
 
 #[derive(Default)]
 pub struct Reconciler {
@@ -56,8 +59,11 @@ impl Reconciler {
         if self.monitor_at.is_none_or(|t| now >= t) {
             self.monitor_at = Some(now + MONITOR_EVERY);
             guarded_statement("amqp_outbox monitor", "SELECT amqp._monitor()::text");
+            let started = Instant::now();
             for _ in 0..COMPENSATIONS_PER_TICK {
-                if !compensate_one(backoff, handler_timeout) {
+                if started.elapsed() >= COMPENSATION_BUDGET
+                    || !compensate_one(backoff, handler_timeout)
+                {
                     break;
                 }
             }
