@@ -63,6 +63,8 @@ pub struct Env {
     /// Where this run writes its files (scripts, profiles, results).
     pub out_dir: PathBuf,
     enabled: bool,
+    /// `amqp_outbox.reconcile_window` is not 0 (the default: 15 days).
+    production_log: bool,
 }
 
 /// A payload of `size` bytes of random lowercase hex (pglz cannot compress it much, so large
@@ -160,6 +162,7 @@ impl Env {
             amqp_port,
             out_dir,
             enabled: true,
+            production_log: true,
         };
         for r in env.all_routes() {
             env.declare(&r)?;
@@ -245,6 +248,25 @@ impl Env {
             // Let the worker see the new setting before the caller relies on it.
             std::thread::sleep(Duration::from_millis(500));
         }
+        Ok(())
+    }
+
+    /// The production log on (`amqp_outbox.reconcile_window` at its default) or off (`0`), through
+    /// the configuration file and a reload.
+    pub fn set_production_log(&mut self, on: bool) -> Result<(), String> {
+        if self.production_log == on {
+            return Ok(());
+        }
+        self.cluster.set_setting(
+            "amqp_outbox.reconcile_window",
+            if on { "'15d'" } else { "0" },
+        );
+        self.admin
+            .batch_execute("SELECT pg_catalog.pg_reload_conf()")
+            .map_err(|e| format!("pg_reload_conf: {e}"))?;
+        self.production_log = on;
+        // Let the worker see the new setting before the caller relies on it.
+        std::thread::sleep(Duration::from_millis(500));
         Ok(())
     }
 

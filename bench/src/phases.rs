@@ -399,13 +399,14 @@ enum DrainKind {
     Raw,
     Confirm,
     AckQueue,
+    /// `ack_queue` with `amqp_outbox.reconcile_window = 0`: what the production log costs.
+    AckQueueNoLog,
 }
 
 /// 2. Drain rate.
 pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let body = payload(BODY_SIZE);
     let n = opts.drain_n;
-    let kinds = [DrainKind::Raw, DrainKind::Confirm, DrainKind::AckQueue];
     let mut details = Vec::new();
     {
         env.set_enabled(false)?;
@@ -430,6 +431,18 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         let mut raw_r = Vec::new();
         let mut conf: Vec<Drained> = Vec::new();
         let mut ackq: Vec<Drained> = Vec::new();
+        let mut nolog: Vec<Drained> = Vec::new();
+        // The production log's cost is measured on the classic queue only.
+        let kinds: Vec<DrainKind> = if route.quorum {
+            vec![DrainKind::Raw, DrainKind::Confirm, DrainKind::AckQueue]
+        } else {
+            vec![
+                DrainKind::Raw,
+                DrainKind::Confirm,
+                DrainKind::AckQueue,
+                DrainKind::AckQueueNoLog,
+            ]
+        };
         for rep in 0..opts.drain_reps {
             for kind in rotated(&kinds, rep) {
                 match kind {
@@ -438,21 +451,28 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
                         log(format!("  {qt}: raw lapin {r:.0} msg/s"));
                         raw_r.push(r);
                     }
-                    DrainKind::Confirm | DrainKind::AckQueue => {
+                    DrainKind::Confirm | DrainKind::AckQueue | DrainKind::AckQueueNoLog => {
                         let proof = if kind == DrainKind::Confirm {
                             "confirm"
                         } else {
                             "ack_queue"
                         };
+                        env.set_production_log(kind != DrainKind::AckQueueNoLog)?;
                         let d = drain_once(env, proof, &route, &body, n)?;
+                        env.set_production_log(true)?;
+                        let proof = if kind == DrainKind::AckQueueNoLog {
+                            "ack_queue, no production log"
+                        } else {
+                            proof
+                        };
                         log(format!(
                             "  {qt}: worker ({proof}) {:.0} msg/s, {:.1} µs CPU/msg, VmHWM {} KiB, RssAnon {} KiB, {} delivered (backlog built in {:.1}s); per message: {:.1} tuples read by seq scans, {:.1} by index",
                             d.rate, d.cpu_us_per_msg, d.hwm_kib, d.anon_kib, d.delivered, d.build_secs, d.seq_tup_per_msg, d.idx_fetch_per_msg
                         ));
-                        if kind == DrainKind::Confirm {
-                            conf.push(d)
-                        } else {
-                            ackq.push(d)
+                        match kind {
+                            DrainKind::Confirm => conf.push(d),
+                            DrainKind::AckQueue => ackq.push(d),
+                            _ => nolog.push(d),
                         }
                     }
                 }
@@ -484,6 +504,24 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             crate::report::median(&cpu(&ackq)),
             crate::report::median(&ackq.iter().map(|d| d.seq_tup_per_msg).collect::<Vec<_>>())
         )));
+        if !nolog.is_empty() {
+            run.fig(
+                Figure::new(
+                    sec,
+                    "worker, ack_queue mode: production log on / off (reconcile_window = 0)",
+                    &cfg,
+                    "msg/s",
+                )
+                .samples(rates(&ackq))
+                .baseline("log off", rates(&nolog))
+                .target(Target::None)
+                .note(format!(
+                    "worker {:.1} / {:.1} µs CPU/msg with / without the log",
+                    crate::report::median(&cpu(&ackq)),
+                    crate::report::median(&cpu(&nolog))
+                )),
+            );
+        }
         run.shared.insert(
             format!("raw_{}", if route.quorum { "quorum" } else { "classic" }),
             crate::report::median(&raw_r),
@@ -498,6 +536,7 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             "queue": qt, "n": n, "raw_msg_per_sec": raw_r,
             "confirm": conf.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
             "ack_queue": ackq.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
+            "ack_queue_no_production_log": nolog.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "delivered": d.delivered})).collect::<Vec<_>>(),
         }));
     }
     run.detail("drain", json!(details));
