@@ -383,7 +383,9 @@ fn broker_stop_app_mid_stream_loses_nothing() {
 
     let ledger = Arc::new(Ledger::new());
     let mut cfg = f.producer_config("b");
-    cfg.max_messages = 4000;
+    // Enough that the producers are still committing when the broker stops, however fast the
+    // first 300 are delivered (they publish faster than the worker delivers).
+    cfg.max_messages = 12000;
     cfg.max_batch = 10;
     cfg.pause = Duration::from_millis(3);
     let producers = Producer::spawn_group(&f.cluster, &cfg, 3, &ledger);
