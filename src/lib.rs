@@ -15,6 +15,7 @@ mod headers;
 mod inbox;
 mod launcher;
 mod shmem;
+mod subtransaction;
 mod worker;
 
 pgrx::pg_module_magic!();

@@ -292,7 +292,7 @@ fn table_stats(env: &mut Env) -> Result<[i64; 4], String> {
 /// prepared and explained with the worker's default batch size and byte budget.
 fn claim_plan(env: &mut Env) -> String {
     let prepare = format!(
-        "PREPARE bench_claim(integer[], bigint, bigint[], bigint) AS {}",
+        "PREPARE bench_claim(integer[], bigint, bigint[], bigint, bigint) AS {}",
         include_str!("../../src/worker/claim.sql")
     );
     let plan = env
@@ -300,7 +300,7 @@ fn claim_plan(env: &mut Env) -> String {
         .batch_execute(&prepare)
         .and_then(|()| {
             env.admin.query(
-                "EXPLAIN EXECUTE bench_claim('{1}', 500, '{}', 33554432)",
+                "EXPLAIN EXECUTE bench_claim('{1}', 500, '{}', 33554432, 0)",
                 &[],
             )
         })

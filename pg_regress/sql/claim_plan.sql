@@ -19,7 +19,7 @@ SELECT now(), 1 + i % 2, 'ex', 'rk', convert_to(repeat('x', 200), 'UTF8'),
        CASE WHEN i % 1000 = 0 THEN now() END
   FROM generate_series(1, 20000) AS i;
 ANALYZE amqp.message;
-PREPARE claim(integer[], bigint, bigint[], bigint) AS
+PREPARE claim(integer[], bigint, bigint[], bigint, bigint) AS
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to,
        correlation_id, headers::text, producer_pid, producer_started_at, created_at,
        attempts, message_id, business_type, business_key, traceparent, system_id, host_id
@@ -29,7 +29,8 @@ SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, 
                host_id, octet_length(body) AS size,
                sum(octet_length(body)) OVER (ORDER BY id) AS upto
           FROM amqp.message
-         WHERE broker_id = ANY ($1)
+         WHERE id > $5
+           AND broker_id = ANY ($1)
            AND parked_at IS NULL
            AND (next_attempt_at IS NULL OR next_attempt_at <= now())
            AND id <> ALL ($3)
@@ -38,16 +39,32 @@ SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, 
  WHERE upto - size < $4
  ORDER BY id;
 -- The worker's parameters: its connected brokers, batch_size (500), the ids it has in flight
--- or holds back, the byte budget (max_in_flight_bytes).
-EXPLAIN (COSTS OFF) EXECUTE claim('{1,2}', 500, '{1,2,3}', 33554432);
+-- or holds back, the byte budget (max_in_flight_bytes), and the scan floor (src/worker/
+-- scan_floor.rs): the index scan starts there, past the rows in flight and the index entries
+-- of deleted rows.
+EXPLAIN (COSTS OFF) EXECUTE claim('{1,2}', 500, '{1,2,3}', 33554432, 0);
 -- The worker keeps the statement prepared: after a few executions PostgreSQL may switch to a
 -- generic plan, which must read the same way.
 SET LOCAL plan_cache_mode = force_generic_plan;
-EXPLAIN (COSTS OFF) EXECUTE claim('{1,2}', 500, '{1,2,3}', 33554432);
+EXPLAIN (COSTS OFF) EXECUTE claim('{1,2}', 500, '{1,2,3}', 33554432, 10000);
 -- And it takes the first due rows in id order, up to the byte budget (five bodies of 200 bytes
 -- start below 1000).
 RESET plan_cache_mode;
-CREATE TEMP TABLE claimed ON COMMIT DROP AS EXECUTE claim('{1,2}', 500, '{}', 1000);
+CREATE TEMP TABLE claimed ON COMMIT DROP AS EXECUTE claim('{1,2}', 500, '{}', 1000, 0);
 SELECT count(*) AS claimed, min(id) = (SELECT min(id) FROM amqp.message) AS from_the_lowest
   FROM claimed;
+-- From a floor, the first rows above it.
+SELECT min(id) + 10 AS floor FROM amqp.message \gset
+CREATE TEMP TABLE claimed_above ON COMMIT DROP AS EXECUTE claim('{1,2}', 3, '{}', 33554432, :floor);
+SELECT array_agg(id - (SELECT min(id) FROM amqp.message) ORDER BY id) AS above_the_floor
+  FROM claimed_above;
+-- The probe the worker runs before each claim to move the floor: the sequence's last value and
+-- the snapshot's bounds, one row while the sequence hands out ids in order (cache 1, no cycle).
+SELECT last_value >= (SELECT max(id) FROM amqp.message) AS last_value_covers_the_rows,
+       xmin <= xmax AS bounds
+  FROM (SELECT coalesce(pg_sequence_last_value(s.seqrelid), 0) AS last_value,
+               pg_snapshot_xmin(c)::text::int8 AS xmin, pg_snapshot_xmax(c)::text::int8 AS xmax
+          FROM pg_sequence s, pg_current_snapshot() c
+         WHERE s.seqrelid = pg_get_serial_sequence('amqp.message', 'id')::regclass
+           AND s.seqcache = 1 AND NOT s.seqcycle) probe;
 ROLLBACK;

@@ -292,6 +292,17 @@ impl<'a> NewMessage<'a> {
             .set_hint("The broker is not taking messages fast enough (see amqp.broker_status); retry later.")
             .report(PgLogLevel::ERROR);
         }
+        // The transaction takes its id before the row draws one from the sequence: the worker's
+        // scan floor relies on that order (src/worker/scan_floor.rs). The INSERT would take it
+        // anyway, a moment later.
+        // (Not in a read-only transaction or on a standby: the INSERT raises the proper error.)
+        // SAFETY: inside the caller's transaction, on the backend's main thread; globals read
+        // on that thread.
+        unsafe {
+            if !pg_sys::XactReadOnly && !pg_sys::RecoveryInProgress() {
+                pg_sys::GetCurrentTransactionId();
+            }
+        }
         let id = Spi::connect_mut(|client| {
             cache.with_borrow_mut(|insert| {
                 let insert = match insert {

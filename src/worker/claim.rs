@@ -6,6 +6,7 @@ use super::flight::{Flight, Room};
 use super::message::{to_message, Origin};
 use super::origin;
 use super::queries::{self, Row};
+use super::scan_floor::{Reach, ScanFloor};
 use super::settle::park_now;
 use crate::gucs::WorkerSettings;
 use crate::shmem;
@@ -25,9 +26,11 @@ pub fn claim(
     client: &mut SpiClient<'_>,
     settings: &WorkerSettings,
     flight: &mut Flight,
+    floor: &mut ScanFloor,
     faults: &mut Faults,
 ) -> SpiResult<Claimed> {
     let mut commands = Vec::new();
+    floor.note_released(flight.released());
 
     // Suspects first: alone on their channel, one at a time.
     for (broker_id, ids) in flight.isolation_ready() {
@@ -59,19 +62,37 @@ pub fn claim(
     }
     let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
     let broker_ids: Vec<i32> = room.keys().copied().collect();
-    // What is in flight or held back is not read again (bodies included).
-    let mut skip: Vec<i64> = flight.ids().collect();
+    let from = match queries::probe(client)? {
+        Some(probe) => {
+            floor.observe(probe, Instant::now());
+            floor.from(&broker_ids)
+        }
+        None => {
+            floor.reset();
+            0
+        }
+    };
+    // What is in flight or held back is not read again (bodies included); below `from` the
+    // statement reads nothing anyway.
+    let mut skip: Vec<i64> = flight.ids().filter(|id| *id > from).collect();
     skip.extend(
         flight
             .holds
-            .held_now(Instant::now(), settings.retry_backoff_max),
+            .held_now(Instant::now(), settings.retry_backoff_max)
+            .into_iter()
+            .filter(|id| *id > from),
     );
     let budget: usize = room.values().map(|r| r.bytes.max(1)).sum();
     let limit = settings.batch_size;
-    let rows = queries::claim(client, &broker_ids, limit, &skip, budget)?;
+    let rows = queries::claim(client, &broker_ids, limit, &skip, budget, from)?;
     let fetched: usize = rows.iter().map(|r| r.body.len()).sum();
     // A full batch, or one cut short by the byte budget: there is probably more.
     let mut more = rows.len() == limit || fetched.saturating_mul(2) >= budget;
+    let mut reach = if more {
+        Reach::UpTo(rows.last().map_or(from, |r| r.id))
+    } else {
+        Reach::End
+    };
     let mut taken = 0;
     let mut batches: BTreeMap<i32, Vec<Row>> = BTreeMap::new();
     for row in rows {
@@ -83,8 +104,12 @@ pub fn claim(
         if fits {
             taken += 1;
             batches.entry(row.broker_id).or_default().push(row);
+        } else if !matches!(reach, Reach::UpTo(id) if id < row.id) {
+            // Left for a later claim: the floor stays below it.
+            reach = Reach::UpTo(row.id - 1);
         }
     }
+    floor.covered(&broker_ids, from, reach);
     if taken == 0 || room.values().all(|r| r.messages == 0 || r.bytes == 0) {
         // Nothing more fits until confirms arrive (they wake the worker).
         more = false;

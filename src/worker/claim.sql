@@ -7,7 +7,8 @@ SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, 
                host_id, octet_length(body) AS size,
                sum(octet_length(body)) OVER (ORDER BY id) AS upto
           FROM amqp.message
-         WHERE broker_id = ANY ($1)
+         WHERE id > $5
+           AND broker_id = ANY ($1)
            AND parked_at IS NULL
            AND (next_attempt_at IS NULL OR next_attempt_at <= now())
            AND id <> ALL ($3)

@@ -133,6 +133,9 @@ pub struct Flight {
     pub holds: Holds,
     /// Delivered since the last [`Flight::take_proven`].
     proven: Vec<Proof>,
+    /// Grows with every message that leaves flight without proof: it is due again, maybe below
+    /// where the claim reads from ([`super::scan_floor`]).
+    released: u64,
 }
 
 impl Flight {
@@ -147,7 +150,9 @@ impl Flight {
     /// Keeps only these brokers (the others were removed from amqp.broker).
     pub fn retain_brokers(&mut self, ids: &[i32]) {
         self.brokers.retain(|id, _| ids.contains(id));
+        let before = self.entries.len();
         self.entries.retain(|_, e| ids.contains(&e.broker_id));
+        self.released += (before - self.entries.len()) as u64;
         self.recount();
     }
 
@@ -204,7 +209,7 @@ impl Flight {
                 acknowledged: e.acked_unix,
             });
         }
-        self.settle(id);
+        self.remove(id);
     }
 
     /// What was delivered since the last call.
@@ -212,17 +217,30 @@ impl Flight {
         std::mem::take(&mut self.proven)
     }
 
-    /// The row leaves the worker's hands (delivered, refused, or to be claimed again).
+    /// The row leaves the worker's hands without proof (refused, or to be claimed again).
     pub fn settle(&mut self, id: i64) {
-        if let Some(e) = self.entries.remove(&id) {
-            self.changes += 1;
-            if let Some(b) = self.brokers.get_mut(&e.broker_id) {
-                b.in_flight = b.in_flight.saturating_sub(1);
-                if !e.confirmed {
-                    b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(e.bytes);
-                }
+        if self.remove(id) {
+            self.released += 1;
+        }
+    }
+
+    /// How many messages left flight without proof so far.
+    pub fn released(&self) -> u64 {
+        self.released
+    }
+
+    fn remove(&mut self, id: i64) -> bool {
+        let Some(e) = self.entries.remove(&id) else {
+            return false;
+        };
+        self.changes += 1;
+        if let Some(b) = self.brokers.get_mut(&e.broker_id) {
+            b.in_flight = b.in_flight.saturating_sub(1);
+            if !e.confirmed {
+                b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(e.bytes);
             }
         }
+        true
     }
 
     fn proof(&self, broker_id: i32) -> ProofMode {
@@ -496,6 +514,21 @@ mod tests {
             f.changes() > before,
             "in_flight -> awaiting_ack must refresh the view"
         );
+    }
+
+    #[test]
+    fn only_messages_leaving_without_proof_count_as_released() {
+        let mut f = flight(ProofMode::Confirm);
+        f.mark_sent(1, 10, 1);
+        f.mark_sent(1, 11, 1);
+        f.mark_sent(1, 12, 1);
+        assert_eq!(f.confirmed(10), Verdict::Delivered);
+        assert_eq!(f.released(), 0, "a delivery is not a release");
+        f.settle(11);
+        f.settle(11);
+        assert_eq!(f.released(), 1, "once per message that was in flight");
+        assert_eq!(f.expire(Duration::ZERO), vec![12]);
+        assert_eq!(f.released(), 2);
     }
 
     #[test]

@@ -8,7 +8,9 @@ use super::faults::Faults;
 use super::flight::Flight;
 use super::pg;
 use super::presence::Presence;
+use super::scan_floor::ScanFloor;
 use super::settle::Settlement;
+use super::shrink::Shrink;
 use super::status::{Status, STATUS_EVERY};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
@@ -39,6 +41,9 @@ pub struct Worker {
     pub(super) presence: Presence,
     pub(super) status: Status,
     pub(super) faults: Faults,
+    /// Where the claim starts reading.
+    pub(super) floor: ScanFloor,
+    shrink: Shrink,
     swept_at: Instant,
     stepped_at: Option<Instant>,
     /// The last claim filled its batch: claim again without sleeping.
@@ -55,6 +60,8 @@ impl Worker {
             presence: Presence::default(),
             status: Status::default(),
             faults: Faults::default(),
+            floor: ScanFloor::default(),
+            shrink: Shrink::default(),
             swept_at: Instant::now(),
             stepped_at: None,
             more_work: false,
@@ -126,6 +133,15 @@ impl Worker {
                 self.exit();
             }
             self.more_work = claimed.more;
+            if claimed.commands.is_empty()
+                && !claimed.more
+                && self.flight.len() == 0
+                && self.settings.enabled
+                && self.presence.present()
+            {
+                // Nothing to publish and nothing in flight: the table may be empty.
+                self.shrink.when_idle();
+            }
             for command in claimed.commands {
                 if !self.handle.send(command) {
                     error!("amqp_outbox: the AMQP thread has stopped");
@@ -141,6 +157,10 @@ impl Worker {
             };
             // What has come due since this step's claim is claimed by the next one.
             if let Some(due) = self.flight.holds.until_next_due(Instant::now()) {
+                if due.is_zero() {
+                    // A retry or hold came due: its row may be below the scan floor.
+                    self.floor.reset();
+                }
                 timeout = timeout.min(due);
             }
             // Events are drained at the top of the loop, whatever woke the worker.

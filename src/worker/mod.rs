@@ -23,7 +23,9 @@ mod origin;
 pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;
+mod scan_floor;
 mod settle;
+mod shrink;
 mod status;
 mod step;
 

@@ -10,6 +10,7 @@ mod config;
 pub use config::load_brokers;
 
 use super::flight::Proof;
+use super::scan_floor::Probe;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -188,10 +189,10 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
     Ok(rows)
 }
 
-/// The first rows, in id order, that are not parked and are due, of these brokers. Selected by
-/// state from the lowest id every time, never from a high-water mark: ids are taken at INSERT
-/// and transactions commit in another order, so a mark would skip (or delay, breaking each
-/// session's order) a row that committed late with a smaller id. `skip` (what is in flight or
+/// The first rows above `after`, in id order, that are not parked and are due, of these brokers.
+/// `after` is the scan floor ([`super::scan_floor`]): never a plain high-water mark, since ids
+/// are taken at INSERT and transactions commit in another order, so a mark would skip (or delay,
+/// breaking each session's order) a row that committed late with a smaller id. `skip` (what is in flight or
 /// held back) is left out by the statement itself, so `limit` counts only rows to publish now.
 pub fn claim(
     client: &mut SpiClient<'_>,
@@ -199,14 +200,108 @@ pub fn claim(
     limit: usize,
     skip: &[i64],
     max_bytes: usize,
+    after: i64,
 ) -> SpiResult<Vec<Row>> {
-    let args: [DatumWithOid; 4] = [
+    let args: [DatumWithOid; 5] = [
         brokers.to_vec().into(),
         (limit as i64).into(),
         skip.to_vec().into(),
         (max_bytes.min(i64::MAX as usize) as i64).into(),
+        after.into(),
     ];
     run_kept(client, CLAIM_SQL, &args, false, rows_from)
+}
+
+/// The sequence's last value, then the snapshot's xmin and xmax, for the scan floor. `None` when
+/// the floor cannot be trusted: the sequence caches values per session (they are drawn out of
+/// order), or cycles, or is gone.
+const PROBE_SQL: &str = "\
+SELECT coalesce(pg_sequence_last_value(s.seqrelid), 0), \
+       pg_snapshot_xmin(c)::text::int8, pg_snapshot_xmax(c)::text::int8 \
+  FROM pg_sequence s, pg_current_snapshot() c \
+ WHERE s.seqrelid = pg_get_serial_sequence('amqp.message', 'id')::regclass \
+   AND s.seqcache = 1 AND NOT s.seqcycle";
+
+pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
+    run_kept(client, PROBE_SQL, &[], false, |t| {
+        let Some(r) = t.into_iter().next() else {
+            return Ok(None);
+        };
+        let (Some(last_value), Some(xmin), Some(xmax)) =
+            (r.get::<i64>(1)?, r.get::<i64>(2)?, r.get::<i64>(3)?)
+        else {
+            return Ok(None);
+        };
+        Ok(Some(Probe {
+            last_value,
+            xmin: xmin.max(0) as u64,
+            xmax: xmax.max(0) as u64,
+        }))
+    })
+}
+
+/// How many bytes `amqp.message` (heap, TOAST, indexes) holds above its size when empty (no
+/// heap page, one page per index), and its oid; no row while it has rows.
+const EXCESS_SIZE_SQL: &str = "\
+SELECT c.oid, pg_total_relation_size(c.oid) \
+       - current_setting('block_size')::int8 * (SELECT count(*) FROM pg_index i \
+                                                 WHERE i.indrelid IN (c.oid, c.reltoastrelid)) \
+  FROM pg_class c \
+ WHERE c.oid = 'amqp.message'::regclass \
+   AND NOT EXISTS (SELECT FROM amqp.message)";
+
+/// Truncates `amqp.message` if it holds more than `slack` bytes above its empty size, no row,
+/// and no other session is using it (the exclusive lock is taken only if free at once). Returns
+/// the bytes given back. Inside a subtransaction: an object a user added (a trigger, a foreign
+/// key) may make TRUNCATE fail, and that must only leave the table as it is.
+pub fn truncate_if_empty(client: &mut SpiClient<'_>, slack: i64) -> SpiResult<Option<i64>> {
+    let (oid, excess) = {
+        let t = client.select(EXCESS_SIZE_SQL, None, &[])?;
+        if t.is_empty() {
+            return Ok(None);
+        }
+        let r = t.first();
+        (
+            r.get::<pg_sys::Oid>(1)?.unwrap_or(pg_sys::InvalidOid),
+            r.get::<i64>(2)?.unwrap_or(0),
+        )
+    };
+    if excess <= slack || oid == pg_sys::InvalidOid {
+        return Ok(None);
+    }
+    // SAFETY: inside the worker's transaction; the lock is released at its end.
+    let locked = unsafe {
+        pg_sys::ConditionalLockRelationOid(oid, pg_sys::AccessExclusiveLock as pg_sys::LOCKMODE)
+    };
+    if !locked {
+        return Ok(None);
+    }
+    let done = crate::subtransaction::subtransaction(|| -> SpiResult<bool> {
+        // `update` runs with a snapshot taken now, under the lock: rows committed since the
+        // transaction began are seen.
+        let empty = client
+            .update("SELECT NOT EXISTS (SELECT FROM amqp.message)", None, &[])?
+            .first()
+            .get_one::<bool>()?
+            .unwrap_or(false);
+        if empty {
+            client.update("TRUNCATE amqp.message", None, &[])?;
+        }
+        Ok(empty)
+    });
+    match done {
+        Ok(Ok(true)) => Ok(Some(excess)),
+        Ok(Ok(false)) => Ok(None),
+        Ok(Err(e)) => Err(e),
+        Err(caught) => {
+            warning!(
+                "amqp_outbox: could not truncate the empty amqp.message ({}): {}",
+                caught.sqlstate,
+                caught.message
+            );
+            Ok(None)
+        }
+    }
 }
 
 pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {

@@ -26,8 +26,15 @@ impl Worker {
                 }
                 return nothing();
             }
-            Found::Ready { appeared: true } => self.brokers.request_reload(),
+            Found::Ready { appeared: true } => {
+                self.brokers.request_reload();
+                self.floor.reset();
+            }
             Found::Ready { appeared: false } => {}
+        }
+        if self.brokers.reload_pending() {
+            // Brokers may come or go: their rows are read again from the lowest id.
+            self.floor.reset();
         }
         let result = Spi::connect_mut(|client| {
             settlement.record(client, &self.settings, &mut self.flight)?;
@@ -44,7 +51,13 @@ impl Worker {
                 return Ok(nothing());
             }
             self.brokers.park_orphans_when_due(client)?;
-            claim::claim(client, &self.settings, &mut self.flight, &mut self.faults)
+            claim::claim(
+                client,
+                &self.settings,
+                &mut self.flight,
+                &mut self.floor,
+                &mut self.faults,
+            )
         });
         match result {
             Ok(claimed) => claimed,
