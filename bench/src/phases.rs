@@ -272,6 +272,21 @@ struct Drained {
     /// (pg_stat_user_tables, all sessions; the worker is the only reader during a drain).
     seq_tup_per_msg: f64,
     idx_fetch_per_msg: f64,
+    /// CPU of the RabbitMQ node per message over the drain (it also serves the bench's
+    /// consumers, idle then).
+    broker_us_per_msg: f64,
+}
+
+/// CPU seconds of the RabbitMQ node so far.
+fn broker_cpu(env: &Env) -> Option<f64> {
+    env::broker_pid(env.amqp_port).and_then(env::proc_cpu_secs)
+}
+
+fn per_msg_us(before: Option<f64>, after: Option<f64>, n: u64) -> f64 {
+    match (before, after) {
+        (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
+        _ => f64::NAN,
+    }
 }
 
 /// (seq_scan, seq_tup_read, idx_scan, idx_tup_fetch) of amqp.message.
@@ -289,10 +304,12 @@ fn table_stats(env: &mut Env) -> Result<[i64; 4], String> {
 }
 
 /// The plan PostgreSQL picks now for the worker's claim: its very text (src/worker/claim.sql),
-/// prepared and explained with the worker's default batch size and byte budget.
+/// prepared and explained with the worker's default batch size and byte budget and the planner
+/// settings it pins (src/worker/mod.rs).
 fn claim_plan(env: &mut Env) -> String {
     let prepare = format!(
-        "PREPARE bench_claim(integer[], bigint, bigint[], bigint, bigint) AS {}",
+        "SET enable_bitmapscan = off; SET enable_sort = off; \
+         PREPARE bench_claim(integer[], bigint, bigint[], bigint, bigint) AS {}",
         include_str!("../../src/worker/claim.sql")
     );
     let plan = env
@@ -312,7 +329,9 @@ fn claim_plan(env: &mut Env) -> String {
         })
         .unwrap_or_else(|e| format!("EXPLAIN failed: {e}"));
     // Gone whether or not the EXPLAIN worked, so the next call can prepare it again.
-    let _ = env.admin.batch_execute("DEALLOCATE bench_claim");
+    let _ = env
+        .admin
+        .batch_execute("DEALLOCATE bench_claim; RESET enable_bitmapscan; RESET enable_sort");
     plan
 }
 
@@ -344,12 +363,14 @@ fn drain_once(
     // Let the stats of the backlog's own statements arrive first.
     std::thread::sleep(Duration::from_millis(600));
     let st0 = table_stats(env)?;
+    let broker0 = broker_cpu(env);
     let t0 = Instant::now();
     env.set_enabled(true)?;
     let timeout = Duration::from_secs((n / 500).max(300));
     let done = env.wait_outbox_empty(timeout)?;
     let secs = (done - t0).as_secs_f64();
     let cpu1 = env::proc_cpu_secs(pid);
+    let broker1 = broker_cpu(env);
     let peaks = mem.finish();
     let delivered = env.wait_queue_len(&route.queue, n, Duration::from_secs(60))?;
     env.purge(&route.queue)?;
@@ -364,10 +385,8 @@ fn drain_once(
     }
     Ok(Drained {
         rate: n as f64 / secs,
-        cpu_us_per_msg: match (cpu0, cpu1) {
-            (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
-            _ => f64::NAN,
-        },
+        cpu_us_per_msg: per_msg_us(cpu0, cpu1, n),
+        broker_us_per_msg: per_msg_us(broker0, broker1, n),
         hwm_kib: peaks[1],
         anon_kib: peaks[2],
         delivered,
@@ -377,8 +396,10 @@ fn drain_once(
     })
 }
 
-fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<f64, String> {
+/// The raw publisher's rate, and the RabbitMQ node's CPU per message meanwhile.
+fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<(f64, f64), String> {
     env.purge(&route.queue)?;
+    let broker0 = broker_cpu(env);
     let rate = raw::pipelined(
         &env.amqp_uri(),
         &route.exchange,
@@ -386,12 +407,13 @@ fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<f64, Str
         n,
         RAW_WINDOW,
     )?;
+    let broker_us = per_msg_us(broker0, broker_cpu(env), n);
     let got = env.wait_queue_len(&route.queue, n, Duration::from_secs(60))?;
     env.purge(&route.queue)?;
     if got < n {
         return Err(format!("raw publisher: {} holds {got} of {n}", route.queue));
     }
-    Ok(rate)
+    Ok((rate, broker_us))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -429,6 +451,7 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             "classic durable"
         };
         let mut raw_r = Vec::new();
+        let mut raw_broker = Vec::new();
         let mut conf: Vec<Drained> = Vec::new();
         let mut ackq: Vec<Drained> = Vec::new();
         let mut nolog: Vec<Drained> = Vec::new();
@@ -447,9 +470,12 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             for kind in rotated(&kinds, rep) {
                 match kind {
                     DrainKind::Raw => {
-                        let r = raw_once(env, &route, &body, n)?;
-                        log(format!("  {qt}: raw lapin {r:.0} msg/s"));
+                        let (r, b) = raw_once(env, &route, &body, n)?;
+                        log(format!(
+                            "  {qt}: raw lapin {r:.0} msg/s, RabbitMQ {b:.1} µs CPU/msg"
+                        ));
                         raw_r.push(r);
+                        raw_broker.push(b);
                     }
                     DrainKind::Confirm | DrainKind::AckQueue | DrainKind::AckQueueNoLog => {
                         let proof = if kind == DrainKind::Confirm {
@@ -466,8 +492,8 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
                             proof
                         };
                         log(format!(
-                            "  {qt}: worker ({proof}) {:.0} msg/s, {:.1} µs CPU/msg, VmHWM {} KiB, RssAnon {} KiB, {} delivered (backlog built in {:.1}s); per message: {:.1} tuples read by seq scans, {:.1} by index",
-                            d.rate, d.cpu_us_per_msg, d.hwm_kib, d.anon_kib, d.delivered, d.build_secs, d.seq_tup_per_msg, d.idx_fetch_per_msg
+                            "  {qt}: worker ({proof}) {:.0} msg/s, {:.1} µs CPU/msg (RabbitMQ {:.1}), VmHWM {} KiB, RssAnon {} KiB, {} delivered (backlog built in {:.1}s); per message: {:.1} tuples read by seq scans, {:.1} by index",
+                            d.rate, d.cpu_us_per_msg, d.broker_us_per_msg, d.hwm_kib, d.anon_kib, d.delivered, d.build_secs, d.seq_tup_per_msg, d.idx_fetch_per_msg
                         ));
                         match kind {
                             DrainKind::Confirm => conf.push(d),
@@ -483,6 +509,10 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         let sec = "2 drain rate";
         let rates = |v: &[Drained]| v.iter().map(|d| d.rate).collect::<Vec<_>>();
         let cpu = |v: &[Drained]| v.iter().map(|d| d.cpu_us_per_msg).collect::<Vec<_>>();
+        let broker = |v: &[Drained]| {
+            crate::report::median(&v.iter().map(|d| d.broker_us_per_msg).collect::<Vec<_>>())
+        };
+        let raw_broker_us = crate::report::median(&raw_broker);
         // The worker's drain rate in one mode against the raw publisher's.
         let against_raw = |mode: &str, v: &[Drained], at_least: f64| {
             Figure::new(
@@ -496,12 +526,16 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             .target(Target::RatioAtLeast(at_least))
         };
         run.fig(against_raw("confirm", &conf, 0.9).note(format!(
-            "worker {:.1} µs CPU/msg",
-            crate::report::median(&cpu(&conf))
+            "worker {:.1} µs CPU/msg; RabbitMQ {:.1} µs/msg, raw {:.1}",
+            crate::report::median(&cpu(&conf)),
+            broker(&conf),
+            raw_broker_us
         )));
-        run.fig(against_raw("ack_queue", &ackq, 0.6).note(format!(
-            "worker {:.1} µs CPU/msg, {:.0} tuples seq-scanned/msg",
+        run.fig(against_raw("ack_queue", &ackq, 0.9).note(format!(
+            "worker {:.1} µs CPU/msg; RabbitMQ {:.1} µs/msg, raw {:.1}; {:.0} tuples seq-scanned/msg",
             crate::report::median(&cpu(&ackq)),
+            broker(&ackq),
+            raw_broker_us,
             crate::report::median(&ackq.iter().map(|d| d.seq_tup_per_msg).collect::<Vec<_>>())
         )));
         if !nolog.is_empty() {
@@ -533,8 +567,8 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             );
         }
         details.push(json!({
-            "queue": qt, "n": n, "raw_msg_per_sec": raw_r,
-            "confirm": conf.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
+            "queue": qt, "n": n, "raw_msg_per_sec": raw_r, "raw_broker_cpu_us_per_msg": raw_broker,
+            "confirm": conf.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs, "broker_cpu_us_per_msg": d.broker_us_per_msg})).collect::<Vec<_>>(),
             "ack_queue": ackq.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
             "ack_queue_no_production_log": nolog.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "delivered": d.delivered})).collect::<Vec<_>>(),
         }));
@@ -770,7 +804,7 @@ fn raw_classic(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<f64, String>
         return Ok(*r);
     }
     let route = env.routes.classic.clone();
-    let r = raw_once(env, &route, &payload(BODY_SIZE), opts.drain_n)?;
+    let (r, _) = raw_once(env, &route, &payload(BODY_SIZE), opts.drain_n)?;
     run.shared.insert("raw_classic".into(), r);
     Ok(r)
 }
@@ -1008,7 +1042,7 @@ pub fn growth(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         for rep in 0..opts.growth_reps {
             for first_raw in rotated(&[true, false], rep) {
                 if first_raw {
-                    raw_r.push(raw_once(env, &route, &body, n)?);
+                    raw_r.push(raw_once(env, &route, &body, n)?.0);
                 } else {
                     worker.push(drain_once(env, "ack_queue", &route, &body, n)?.rate);
                 }

@@ -62,11 +62,13 @@ pub fn claim(
     }
     let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
     let broker_ids: Vec<i32> = room.keys().copied().collect();
-    let from = match queries::probe(client)? {
+    let probe = queries::probe(client)?;
+    let from = match probe {
         Some(probe) => {
             floor.observe(probe, Instant::now());
             floor.from(&broker_ids)
         }
+        // The sequence hands out ids out of order: every claim reads from the lowest id.
         None => {
             floor.reset();
             0
@@ -109,7 +111,9 @@ pub fn claim(
             reach = Reach::UpTo(row.id - 1);
         }
     }
-    floor.covered(&broker_ids, from, reach);
+    if probe.is_some() {
+        floor.covered(&broker_ids, from, reach);
+    }
     if taken == 0 || room.values().all(|r| r.messages == 0 || r.bytes == 0) {
         // Nothing more fits until confirms arrive (they wake the worker).
         more = false;

@@ -69,6 +69,12 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     pg::pin(c"synchronous_commit", c"off");
     // The worker's statements are short; a lock wait must not hold a transaction open.
     pg::pin(c"lock_timeout", c"10s");
+    // The claim must walk the primary key from the scan floor and stop after its batch. Planned
+    // while the table was empty or just truncated (statistics of a few rows), a bitmap scan and
+    // a sort look cheaper, and the kept plan would then sort the whole backlog on every claim.
+    // None of the worker's statements needs either.
+    pg::pin(c"enable_bitmapscan", c"off");
+    pg::pin(c"enable_sort", c"off");
     // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
     // until it exits, and the callback registered here clears them from shared memory before
     // that (before_shmem_exit runs while shared memory is still attached).
