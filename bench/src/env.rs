@@ -105,7 +105,6 @@ impl Env {
         .setting("amqp_outbox.enabled", "on");
         let cluster = PgCluster::try_new(config)?;
         let mut admin = cluster.try_client()?;
-        cluster.wait_for_worker(&mut admin, Duration::from_secs(30));
         let bindir = pg_bindir()?;
 
         let amqp_port: u16 = std::env::var("AMQP_OUTBOX_E2E_AMQP_PORT")
@@ -134,6 +133,9 @@ impl Env {
                 let why = e.as_db_error().map_or_else(|| e.to_string(), |d| d.to_string());
                 format!("setting up the bench database: {why}")
             })?;
+        // Only now: before CREATE EXTENSION the database has at most a probe, which looks and
+        // exits at once.
+        cluster.wait_for_worker(&mut admin, Duration::from_secs(30));
         let port = i32::from(amqp_port);
         let broker_id: i32 = admin
             .query_one(
