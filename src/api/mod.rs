@@ -3,7 +3,7 @@
 mod admin;
 mod jsonb_arg;
 mod known_brokers;
-mod message_id;
+pub(crate) mod message_id;
 mod parked;
 mod publish;
 pub(crate) mod run_as;

@@ -3,7 +3,7 @@
 
 use super::faults::Faults;
 use super::flight::{Flight, Room};
-use super::message::{to_message, Origin};
+use super::message::{message_at, to_message, Origin};
 use super::origin;
 use super::queries::{self, Row};
 use super::scan_floor::{Reach, ScanFloor};
@@ -42,7 +42,7 @@ pub fn claim(
             .retain(|id| found.contains(id));
         let messages = prepare(client, rows, settings, faults)?;
         for m in &messages {
-            flight.mark_sent(broker_id, m.id, m.body.len());
+            flight.mark_sent(broker_id, m.id, m.body.len(), message_at(m));
         }
         if !messages.is_empty() {
             commands.push(Command::Publish {
@@ -124,7 +124,7 @@ pub fn claim(
             continue;
         }
         for m in &messages {
-            flight.mark_sent(broker_id, m.id, m.body.len());
+            flight.mark_sent(broker_id, m.id, m.body.len(), message_at(m));
         }
         shmem::count(|c| &c.published, messages.len() as u64);
         commands.push(Command::Publish {

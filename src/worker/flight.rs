@@ -17,6 +17,8 @@ pub struct Entry {
     pub sent_at: Instant,
     /// Wall-clock times (Unix microseconds) for the production log.
     pub sent_unix: i64,
+    /// When the message was made (Unix µs): the production log's day.
+    pub message_at: i64,
     pub confirmed_unix: Option<i64>,
     pub acked_unix: Option<i64>,
     /// Body size: counted against the broker's unconfirmed bytes until the confirm.
@@ -76,6 +78,8 @@ impl BrokerFlight {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Proof {
     pub id: i64,
+    /// Unix µs, see [`super::message::message_at`].
+    pub message_at: i64,
     pub published: i64,
     pub confirmed: Option<i64>,
     pub acknowledged: Option<i64>,
@@ -176,11 +180,12 @@ impl Flight {
         self.entries.contains_key(&id)
     }
 
-    pub fn mark_sent(&mut self, broker_id: i32, id: i64, bytes: usize) {
+    pub fn mark_sent(&mut self, broker_id: i32, id: i64, bytes: usize, message_at: i64) {
         let entry = Entry {
             broker_id,
             sent_at: Instant::now(),
             sent_unix: unix_now(),
+            message_at,
             confirmed_unix: None,
             acked_unix: None,
             bytes,
@@ -204,6 +209,7 @@ impl Flight {
         if let Some(e) = self.entries.get(&id) {
             self.proven.push(Proof {
                 id,
+                message_at: e.message_at,
                 published: e.sent_unix,
                 confirmed: e.confirmed_unix,
                 acknowledged: e.acked_unix,
@@ -443,8 +449,8 @@ mod tests {
     #[test]
     fn delivered_messages_keep_their_publish_confirm_and_ack_times() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 7, 10);
-        f.mark_sent(1, 8, 10);
+        f.mark_sent(1, 7, 10, 0);
+        f.mark_sent(1, 8, 10, 0);
         assert_eq!(f.confirmed(7), Verdict::Wait);
         assert!(
             f.take_proven().is_empty(),
@@ -464,7 +470,7 @@ mod tests {
         assert!(f.take_proven().is_empty(), "taken once");
 
         let mut f = flight(ProofMode::Confirm);
-        f.mark_sent(1, 9, 10);
+        f.mark_sent(1, 9, 10, 0);
         assert_eq!(f.confirmed(9), Verdict::Delivered);
         let p = f.take_proven()[0];
         assert_eq!((p.id, p.acknowledged), (9, None));
@@ -474,7 +480,7 @@ mod tests {
     #[test]
     fn confirm_mode_delivers_on_the_confirm() {
         let mut f = flight(ProofMode::Confirm);
-        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 10, 100, 0);
         assert_eq!(f.confirmed(10), Verdict::Delivered);
         assert!(!f.is_in_flight(10));
         assert_eq!(f.broker(1).in_flight, 0);
@@ -483,8 +489,8 @@ mod tests {
     #[test]
     fn ack_queue_mode_needs_confirm_and_record_in_either_order() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
-        f.mark_sent(1, 11, 100);
+        f.mark_sent(1, 10, 100, 0);
+        f.mark_sent(1, 11, 100, 0);
         assert_eq!(f.confirmed(10), Verdict::Wait);
         assert_eq!(f.acked(10), Verdict::Delivered);
         assert_eq!(f.acked(11), Verdict::Wait);
@@ -495,8 +501,8 @@ mod tests {
     #[test]
     fn lost_without_confirm_is_resent_and_with_confirm_is_delivered() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
-        f.mark_sent(1, 11, 100);
+        f.mark_sent(1, 10, 100, 0);
+        f.mark_sent(1, 11, 100, 0);
         f.confirmed(11);
         assert_eq!(f.lost(10), Verdict::Resend);
         assert_eq!(f.lost(11), Verdict::Delivered);
@@ -507,7 +513,7 @@ mod tests {
     #[test]
     fn every_state_change_is_counted_for_the_views() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 10, 100, 0);
         let before = f.changes();
         f.confirmed(10);
         assert!(
@@ -519,9 +525,9 @@ mod tests {
     #[test]
     fn only_messages_leaving_without_proof_count_as_released() {
         let mut f = flight(ProofMode::Confirm);
-        f.mark_sent(1, 10, 1);
-        f.mark_sent(1, 11, 1);
-        f.mark_sent(1, 12, 1);
+        f.mark_sent(1, 10, 1, 0);
+        f.mark_sent(1, 11, 1, 0);
+        f.mark_sent(1, 12, 1, 0);
         assert_eq!(f.confirmed(10), Verdict::Delivered);
         assert_eq!(f.released(), 0, "a delivery is not a release");
         f.settle(11);
@@ -534,7 +540,7 @@ mod tests {
     #[test]
     fn events_for_unknown_ids_change_nothing() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 10, 100, 0);
         assert_eq!(f.confirmed(99), Verdict::Unknown);
         assert_eq!(f.acked(99), Verdict::Unknown);
         f.settle(99);
@@ -544,8 +550,8 @@ mod tests {
     #[test]
     fn a_lost_connection_forgets_only_unconfirmed_messages() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
-        f.mark_sent(1, 11, 100);
+        f.mark_sent(1, 10, 100, 0);
+        f.mark_sent(1, 11, 100, 0);
         f.confirmed(11);
         f.forget_unconfirmed(1);
         assert!(!f.is_in_flight(10));
@@ -556,7 +562,7 @@ mod tests {
     #[test]
     fn expire_takes_back_what_waited_too_long() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 10, 100, 0);
         assert!(f.expire(Duration::from_secs(3600)).is_empty());
         assert_eq!(f.expire(Duration::ZERO), vec![10]);
         assert!(!f.is_in_flight(10));
@@ -565,7 +571,7 @@ mod tests {
     #[test]
     fn expire_waits_while_the_broker_blocks_publishing_and_counts_from_the_resume() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 10, 100, 0);
         f.set_blocked(1, true);
         assert!(
             f.broker(1).error.is_some(),
@@ -592,7 +598,7 @@ mod tests {
     #[test]
     fn the_window_and_isolation_close_a_broker() {
         let mut f = flight(ProofMode::Confirm);
-        f.mark_sent(1, 10, 100);
+        f.mark_sent(1, 10, 100, 0);
         assert_eq!(
             f.open_brokers(2, 1000),
             vec![Room {
@@ -602,7 +608,7 @@ mod tests {
                 take_one_anyway: false
             }]
         );
-        f.mark_sent(1, 11, 100);
+        f.mark_sent(1, 11, 100, 0);
         assert!(f.open_brokers(2, 1000).is_empty(), "window full");
         f.confirmed(10);
         f.confirmed(11);
@@ -612,7 +618,7 @@ mod tests {
             "suspects are published alone first"
         );
         assert_eq!(f.isolation_ready(), vec![(1, vec![12])]);
-        f.mark_sent(1, 12, 100);
+        f.mark_sent(1, 12, 100, 0);
         assert!(f.isolation_ready().is_empty(), "one suspect at a time");
     }
 
@@ -620,8 +626,8 @@ mod tests {
     fn removed_brokers_drop_their_messages() {
         let mut f = flight(ProofMode::Confirm);
         f.broker(2).connected = true;
-        f.mark_sent(1, 10, 100);
-        f.mark_sent(2, 20, 100);
+        f.mark_sent(1, 10, 100, 0);
+        f.mark_sent(2, 20, 100, 0);
         f.retain_brokers(&[2]);
         assert!(!f.is_in_flight(10));
         assert!(f.is_in_flight(20));
@@ -631,8 +637,8 @@ mod tests {
     #[test]
     fn unconfirmed_bytes_close_a_broker_until_confirms_free_them() {
         let mut f = flight(ProofMode::AckQueue);
-        f.mark_sent(1, 10, 600);
-        f.mark_sent(1, 11, 500);
+        f.mark_sent(1, 10, 600, 0);
+        f.mark_sent(1, 11, 500, 0);
         assert_eq!(f.broker(1).unconfirmed_bytes, 1100);
         assert!(f.open_brokers(100, 1000).is_empty(), "over the byte cap");
         // Confirmed but not acknowledged: still in flight, no longer held in memory.
@@ -651,8 +657,8 @@ mod tests {
         f.settle(10);
         assert_eq!(f.broker(1).unconfirmed_bytes, 0);
         // A resend of a tracked id is not counted twice.
-        f.mark_sent(1, 12, 300);
-        f.mark_sent(1, 12, 300);
+        f.mark_sent(1, 12, 300, 0);
+        f.mark_sent(1, 12, 300, 0);
         assert_eq!(f.broker(1).unconfirmed_bytes, 300);
         assert_eq!(f.broker(1).in_flight, 1);
     }

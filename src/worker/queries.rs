@@ -314,15 +314,22 @@ pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {
 /// day's statistics. Resends of the monitor (`resends > 0`) are in the log already. The
 /// statistics rows written here (`part` 0) are this worker's alone, so it never waits on the
 /// subscription worker's counting. Returns how many rows existed.
+///
+/// The DELETE returns only the small columns. The body and properties are kept for monitored
+/// business types only, read from `amqp.message` by the INSERT: every part of the statement
+/// sees the same snapshot, in which the deleted rows are still there. The message's time comes
+/// from the worker (`$8`, [`super::message::message_at`]), not from a function per row.
 const DELETE_DELIVERED_SQL: &str = "\
 WITH t AS ( \
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::int8[]) \
-        AS t (id, published, confirmed, acknowledged) \
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::int8[], $8::int8[]) \
+        AS t (id, published, confirmed, acknowledged, message_at) \
 ), d AS ( \
     DELETE FROM amqp.message m USING t \
      WHERE m.id = ANY ($1) AND m.id = t.id \
-    RETURNING m.*, t.published, t.confirmed, t.acknowledged, \
-              coalesce(amqp._uuid7_time(m.message_id), m.created_at) AS message_at, \
+    RETURNING m.id, m.message_id, m.broker_id, m.exchange, m.routing_key, m.system_id, \
+              m.host_id, m.business_key, m.traceparent, m.producer_pid, m.producer_started_at, \
+              m.created_at, m.attempts, m.resends, t.published, t.confirmed, t.acknowledged, \
+              to_timestamp(t.message_at / 1000000.0) AS message_at, \
               coalesce(m.business_type, m.routing_key) AS kind \
 ), p AS ( \
     INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key, \
@@ -334,17 +341,17 @@ WITH t AS ( \
            d.traceparent, d.producer_pid, d.producer_started_at, d.created_at, \
            to_timestamp(d.published / 1000000.0), to_timestamp(d.confirmed / 1000000.0), \
            to_timestamp(d.acknowledged / 1000000.0), d.attempts, r.consumers, \
-           CASE WHEN r.consumers IS NOT NULL THEN d.body END, \
-           CASE WHEN r.consumers IS NOT NULL THEN d.headers END, \
-           CASE WHEN r.consumers IS NOT NULL THEN d.delivery_mode END, \
-           CASE WHEN r.consumers IS NOT NULL THEN d.content_type END, \
-           CASE WHEN r.consumers IS NOT NULL THEN d.reply_to END, \
-           CASE WHEN r.consumers IS NOT NULL THEN d.correlation_id END \
+           b.body, b.headers, b.delivery_mode, b.content_type, b.reply_to, b.correlation_id \
       FROM d LEFT JOIN amqp.monitor_rule r ON r.business_type = d.kind \
+      LEFT JOIN LATERAL ( \
+           SELECT x.body, x.headers, x.delivery_mode, x.content_type, x.reply_to, x.correlation_id \
+             FROM amqp.message x \
+            WHERE r.consumers IS NOT NULL AND x.id = d.id) b ON true \
      WHERE $5 AND d.resends = 0 \
 ), s AS ( \
     INSERT INTO amqp._daily_stat AS s (day, business_type, part, delivered) \
-    SELECT amqp._day(d.message_at), d.kind, 0, count(*) FROM d WHERE d.resends = 0 \
+    SELECT (d.message_at AT TIME ZONE 'UTC')::date, d.kind, 0, count(*) FROM d \
+     WHERE d.resends = 0 \
      GROUP BY 1, 2 \
     ON CONFLICT (day, business_type, part) DO UPDATE SET delivered = s.delivered + excluded.delivered \
 ) \
@@ -363,7 +370,7 @@ pub fn delete_delivered(
     proofs: &[Proof],
     log: &LogSettings<'_>,
 ) -> SpiResult<usize> {
-    let args: [DatumWithOid; 7] = [
+    let args: [DatumWithOid; 8] = [
         proofs.iter().map(|p| p.id).collect::<Vec<i64>>().into(),
         proofs
             .iter()
@@ -383,6 +390,11 @@ pub fn delete_delivered(
         log.enabled.into(),
         log.system_id.into(),
         log.host_id.into(),
+        proofs
+            .iter()
+            .map(|p| p.message_at)
+            .collect::<Vec<i64>>()
+            .into(),
     ];
     run_kept(client, DELETE_DELIVERED_SQL, &args, true, |t| {
         Ok(t.first().get_one::<i64>()?.unwrap_or(0) as usize)
