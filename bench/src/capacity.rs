@@ -806,6 +806,9 @@ struct Step {
     max_ms: f64,
     /// CPU µs per message received in the window.
     cpu_us: Cpu,
+    /// The outbox worker's steps (settle-and-claim transactions) per message received in the
+    /// window; NaN for the other systems.
+    steps_per_msg: f64,
     /// Rows left in the system's table right after the window (outbox, relay).
     rows_after: i64,
     drained: bool,
@@ -826,6 +829,7 @@ impl Step {
                 "relay_threads": f(self.cpu_us.relay), "relay_backend": f(self.cpu_us.relay_backend),
                 "raw_publisher_threads": f(self.cpu_us.raw),
             },
+            "worker_steps_per_msg": f(self.steps_per_msg),
             "table_rows_after_window": self.rows_after, "drained": self.drained,
         })
     }
@@ -851,6 +855,17 @@ fn threads_delta(a: &[Option<f64>], b: &[Option<f64>]) -> f64 {
     } else {
         d.iter().sum()
     }
+}
+
+/// The outbox worker's step counter (`amqp.worker_status`).
+fn worker_steps(env: &mut Env) -> Option<i64> {
+    env.admin
+        .query_one(
+            "SELECT steps FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .ok()
+        .map(|r| r.get(0))
 }
 
 fn sleep_until(t: Instant) {
@@ -904,8 +919,10 @@ fn step(env: &mut Env, cx: &mut Ctx, sys: Sys, rate: f64) -> Result<Step, String
     };
     sleep_until(t0 + plan.warmup);
     let s0 = take(cx);
+    let steps0 = (sys == Sys::Outbox).then(|| worker_steps(env)).flatten();
     sleep_until(end);
     let s1 = take(cx);
+    let steps1 = (sys == Sys::Outbox).then(|| worker_steps(env)).flatten();
     let joined = join_clients(handles, &mut cx.clients);
     let raw_r = raw_done.map(|rx| {
         rx.recv_timeout(Duration::from_secs(60))
@@ -975,6 +992,10 @@ fn step(env: &mut Env, cx: &mut Ctx, sys: Sys, rate: f64) -> Result<Step, String
             relay: per(d.relay),
             relay_backend: per(d.relay_backend),
             raw: per(d.raw),
+        },
+        steps_per_msg: match (steps0, steps1) {
+            (Some(a), Some(b)) => (b - a) as f64 / received,
+            _ => f64::NAN,
         },
         rows_after,
         drained,
@@ -1138,7 +1159,7 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
                 };
                 log(format!(
                     "  capacity rep {rep} round {round}: {} at {rate:.0}/s: {}; received {:.0}/s, backlog {:+}, p50 {:.1} ms, p99 {:.1} ms; \
-                     CPU µs/msg: worker {:.1}, RabbitMQ {:.1}, relay {:.1} + backend {:.1}, raw {:.1}{}",
+                     CPU µs/msg: worker {:.1}, RabbitMQ {:.1}, relay {:.1} + backend {:.1}, raw {:.1}; worker steps/msg {:.2}{}",
                     sys.key(),
                     if s.sustained { "sustained".to_string() } else { format!("NOT sustained ({})", s.why) },
                     s.window.received as f64 / s.window.secs,
@@ -1150,6 +1171,7 @@ fn measure(env: &mut Env, cx: &mut Ctx, run: &mut Run) -> Result<(), String> {
                     s.cpu_us.relay,
                     s.cpu_us.relay_backend,
                     s.cpu_us.raw,
+                    s.steps_per_msg,
                     if s.drained { "" } else { "; not drained: cleared" }
                 ));
                 if let Some(se) = search.get_mut(&sys) {
