@@ -27,6 +27,7 @@ thread_local! {
 /// Forgets the kept plans (the extension was dropped: they refer to dropped tables).
 pub fn forget_plans() {
     PLANS.with_borrow_mut(|p| p.clear());
+    ID_SEQUENCE.set(None);
 }
 
 /// Runs `sql` from a kept plan, preparing it on first use. (Also used by the subscription
@@ -219,11 +220,35 @@ const PROBE_SQL: &str = "\
 SELECT coalesce(pg_sequence_last_value(s.seqrelid), 0), \
        pg_snapshot_xmin(c)::text::int8, pg_snapshot_xmax(c)::text::int8 \
   FROM pg_sequence s, pg_current_snapshot() c \
- WHERE s.seqrelid = pg_get_serial_sequence('amqp.message', 'id')::regclass \
-   AND s.seqcache = 1 AND NOT s.seqcycle";
+ WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle";
+
+thread_local! {
+    /// The oid of `amqp.message`'s id sequence: looked up once (the lookup scans pg_depend),
+    /// again after a probe found no usable sequence, and after the extension was dropped.
+    static ID_SEQUENCE: std::cell::Cell<Option<pg_sys::Oid>> = const { std::cell::Cell::new(None) };
+}
 
 pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
-    run_kept(client, PROBE_SQL, &[], false, |t| {
+    let seq = match ID_SEQUENCE.get() {
+        Some(oid) => oid,
+        None => {
+            let oid = client
+                .select(
+                    "SELECT pg_get_serial_sequence('amqp.message', 'id')::regclass::oid",
+                    None,
+                    &[],
+                )?
+                .first()
+                .get_one::<pg_sys::Oid>()?;
+            let Some(oid) = oid else {
+                return Ok(None);
+            };
+            ID_SEQUENCE.set(Some(oid));
+            oid
+        }
+    };
+    let args: [DatumWithOid; 1] = [seq.into()];
+    let probe = run_kept(client, PROBE_SQL, &args, false, |t| {
         let Some(r) = t.into_iter().next() else {
             return Ok(None);
         };
@@ -237,7 +262,11 @@ pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
             xmin: xmin.max(0) as u64,
             xmax: xmax.max(0) as u64,
         }))
-    })
+    })?;
+    if probe.is_none() {
+        ID_SEQUENCE.set(None);
+    }
+    Ok(probe)
 }
 
 /// How many bytes `amqp.message` (heap, TOAST, indexes) holds above its size when empty (no
