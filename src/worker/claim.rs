@@ -87,6 +87,20 @@ pub fn claim(
     let budget: usize = room.values().map(|r| r.bytes.max(1)).sum();
     let limit = settings.batch_size;
     let rows = queries::claim(client, &broker_ids, limit, &skip, budget, from)?;
+    if from == 0 {
+        let passed = floor.passed();
+        let below: Vec<i64> = rows
+            .iter()
+            .map(|r| r.id)
+            .filter(|id| *id <= passed)
+            .collect();
+        if !below.is_empty() {
+            pgrx::log!(
+                "amqp_outbox: the claim found {} row(s) at or below its last scan floor {passed}: {below:?}",
+                below.len()
+            );
+        }
+    }
     let fetched: usize = rows.iter().map(|r| r.body.len()).sum();
     // A full batch, or one cut short by the byte budget: there is probably more.
     let mut more = rows.len() == limit || fetched.saturating_mul(2) >= budget;

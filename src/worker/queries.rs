@@ -213,13 +213,14 @@ pub fn claim(
     run_kept(client, CLAIM_SQL, &args, false, rows_from)
 }
 
-/// The sequence's last value, then the snapshot's xmin and xmax, for the scan floor. `None` when
+/// The snapshot's xmin and the sequence's last value, for the scan floor; the next transaction
+/// id is read once the statement has returned, so after the last value. `None` when
 /// the floor cannot be trusted: the sequence caches values per session (they are drawn out of
 /// order), or cycles, or is gone.
 const PROBE_SQL: &str = "\
-SELECT coalesce(pg_sequence_last_value(s.seqrelid), 0), \
-       pg_snapshot_xmin(c)::text::int8, pg_snapshot_xmax(c)::text::int8 \
-  FROM pg_sequence s, pg_current_snapshot() c \
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, \
+       coalesce(pg_sequence_last_value(s.seqrelid), 0) \
+  FROM pg_sequence s \
  WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle";
 
 thread_local! {
@@ -252,15 +253,15 @@ pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
         let Some(r) = t.into_iter().next() else {
             return Ok(None);
         };
-        let (Some(last_value), Some(xmin), Some(xmax)) =
-            (r.get::<i64>(1)?, r.get::<i64>(2)?, r.get::<i64>(3)?)
-        else {
+        let (Some(xmin), Some(last_value)) = (r.get::<i64>(1)?, r.get::<i64>(2)?) else {
             return Ok(None);
         };
+        // SAFETY: reads shared memory under PostgreSQL's own lock; valid in any backend.
+        let next_xid = unsafe { pg_sys::ReadNextFullTransactionId() }.value;
         Ok(Some(Probe {
-            last_value,
             xmin: xmin.max(0) as u64,
-            xmax: xmax.max(0) as u64,
+            last_value,
+            next_xid,
         }))
     })?;
     if probe.is_none() {

@@ -9,11 +9,12 @@
 //! Why it is safe: ids are drawn from a sequence when a row is inserted, and transactions commit
 //! in another order, so a row with a small id can become visible after rows with larger ones.
 //! `amqp.publish()` takes its transaction id before it draws a message id. So when the worker
-//! reads the sequence's last value `V` and then takes a snapshot whose `xmax` is `X`, every
-//! transaction that drew an id ≤ `V` has a transaction id below `X`. Once a later snapshot's
-//! `xmin` reaches `X`, all of them have ended, and no row with an id ≤ `V` can appear any more:
-//! `V` is *settled*. The floor only moves up to a settled id, and only over rows a claim has
-//! actually read (taken, or skipped as in flight).
+//! reads the sequence's last value `V` and then the next transaction id to be assigned `N`,
+//! every transaction that drew an id ≤ `V` has a transaction id below `N`. Once a later
+//! snapshot's `xmin` (the oldest transaction still running) reaches `N`, all of them have
+//! ended, and no row with an id ≤ `V` can appear any more: `V` is *settled*. The floor only
+//! moves up to a settled id, and only over rows a claim has actually read (taken, or skipped as
+//! in flight).
 //!
 //! What lowers it again (to zero, one claim from the lowest id): a message leaving flight without
 //! proof (it will be published again), a retry or hold coming due, a change of brokers, the
@@ -27,13 +28,14 @@ use std::time::{Duration, Instant};
 /// How often the claim reads from the lowest id whatever happened.
 pub const FULL_SCAN_EVERY: Duration = Duration::from_secs(1);
 
-/// What the probe statement read before a claim: the sequence's last value (0 before the first
-/// id), then from one snapshot its `xmin` and `xmax` (full transaction ids).
+/// What the probe read before a claim: the `xmin` of its snapshot (taken no later than the
+/// claim's), the sequence's last value (0 before the first id), and then the next transaction
+/// id to be assigned (full transaction ids).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Probe {
-    pub last_value: i64,
     pub xmin: u64,
-    pub xmax: u64,
+    pub last_value: i64,
+    pub next_xid: u64,
 }
 
 /// How far a claim that read from `from` saw every due row of its brokers.
@@ -49,27 +51,27 @@ pub enum Reach {
 pub struct ScanFloor {
     /// Per broker: rows with an id at or below this one need no reading.
     floors: HashMap<i32, i64>,
-    /// The previous probe's last value, waiting for a later snapshot's `xmax` to bound the
-    /// transactions that drew its ids.
-    unbounded: Option<i64>,
-    /// Last values with that bound, oldest first.
+    /// Last values with the next transaction id read after them, oldest first.
     pending: VecDeque<(i64, u64)>,
     /// No row with an id at or below this one can still appear.
     settled: i64,
     reset_at: Instant,
     /// [`super::flight::Flight::released`] when last looked at.
     released_seen: u64,
+    /// The highest floor before the last reset: rows a full read finds at or below it were
+    /// not announced by anything the worker saw (see [`ScanFloor::passed`]).
+    before_reset: i64,
 }
 
 impl Default for ScanFloor {
     fn default() -> Self {
         ScanFloor {
             floors: HashMap::new(),
-            unbounded: None,
             pending: VecDeque::new(),
             settled: 0,
             reset_at: Instant::now(),
             released_seen: 0,
+            before_reset: 0,
         }
     }
 }
@@ -77,6 +79,7 @@ impl Default for ScanFloor {
 impl ScanFloor {
     /// Every broker's next claim reads from the lowest id.
     pub fn reset(&mut self) {
+        self.before_reset = self.floors.values().copied().max().unwrap_or(0);
         self.floors.clear();
         self.reset_at = Instant::now();
     }
@@ -100,23 +103,26 @@ impl ScanFloor {
             self.observe(probe, now);
             return true;
         }
-        if let Some(v) = self.unbounded.take() {
-            // This snapshot was taken after `v` was read: its xmax bounds the drawers of `v`.
-            self.pending.push_back((v, probe.xmax));
-        }
-        self.unbounded = Some(probe.last_value);
-        while let Some(&(v, xmax)) = self.pending.front() {
-            if xmax > probe.xmin {
+        while let Some(&(v, next_xid)) = self.pending.front() {
+            // Every transaction below `next_xid` has ended: all that drew an id <= v.
+            if next_xid > probe.xmin {
                 break;
             }
             self.settled = self.settled.max(v);
             self.pending.pop_front();
         }
+        self.pending.push_back((probe.last_value, probe.next_xid));
         if now.duration_since(self.reset_at) >= FULL_SCAN_EVERY {
             self.reset();
             return true;
         }
         false
+    }
+
+    /// The highest floor before the last reset: what a read from the lowest id finds at or
+    /// below it had been passed over.
+    pub fn passed(&self) -> i64 {
+        self.before_reset
     }
 
     /// Where a claim for these brokers starts: after the lowest of their floors.
@@ -150,11 +156,18 @@ impl ScanFloor {
 mod tests {
     use super::*;
 
-    fn probe(last_value: i64, xmin: u64, xmax: u64) -> Probe {
+    fn probe(xmin: u64, last_value: i64, next_xid: u64) -> Probe {
         Probe {
-            last_value,
             xmin,
-            xmax,
+            last_value,
+            next_xid,
+        }
+    }
+
+    /// Probes whose every value settles at the next probe (no other transaction runs).
+    fn quiet(f: &mut ScanFloor, last_value: i64, now: Instant) {
+        for _ in 0..2 {
+            f.observe(probe(5, last_value, 5), now);
         }
     }
 
@@ -162,21 +175,20 @@ mod tests {
     fn a_last_value_settles_once_every_transaction_that_could_have_drawn_it_ended() {
         let now = Instant::now();
         let mut f = ScanFloor::default();
-        f.observe(probe(100, 10, 12), now);
-        // 100 now has a bound (xmax 15); transaction 10 still runs.
-        f.observe(probe(120, 10, 15), now);
+        // 100 was read while transaction ids up to 11 were assigned; 10 still runs.
+        f.observe(probe(10, 100, 12), now);
+        f.observe(probe(10, 120, 15), now);
         f.covered(&[1], 0, Reach::End);
         assert_eq!(f.from(&[1]), 0, "nothing settled yet");
-        // xmin 15: every transaction below 15 ended, so no id <= 100 can appear any more.
-        f.observe(probe(130, 15, 16), now);
+        // xmin 12: every transaction below 12 ended, so no id <= 100 can appear any more.
+        f.observe(probe(12, 130, 16), now);
         f.covered(&[1], 0, Reach::End);
         assert_eq!(f.from(&[1]), 100);
-        // 120 (bounded by xmax 16) settles at xmin 16; 130, bounded by this probe's xmax 17,
-        // waits for a snapshot whose xmin is 17 (and 140 with it: bounded by that one's xmax).
-        f.observe(probe(140, 16, 17), now);
+        // 120 (drawn below 15) waits for xmin 15; 130 (below 16) for xmin 16.
+        f.observe(probe(15, 140, 17), now);
         f.covered(&[1], 100, Reach::End);
         assert_eq!(f.from(&[1]), 120);
-        f.observe(probe(140, 17, 17), now);
+        f.observe(probe(17, 140, 17), now);
         f.covered(&[1], 120, Reach::End);
         assert_eq!(f.from(&[1]), 140);
     }
@@ -185,9 +197,7 @@ mod tests {
     fn the_floor_stops_at_what_the_claim_saw() {
         let now = Instant::now();
         let mut f = ScanFloor::default();
-        for _ in 0..3 {
-            f.observe(probe(1000, 5, 5), now);
-        }
+        quiet(&mut f, 1000, now);
         f.covered(&[1], 0, Reach::UpTo(400));
         assert_eq!(f.from(&[1]), 400);
         f.covered(&[1], 400, Reach::UpTo(900));
@@ -200,9 +210,7 @@ mod tests {
     fn brokers_not_in_the_claim_keep_their_floor() {
         let now = Instant::now();
         let mut f = ScanFloor::default();
-        for _ in 0..3 {
-            f.observe(probe(1000, 5, 5), now);
-        }
+        quiet(&mut f, 1000, now);
         f.covered(&[1], 0, Reach::End);
         assert_eq!(f.from(&[1]), 1000);
         assert_eq!(f.from(&[2]), 0, "broker 2 was not read");
@@ -216,12 +224,10 @@ mod tests {
     fn a_sequence_going_back_starts_over() {
         let now = Instant::now();
         let mut f = ScanFloor::default();
-        for _ in 0..3 {
-            f.observe(probe(1000, 5, 5), now);
-        }
+        quiet(&mut f, 1000, now);
         f.covered(&[1], 0, Reach::End);
         assert_eq!(f.from(&[1]), 1000);
-        assert!(f.observe(probe(3, 6, 6), now));
+        assert!(f.observe(probe(6, 3, 6), now));
         assert_eq!(f.from(&[1]), 0);
         f.covered(&[1], 0, Reach::End);
         assert_eq!(f.from(&[1]), 0, "3 is not settled yet");
@@ -231,14 +237,13 @@ mod tests {
     fn a_release_lowers_every_floor_once() {
         let now = Instant::now();
         let mut f = ScanFloor::default();
-        for _ in 0..3 {
-            f.observe(probe(1000, 5, 5), now);
-        }
+        quiet(&mut f, 1000, now);
         f.covered(&[1], 0, Reach::End);
         f.note_released(0);
         assert_eq!(f.from(&[1]), 1000, "nothing released");
         f.note_released(2);
         assert_eq!(f.from(&[1]), 0);
+        assert_eq!(f.passed(), 1000);
         f.covered(&[1], 0, Reach::End);
         f.note_released(2);
         assert_eq!(f.from(&[1]), 1000, "the same releases again");
@@ -248,16 +253,14 @@ mod tests {
     fn reset_and_the_periodic_full_read_lower_every_floor() {
         let now = Instant::now();
         let mut f = ScanFloor::default();
-        for _ in 0..3 {
-            f.observe(probe(1000, 5, 5), now);
-        }
+        quiet(&mut f, 1000, now);
         f.covered(&[1, 2], 0, Reach::End);
         f.reset();
         assert_eq!(f.from(&[1]), 0);
         f.covered(&[1, 2], 0, Reach::End);
         assert_eq!(f.from(&[2]), 1000);
-        assert!(!f.observe(probe(1000, 5, 5), now + Duration::from_millis(10)));
-        assert!(f.observe(probe(1000, 5, 5), now + FULL_SCAN_EVERY * 2));
+        assert!(!f.observe(probe(5, 1000, 5), now + Duration::from_millis(10)));
+        assert!(f.observe(probe(5, 1000, 5), now + FULL_SCAN_EVERY * 2));
         assert_eq!(f.from(&[1, 2]), 0);
     }
 }

@@ -92,6 +92,12 @@ fn an_open_transactions_first_message_is_not_passed_over() {
             i - 1
         );
     }
+    // Nothing was found late by the once-a-second read from the lowest id.
+    assert!(
+        !f.cluster.log().contains("at or below its last scan floor"),
+        "the floor passed over a row:\n{}",
+        f.cluster.log_tail(20)
+    );
 }
 
 /// A row inserted straight into `amqp.message` with an id below the floor (not through
@@ -119,6 +125,10 @@ fn a_row_inserted_below_the_floor_is_still_delivered() {
         )
         .expect("direct INSERT with a small id");
     f.collector.wait_for_body("below:1", ARRIVAL);
+    assert!(
+        f.cluster.log().contains("at or below its last scan floor"),
+        "found by the read from the lowest id, and said so"
+    );
     f.publish("after");
     f.collector.wait_for_body("after", ARRIVAL);
 }
