@@ -88,18 +88,7 @@ pub fn claim(
     let limit = settings.batch_size;
     let rows = queries::claim(client, &broker_ids, limit, &skip, budget, from)?;
     if from == 0 {
-        let passed = floor.passed();
-        let below: Vec<i64> = rows
-            .iter()
-            .map(|r| r.id)
-            .filter(|id| *id <= passed)
-            .collect();
-        if !below.is_empty() {
-            pgrx::log!(
-                "amqp_outbox: the claim found {} row(s) at or below its last scan floor {passed}: {below:?}",
-                below.len()
-            );
-        }
+        say_what_was_passed(floor.passed(), &rows);
     }
     let fetched: usize = rows.iter().map(|r| r.body.len()).sum();
     // A full batch, or one cut short by the byte budget: there is probably more.
@@ -148,6 +137,22 @@ pub fn claim(
         });
     }
     Ok(Claimed { commands, more })
+}
+
+/// A read from the lowest id found rows at or below the floor it had before: rows nothing
+/// announced (inserted directly rather than through `amqp.publish()`, or retried by hand).
+fn say_what_was_passed(passed: i64, rows: &[Row]) {
+    let below: Vec<i64> = rows
+        .iter()
+        .map(|r| r.id)
+        .filter(|id| *id <= passed)
+        .collect();
+    if !below.is_empty() {
+        pgrx::log!(
+            "amqp_outbox: the claim found {} row(s) at or below its last scan floor {passed}: {below:?}",
+            below.len()
+        );
+    }
 }
 
 /// Turns rows into messages; parks rows that can never be published as they are.
