@@ -30,6 +30,10 @@ impl Shrink {
         }
         self.looked_at = Some(Instant::now());
         let result = pg::transaction("amqp_outbox: shrink the empty outbox", || {
+            // Holds off a concurrent DROP EXTENSION until this transaction ends.
+            if !queries::extension_exists() {
+                return Ok(None);
+            }
             Spi::connect_mut(|client| queries::truncate_if_empty(client, SLACK_BYTES))
         });
         match result {
