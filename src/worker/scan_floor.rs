@@ -58,8 +58,9 @@ pub struct ScanFloor {
     reset_at: Instant,
     /// [`super::flight::Flight::released`] when last looked at.
     released_seen: u64,
-    /// The highest floor before the last reset: rows a full read finds at or below it were
-    /// not announced by anything the worker saw (see [`ScanFloor::passed`]).
+    /// The highest floor before the last periodic reset (0 after a reset for a known cause):
+    /// rows the read from the lowest id finds at or below it were announced by nothing the
+    /// worker saw (see [`ScanFloor::passed`]).
     before_reset: i64,
 }
 
@@ -77,9 +78,10 @@ impl Default for ScanFloor {
 }
 
 impl ScanFloor {
-    /// Every broker's next claim reads from the lowest id.
+    /// Every broker's next claim reads from the lowest id: something the worker saw made
+    /// older rows due again, so finding them is expected (nothing to report).
     pub fn reset(&mut self) {
-        self.before_reset = self.floors.values().copied().max().unwrap_or(0);
+        self.before_reset = 0;
         self.floors.clear();
         self.reset_at = Instant::now();
     }
@@ -113,14 +115,17 @@ impl ScanFloor {
         }
         self.pending.push_back((probe.last_value, probe.next_xid));
         if now.duration_since(self.reset_at) >= FULL_SCAN_EVERY {
+            // Nothing announced rows below the floors: what this read finds there, it reports.
+            let highest = self.floors.values().copied().max().unwrap_or(0);
             self.reset();
+            self.before_reset = highest;
             return true;
         }
         false
     }
 
-    /// The highest floor before the last reset: what a read from the lowest id finds at or
-    /// below it had been passed over.
+    /// The highest floor before the last periodic reset: what the read from the lowest id then
+    /// finds at or below it had been passed over (0: nothing to report).
     pub fn passed(&self) -> i64 {
         self.before_reset
     }
@@ -243,7 +248,7 @@ mod tests {
         assert_eq!(f.from(&[1]), 1000, "nothing released");
         f.note_released(2);
         assert_eq!(f.from(&[1]), 0);
-        assert_eq!(f.passed(), 1000);
+        assert_eq!(f.passed(), 0, "released rows are expected below the floor");
         f.covered(&[1], 0, Reach::End);
         f.note_released(2);
         assert_eq!(f.from(&[1]), 1000, "the same releases again");
@@ -262,5 +267,10 @@ mod tests {
         assert!(!f.observe(probe(5, 1000, 5), now + Duration::from_millis(10)));
         assert!(f.observe(probe(5, 1000, 5), now + FULL_SCAN_EVERY * 2));
         assert_eq!(f.from(&[1, 2]), 0);
+        assert_eq!(
+            f.passed(),
+            1000,
+            "a row found now below 1000 was passed over"
+        );
     }
 }
