@@ -26,14 +26,12 @@ impl Worker {
                 }
                 return nothing();
             }
-            Found::Ready { appeared: true } => {
-                self.brokers.request_reload();
-                self.floor.reset();
-            }
+            Found::Ready { appeared: true } => self.brokers.request_reload(),
             Found::Ready { appeared: false } => {}
         }
         if self.brokers.reload_pending() {
-            // Brokers may come or go: their rows are read again from the lowest id.
+            // Brokers may come or go (or the extension appeared): rows are read again from the
+            // lowest id.
             self.floor.reset();
         }
         let result = Spi::connect_mut(|client| {

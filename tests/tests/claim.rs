@@ -2,25 +2,20 @@
 //! giving a drained backlog's space back: a private PostgreSQL 15 cluster with the extension
 //! preloaded (one per test) publishing to the shared RabbitMQ.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use amqp_outbox_e2e::{eventually, PgConfig, Rabbit, World};
+use amqp_outbox_e2e::{eventually, Outbox, PgConfig, Rabbit, World};
 use postgres::Client;
 
 const ARRIVAL: Duration = Duration::from_secs(30);
 const BULK_ARRIVAL: Duration = Duration::from_secs(150);
 
-fn publish(c: &mut Client, f: &World, body: &str) {
-    c.execute(
-        "SELECT amqp.publish($1, $2, $3, $4)",
-        &[
-            &f.outbox.broker_id,
-            &f.route.exchange,
-            &f.route.routing_key,
-            &body,
-        ],
-    )
-    .unwrap_or_else(|e| panic!("publish {body}: {e}"));
+/// Waits until `amqp.message` has no row this session can see.
+fn wait_empty(c: &mut Client, what: &str) {
+    eventually(ARRIVAL, what, || match Outbox::rows(c)? {
+        0 => Ok(()),
+        n => Err(format!("{n} rows left")),
+    });
 }
 
 fn position(bodies: &[String], body: &str) -> usize {
@@ -52,7 +47,12 @@ fn an_open_transactions_first_message_is_not_passed_over() {
     let mut f = World::new("floor-open", PgConfig::default(), &rabbit);
     let mut long = f.cluster.client();
     long.batch_execute("BEGIN").expect("BEGIN");
-    publish(&mut long, &f, "long:first");
+    f.outbox.publish(
+        &mut long,
+        &f.route.exchange,
+        &f.route.routing_key,
+        "long:first",
+    );
 
     for i in 0..300 {
         f.publish(&format!("stream:{i}"));
@@ -60,20 +60,14 @@ fn an_open_transactions_first_message_is_not_passed_over() {
     f.collector.wait_for_body("stream:299", ARRIVAL);
     // Delivered and deleted: the floor could have moved past "long:first" by now if it
     // ignored the open transaction.
-    eventually(ARRIVAL, "the stream's rows to be deleted", || {
-        let n: i64 = f
-            .client
-            .query_one("SELECT count(*) FROM amqp.message", &[])
-            .map_err(|e| e.to_string())?
-            .get(0);
-        // The open transaction's row is not visible here.
-        if n == 0 {
-            Ok(())
-        } else {
-            Err(format!("{n} rows left"))
-        }
-    });
-    publish(&mut long, &f, "long:second");
+    // (The open transaction's row is not visible here.)
+    wait_empty(&mut f.client, "the stream's rows to be deleted");
+    f.outbox.publish(
+        &mut long,
+        &f.route.exchange,
+        &f.route.routing_key,
+        "long:second",
+    );
     long.batch_execute("COMMIT").expect("COMMIT");
     f.collector.wait_for_body("long:second", ARRIVAL);
     f.collector.wait_for_body("long:first", ARRIVAL);
@@ -158,18 +152,9 @@ fn a_drained_backlog_gives_its_space_back_once_nobody_uses_the_table() {
     let peak = excess_bytes(&mut f.client);
     assert!(peak > 4 * 1024 * 1024, "the backlog takes space: {peak}");
     f.collector.wait_for_count(20_000, BULK_ARRIVAL);
-    eventually(ARRIVAL, "amqp.message to be empty", || {
-        match f.client.query_one("SELECT count(*) FROM amqp.message", &[]) {
-            Ok(r) if r.get::<_, i64>(0) == 0 => Ok(()),
-            Ok(r) => Err(format!("{} rows left", r.get::<_, i64>(0))),
-            Err(e) => Err(e.to_string()),
-        }
-    });
+    wait_empty(&mut f.client, "amqp.message to be empty");
     // The worker looks every 10 s: over that, with the reader holding its lock, nothing shrinks.
-    let held_since = Instant::now();
-    while held_since.elapsed() < Duration::from_secs(12) {
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    std::thread::sleep(Duration::from_secs(12));
     let while_held = excess_bytes(&mut f.client);
     assert!(
         while_held > 4 * 1024 * 1024,
