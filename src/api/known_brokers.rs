@@ -38,9 +38,9 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     });
 }
 
-/// Whether `broker_id` names a row of `amqp.broker`. The caller runs this with the rights of
-/// the extension's owner (the table holds passwords; callers need no rights on it).
-pub fn exists(client: &pgrx::spi::SpiClient<'_>, broker_id: i32) -> pgrx::spi::SpiResult<bool> {
+/// Whether `broker_id` names a row of `amqp.broker`. Loading the list reads the table with the
+/// rights of the extension's owner (it holds passwords; callers need no rights on it).
+pub fn exists(broker_id: i32) -> pgrx::spi::SpiResult<bool> {
     if !CALLBACK_REGISTERED.replace(true) {
         // SAFETY: on the backend's main thread, once per process (the flag above). The callback
         // has PostgreSQL's RelcacheCallbackFunction signature and lives as long as the library.
@@ -54,10 +54,15 @@ pub fn exists(client: &pgrx::spi::SpiClient<'_>, broker_id: i32) -> pgrx::spi::S
     if let Some(found) = KNOWN.with_borrow(|k| k.as_ref().map(|k| k.ids.contains(&broker_id))) {
         return Ok(found);
     }
-    let (table, ids) = client
-        .select(LOAD_SQL, Some(1), &[])?
-        .first()
-        .get_two::<pg_sys::Oid, Vec<i32>>()?;
+    let owner = super::run_as::extension_owner();
+    let (table, ids) = Spi::connect(|client| {
+        // Only this fixed, fully qualified statement runs as the owner.
+        let _as_owner = super::run_as::RunAs::new(owner);
+        client
+            .select(LOAD_SQL, Some(1), &[])?
+            .first()
+            .get_two::<pg_sys::Oid, Vec<i32>>()
+    })?;
     let ids = ids.unwrap_or_default();
     let found = ids.contains(&broker_id);
     if let Some(table) = table {

@@ -28,7 +28,7 @@ pub fn uuid_v7(unix_ms: u64, random: [u8; 10]) -> String {
 
 /// The default of `amqp.message.message_id`, so direct INSERTs get one too.
 #[pg_extern(volatile, parallel_safe, name = "_new_message_id")]
-fn new_message_id() -> String {
+pub(crate) fn new_message_id() -> String {
     let mut random = [0u8; 10];
     // SAFETY: the buffer is ours and exactly `len` bytes long.
     let ok = unsafe { pg_sys::pg_strong_random(random.as_mut_ptr().cast(), random.len()) };

@@ -4,6 +4,7 @@ mod admin;
 mod jsonb_arg;
 mod known_brokers;
 pub(crate) mod message_id;
+mod outbox_row;
 mod parked;
 mod publish;
 pub(crate) mod run_as;

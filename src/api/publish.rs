@@ -4,6 +4,7 @@
 
 use super::jsonb_arg::JsonbArg;
 use super::known_brokers;
+use super::outbox_row;
 use super::run_as::{extension_owner, RunAs};
 use crate::error::{OrRaise, OutboxError};
 use crate::headers::Unsendable;
@@ -248,9 +249,70 @@ impl<'a> NewMessage<'a> {
             .report(PgLogLevel::ERROR);
         }
         warn_once_if_not_served();
-        let started_at = producer_started_at();
+        if let Some(cap) = pending_cap_exceeded(self.broker_id) {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+                format!(
+                    "amqp_outbox: broker {} has {} messages waiting, amqp_outbox.max_pending is {cap}",
+                    self.broker_id,
+                    shmem::pending(self.broker_id).unwrap_or_default()
+                ),
+                "amqp_outbox",
+            )
+            .set_hint("The broker is not taking messages fast enough (see amqp.broker_status); retry later.")
+            .report(PgLogLevel::ERROR);
+        }
+        // The transaction takes its id before the row draws one from the sequence: the worker's
+        // scan floor relies on that order (src/worker/scan_floor.rs). The INSERT would take it
+        // anyway, a moment later.
+        // (Not in a read-only transaction or on a standby: the INSERT raises the proper error.)
+        // SAFETY: inside the caller's transaction, on the backend's main thread; globals read
+        // on that thread.
+        unsafe {
+            if !pg_sys::XactReadOnly && !pg_sys::RecoveryInProgress() {
+                pg_sys::GetCurrentTransactionId();
+            }
+        }
+        match known_brokers::exists(self.broker_id) {
+            Ok(true) => {}
+            Ok(false) => OutboxError::UnknownBroker(self.broker_id).raise(),
+            Err(e) => insert_failed(e),
+        }
+        // SAFETY: globals set once at process start, read on the backend's main thread.
+        let (pid, started_at) = unsafe { (pg_sys::MyProcPid, pg_sys::MyStartTimestamp) };
+        let row = outbox_row::Row {
+            producer_pid: pid,
+            producer_started_at: started_at,
+            broker_id: self.broker_id,
+            exchange: self.exchange,
+            routing_key: self.routing_key,
+            body: self.body,
+            delivery_mode: self.delivery_mode,
+            content_type: self.content_type,
+            reply_to: self.reply_to,
+            correlation_id: self.correlation_id,
+            headers: self.headers.as_deref(),
+            business_type: self.tags.business_type.as_deref(),
+            business_key: self.tags.business_key.as_deref(),
+            traceparent: self.tags.traceparent.as_deref(),
+            system_id: self.tags.system_id.as_deref(),
+            host_id: self.tags.host_id.as_deref(),
+        };
+        let id = match outbox_row::insert(&row) {
+            Some(id) => id,
+            None => self.insert_with_spi(),
+        };
+        LAST_ID.set(Some(id));
+        commit_wake::wake_worker_at_commit();
+        id
+    }
+
+    /// The ordinary INSERT, planned once per session: for a table a DBA changed (a trigger, a
+    /// constraint, a column), which [`outbox_row`] leaves to the executor.
+    fn insert_with_spi(self) -> i64 {
         // SAFETY: a global set once at process start, read on the backend's main thread.
         let pid = unsafe { pg_sys::MyProcPid };
+        let started_at = producer_started_at();
         let tagged = self.tags != StoredTags::default();
         let mut args: Vec<DatumWithOid> = vec![
             pid.into(),
@@ -279,30 +341,6 @@ impl<'a> NewMessage<'a> {
         } else {
             (&INSERT, INSERT_SQL)
         };
-        if let Some(cap) = pending_cap_exceeded(self.broker_id) {
-            ErrorReport::new(
-                PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-                format!(
-                    "amqp_outbox: broker {} has {} messages waiting, amqp_outbox.max_pending is {cap}",
-                    self.broker_id,
-                    shmem::pending(self.broker_id).unwrap_or_default()
-                ),
-                "amqp_outbox",
-            )
-            .set_hint("The broker is not taking messages fast enough (see amqp.broker_status); retry later.")
-            .report(PgLogLevel::ERROR);
-        }
-        // The transaction takes its id before the row draws one from the sequence: the worker's
-        // scan floor relies on that order (src/worker/scan_floor.rs). The INSERT would take it
-        // anyway, a moment later.
-        // (Not in a read-only transaction or on a standby: the INSERT raises the proper error.)
-        // SAFETY: inside the caller's transaction, on the backend's main thread; globals read
-        // on that thread.
-        unsafe {
-            if !pg_sys::XactReadOnly && !pg_sys::RecoveryInProgress() {
-                pg_sys::GetCurrentTransactionId();
-            }
-        }
         let id = Spi::connect_mut(|client| {
             cache.with_borrow_mut(|insert| {
                 let insert = match insert {
@@ -316,32 +354,30 @@ impl<'a> NewMessage<'a> {
                 };
                 // Only these fixed, fully qualified statements run as the owner.
                 let _as_owner = RunAs::new(insert.owner);
-                if !known_brokers::exists(client, self.broker_id)? {
-                    return Ok(None);
-                }
                 let table = client.update(&insert.plan, None, &args)?;
                 table.first().get_one::<i64>()
             })
         });
-        let id = match id {
+        match id {
             Ok(Some(id)) => id,
-            Ok(None) => OutboxError::UnknownBroker(self.broker_id).raise(),
+            Ok(None) => insert_failed("the INSERT returned no id"),
             Err(e) => {
                 // A stale plan (extension dropped and re-created) must not stay cached.
                 cache.with_borrow_mut(|p| *p = None);
-                ErrorReport::new(
-                    PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-                    format!("amqp_outbox: could not insert into amqp.message: {e}"),
-                    "amqp_outbox",
-                )
-                .report(PgLogLevel::ERROR);
-                unreachable!()
+                insert_failed(e)
             }
-        };
-        LAST_ID.set(Some(id));
-        commit_wake::wake_worker_at_commit();
-        id
+        }
     }
+}
+
+fn insert_failed(e: impl std::fmt::Display) -> ! {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        format!("amqp_outbox: could not insert into amqp.message: {e}"),
+        "amqp_outbox",
+    )
+    .report(PgLogLevel::ERROR);
+    unreachable!()
 }
 
 /// Workers serve the databases `amqp_outbox.database` allows, up to `amqp_outbox.max_workers`:
