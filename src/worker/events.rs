@@ -116,7 +116,7 @@ pub fn take(
             }
         }
     }
-    s.delivered = flight.take_proven();
+    s.delivered = flight.take_proven(std::time::Instant::now(), false);
     s
 }
 

@@ -7,7 +7,7 @@ use super::events;
 use super::faults::Faults;
 use super::flight::Flight;
 use super::pg;
-use super::presence::Presence;
+use super::presence::{Found, Presence};
 use super::scan_floor::ScanFloor;
 use super::settle::Settlement;
 use super::shrink::Shrink;
@@ -72,6 +72,7 @@ impl Worker {
         loop {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: worker shutting down");
+                self.delete_delivered_now();
                 // The launcher starts it again unless its database is going away: a SIGTERM
                 // from pg_terminate_backend() is not a reason to stop publishing.
                 self.exit();
@@ -111,7 +112,8 @@ impl Worker {
             }
             if self.idle_while_disabled(&settlement) {
                 self.status.report(&self.flight);
-                pg::wait(Some(self.handle.wake_fd()), DISABLED_STEP_EVERY);
+                let timeout = self.deletes_due(DISABLED_STEP_EVERY);
+                pg::wait(Some(self.handle.wake_fd()), timeout);
                 continue;
             }
             self.stepped_at = Some(Instant::now());
@@ -163,9 +165,39 @@ impl Worker {
                 }
                 timeout = timeout.min(due);
             }
+            let timeout = self.deletes_due(timeout);
             // Events are drained at the top of the loop, whatever woke the worker.
             pg::wait(Some(self.handle.wake_fd()), timeout);
         }
+    }
+
+    /// `timeout`, or less if delivered rows come due for their DELETE before.
+    fn deletes_due(&self, timeout: Duration) -> Duration {
+        self.flight
+            .proven_due_in(Instant::now())
+            .map_or(timeout, |due| timeout.min(due))
+    }
+
+    /// Deletes the delivered rows still waiting for their batch, so that a clean shutdown
+    /// publishes none of them again.
+    fn delete_delivered_now(&mut self) {
+        let delivered = self.flight.take_proven(Instant::now(), true);
+        if delivered.is_empty() || !self.presence.present() {
+            return;
+        }
+        let settlement = Settlement {
+            delivered,
+            ..Settlement::default()
+        };
+        let (settings, flight, presence) = (&self.settings, &mut self.flight, &mut self.presence);
+        pg::transaction("amqp_outbox: delete delivered rows", || {
+            // Under the extension's share lock, as every step.
+            if !matches!(presence.check(), Found::Ready { .. }) {
+                return Ok(());
+            }
+            Spi::connect_mut(|client| settlement.record(client, settings, flight))
+        })
+        .unwrap_or_else(|e| warning!("amqp_outbox: could not delete delivered rows: {e}"));
     }
 
     fn exit(self) -> ! {
