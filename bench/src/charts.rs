@@ -65,7 +65,7 @@ fn publish(figures: &[Value]) -> Option<String> {
     let bars: Vec<f64> = off.iter().map(|(_, r)| *r).collect();
     let line: Vec<f64> = on.iter().map(|(_, r)| *r).collect();
     Some(chart(
-        "publish() ÷ plain INSERT (bars: worker off, line: worker on delivering; target 0.9)",
+        "publish() ÷ plain INSERT (bars: worker off, line: worker on delivering; target 0.97)",
         "ratio",
         &names,
         &bars,
