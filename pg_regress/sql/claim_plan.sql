@@ -64,14 +64,18 @@ SELECT min(id) + 10 AS floor FROM amqp.message \gset
 CREATE TEMP TABLE claimed_above ON COMMIT DROP AS EXECUTE claim('{1,2}', 3, '{}', 33554432, :floor);
 SELECT array_agg(id - (SELECT min(id) FROM amqp.message) ORDER BY id) AS above_the_floor
   FROM claimed_above;
--- The probe the worker runs before each claim to move the floor: the snapshot's xmin and the
--- sequence's last value, one row while the sequence hands out ids in order (cache 1, no cycle).
--- (The worker binds the sequence's oid and reads the next transaction id after it.)
+-- The probe the worker runs before each claim, in the claim's snapshot, to move the floor: the
+-- snapshot's xmin, xmax and running transaction ids, and the sequence's last value; one row while
+-- the sequence hands out ids in order (cache 1, no cycle). (The worker binds the sequence's oid
+-- and reads the next transaction id after it.)
 SELECT last_value >= (SELECT max(id) FROM amqp.message) AS last_value_covers_the_rows,
-       xmin <= pg_snapshot_xmax(pg_current_snapshot())::text::int8 AS xmin_is_a_lower_bound
-  FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8 AS xmin,
+       xmin <= xmax AS xmin_is_a_lower_bound,
+       running = ARRAY(SELECT x FROM unnest(running) AS x ORDER BY 1) AS running_sorted
+  FROM (SELECT pg_snapshot_xmin(c.snap)::text::int8 AS xmin,
+               pg_snapshot_xmax(c.snap)::text::int8 AS xmax,
+               ARRAY(SELECT x::text::int8 FROM pg_snapshot_xip(c.snap) AS x ORDER BY 1) AS running,
                coalesce(pg_sequence_last_value(s.seqrelid), 0) AS last_value
-          FROM pg_sequence s
+          FROM pg_sequence s, pg_current_snapshot() AS c (snap)
          WHERE s.seqrelid = pg_get_serial_sequence('amqp.message', 'id')::regclass
            AND s.seqcache = 1 AND NOT s.seqcycle) probe;
 ROLLBACK;

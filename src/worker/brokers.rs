@@ -3,6 +3,7 @@
 //! sent over only when they changed; and the rows that name no broker at all.
 
 use super::flight::Flight;
+use super::pacer::Pacer;
 use super::queries;
 use super::status::Status;
 use crate::gucs::WorkerSettings;
@@ -12,14 +13,15 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::time::{Duration, Instant};
 
-/// How often rows naming no broker are looked for (and on every configuration change).
+/// How often rows naming no broker are looked for (and on every configuration change), while
+/// that read of the whole table is cheap.
 const ORPHAN_CHECK_EVERY: Duration = Duration::from_secs(10);
 
 pub struct Brokers {
     /// The configuration last sent to the AMQP thread.
     sent: Vec<BrokerConfig>,
     need_reload: bool,
-    orphans_checked_at: Option<Instant>,
+    orphan_check: Pacer,
 }
 
 impl Default for Brokers {
@@ -27,7 +29,7 @@ impl Default for Brokers {
         Brokers {
             sent: Vec::new(),
             need_reload: true,
-            orphans_checked_at: None,
+            orphan_check: Pacer::new(ORPHAN_CHECK_EVERY),
         }
     }
 }
@@ -69,7 +71,7 @@ impl Brokers {
         let brokers = queries::load_brokers(client, &template(settings))?;
         self.need_reload = false;
         self.configure(brokers, flight, status, handle);
-        self.orphans_checked_at = None;
+        self.orphan_check.hurry();
         Ok(())
     }
 
@@ -95,21 +97,20 @@ impl Brokers {
         handle.send(Command::Configure(brokers));
     }
 
-    /// Parks the rows whose broker_id names no broker, every `ORPHAN_CHECK_EVERY` and after
-    /// each reload: they could never be published, and must not wait unseen.
+    /// Parks the rows whose broker_id names no broker, every `ORPHAN_CHECK_EVERY` (or less
+    /// often, by its cost) and after each reload: they could never be published, and must not
+    /// wait unseen.
     pub fn park_orphans_when_due(&mut self, client: &mut SpiClient<'_>) -> SpiResult<()> {
-        if self
-            .orphans_checked_at
-            .is_some_and(|t| t.elapsed() < ORPHAN_CHECK_EVERY)
-        {
+        let started = Instant::now();
+        if !self.orphan_check.due(started) {
             return Ok(());
         }
         let parked = queries::park_orphans(client)?;
+        self.orphan_check.ran(started, started.elapsed());
         if parked > 0 {
             shmem::count(|c| &c.parked, parked as u64);
             warning!("amqp_outbox: {parked} message(s) parked: their broker_id names no row of amqp.broker");
         }
-        self.orphans_checked_at = Some(Instant::now());
         Ok(())
     }
 }

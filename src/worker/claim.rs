@@ -30,6 +30,9 @@ pub fn claim(
     faults: &mut Faults,
 ) -> SpiResult<Claimed> {
     let mut commands = Vec::new();
+    // Rows to park are written last: a statement that writes would give the statements after
+    // it a newer snapshot than the probe's (see super::step).
+    let mut parks = Vec::new();
     floor.note_released(flight.released());
 
     // Suspects first: alone on their channel, one at a time.
@@ -40,7 +43,7 @@ pub fn claim(
             .broker(broker_id)
             .suspects
             .retain(|id| found.contains(id));
-        let messages = prepare(client, rows, settings, faults)?;
+        let messages = prepare(rows, settings, faults, &mut parks);
         for m in &messages {
             flight.mark_sent(broker_id, m.id, m.body.len(), message_at(m));
         }
@@ -55,6 +58,7 @@ pub fn claim(
 
     let open = flight.open_brokers(settings.max_in_flight, settings.max_in_flight_bytes);
     if open.is_empty() {
+        park_all(client, parks)?;
         return Ok(Claimed {
             commands,
             more: false,
@@ -63,7 +67,7 @@ pub fn claim(
     let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
     let broker_ids: Vec<i32> = room.keys().copied().collect();
     let probe = queries::probe(client)?;
-    let from = match probe {
+    let from = match &probe {
         Some(probe) => {
             floor.observe(probe, Instant::now());
             floor.from(&broker_ids)
@@ -86,7 +90,9 @@ pub fn claim(
     );
     let budget: usize = room.values().map(|r| r.bytes.max(1)).sum();
     let limit = settings.batch_size;
+    let started = Instant::now();
     let rows = queries::claim(client, &broker_ids, limit, &skip, budget, from)?;
+    let cost = started.elapsed();
     if from == 0 {
         say_what_was_passed(floor.passed(), &rows);
     }
@@ -115,14 +121,14 @@ pub fn claim(
         }
     }
     if probe.is_some() {
-        floor.covered(&broker_ids, from, reach);
+        floor.covered(&broker_ids, from, reach, started, cost);
     }
     if taken == 0 || room.values().all(|r| r.messages == 0 || r.bytes == 0) {
         // Nothing more fits until confirms arrive (they wake the worker).
         more = false;
     }
     for (broker_id, rows) in batches {
-        let messages = prepare(client, rows, settings, faults)?;
+        let messages = prepare(rows, settings, faults, &mut parks);
         if messages.is_empty() {
             continue;
         }
@@ -136,7 +142,15 @@ pub fn claim(
             solo: false,
         });
     }
+    park_all(client, parks)?;
     Ok(Claimed { commands, more })
+}
+
+fn park_all(client: &mut SpiClient<'_>, parks: Vec<(i64, String)>) -> SpiResult<()> {
+    for (id, why) in parks {
+        park_now(client, id, &why)?;
+    }
+    Ok(())
 }
 
 /// A read from the lowest id found rows at or below the floor it had before: rows nothing
@@ -155,13 +169,13 @@ fn say_what_was_passed(passed: i64, rows: &[Row]) {
     }
 }
 
-/// Turns rows into messages; parks rows that can never be published as they are.
+/// Turns rows into messages; rows that can never be published as they are go to `parks`.
 fn prepare(
-    client: &mut SpiClient<'_>,
     rows: Vec<Row>,
     settings: &WorkerSettings,
     faults: &mut Faults,
-) -> SpiResult<Vec<OutboundMessage>> {
+    parks: &mut Vec<(i64, String)>,
+) -> Vec<OutboundMessage> {
     let max_size = settings.max_message_size;
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
@@ -170,14 +184,14 @@ fn prepare(
                 "body is {} bytes, over amqp_outbox.max_message_size ({max_size} bytes)",
                 row.body.len()
             );
-            park_now(client, row.id, &why)?;
+            parks.push((row.id, why));
             continue;
         }
         let headers = match crate::headers::json_object(row.headers.as_deref()) {
             Ok(headers) => headers,
             Err(why) => {
                 // Retrying cannot help: the row is parked at once, the others go on.
-                park_now(client, row.id, &format!("headers {why}"))?;
+                parks.push((row.id, format!("headers {why}")));
                 continue;
             }
         };
@@ -190,5 +204,5 @@ fn prepare(
         message.lose_in_transit = faults.lose_this_one(settings, first_attempt);
         out.push(message);
     }
-    Ok(out)
+    out
 }

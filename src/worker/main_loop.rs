@@ -118,8 +118,7 @@ impl Worker {
             }
             self.stepped_at = Some(Instant::now());
             shmem::count(|c| &c.steps, 1);
-            let claimed =
-                pg::transaction("amqp_outbox: settle and claim", || self.step(settlement));
+            let claimed = self.step(settlement);
             if self.presence.missing() {
                 // A probe finding nothing is routine (every database is looked at once).
                 if shmem::launch::probe_only() {

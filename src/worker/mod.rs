@@ -20,6 +20,7 @@ mod flight;
 mod main_loop;
 mod message;
 mod origin;
+mod pacer;
 pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;

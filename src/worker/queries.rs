@@ -213,14 +213,15 @@ pub fn claim(
     run_kept(client, CLAIM_SQL, &args, false, rows_from)
 }
 
-/// The snapshot's xmin and the sequence's last value, for the scan floor; the next transaction
-/// id is read once the statement has returned, so after the last value. `None` when
-/// the floor cannot be trusted: the sequence caches values per session (they are drawn out of
-/// order), or cycles, or is gone.
+/// The claim's snapshot (its xmin, its xmax and the transaction ids it sees running) and the
+/// sequence's last value, for the scan floor; the next transaction id is read once the
+/// statement has returned, so after the last value. `None` when the floor cannot be trusted:
+/// the sequence caches values per session (they are drawn out of order), or cycles, or is gone.
 const PROBE_SQL: &str = "\
-SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, \
+SELECT pg_snapshot_xmin(c.snap)::text::int8, pg_snapshot_xmax(c.snap)::text::int8, \
+       ARRAY(SELECT x::text::int8 FROM pg_snapshot_xip(c.snap) AS x ORDER BY 1), \
        coalesce(pg_sequence_last_value(s.seqrelid), 0) \
-  FROM pg_sequence s \
+  FROM pg_sequence s, pg_current_snapshot() AS c (snap) \
  WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle";
 
 thread_local! {
@@ -253,13 +254,20 @@ pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
         let Some(r) = t.into_iter().next() else {
             return Ok(None);
         };
-        let (Some(xmin), Some(last_value)) = (r.get::<i64>(1)?, r.get::<i64>(2)?) else {
+        let (Some(xmin), Some(xmax), Some(running), Some(last_value)) = (
+            r.get::<i64>(1)?,
+            r.get::<i64>(2)?,
+            r.get::<Vec<i64>>(3)?,
+            r.get::<i64>(4)?,
+        ) else {
             return Ok(None);
         };
         // SAFETY: reads shared memory under PostgreSQL's own lock; valid in any backend.
         let next_xid = unsafe { pg_sys::ReadNextFullTransactionId() }.value;
         Ok(Some(Probe {
             xmin: xmin.max(0) as u64,
+            xmax: xmax.max(0) as u64,
+            running: running.into_iter().map(|x| x.max(0) as u64).collect(),
             last_value,
             next_xid,
         }))

@@ -6,29 +6,38 @@
 //! reading or dumping it) and only after it saw, under that lock and with a fresh snapshot, that
 //! no row is left.
 
+use super::pacer::Pacer;
 use super::pg;
 use super::queries;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
-/// How often an idle worker looks at the table's size.
+/// How often an idle worker looks at the table's size (less often when the look is costly: it
+/// reads past the dead rows a long transaction keeps in the table).
 const LOOK_EVERY: Duration = Duration::from_secs(10);
 
 /// Size above the empty table's (one page per index) that is left alone.
 pub const SLACK_BYTES: i64 = 64 * 1024;
 
-#[derive(Default)]
 pub struct Shrink {
-    looked_at: Option<Instant>,
+    look: Pacer,
+}
+
+impl Default for Shrink {
+    fn default() -> Self {
+        Shrink {
+            look: Pacer::new(LOOK_EVERY),
+        }
+    }
 }
 
 impl Shrink {
     /// Called when the worker has nothing in flight and its last claim found nothing.
     pub fn when_idle(&mut self) {
-        if self.looked_at.is_some_and(|t| t.elapsed() < LOOK_EVERY) {
+        let started = Instant::now();
+        if !self.look.due(started) {
             return;
         }
-        self.looked_at = Some(Instant::now());
         let result = pg::transaction("amqp_outbox: shrink the empty outbox", || {
             // Holds off a concurrent DROP EXTENSION until this transaction ends.
             if !queries::extension_exists() {
@@ -36,6 +45,7 @@ impl Shrink {
             }
             Spi::connect_mut(|client| queries::truncate_if_empty(client, SLACK_BYTES))
         });
+        self.look.ran(started, started.elapsed());
         match result {
             Ok(Some(bytes)) => {
                 log!("amqp_outbox: amqp.message was empty; truncated it, giving back {bytes} bytes")

@@ -1,10 +1,17 @@
-//! One step of the worker: a short transaction that records what the events settled, reads the
-//! configuration when asked, and claims the next rows. What it returns is sent to the AMQP thread
-//! only after the transaction has committed.
+//! One step of the worker, in two short transactions: the first records what the events
+//! settled, reads the configuration when asked and parks orphans; the second claims the next
+//! rows. What the claim returns is sent to the AMQP thread only after its transaction has
+//! committed.
+//!
+//! Why two: the claim's probe and its read of `amqp.message` must see one snapshot (the scan
+//! floor trusts that a transaction the probe saw running is not yet visible to the claim, see
+//! [`super::scan_floor`]). A transaction that has written takes a new snapshot for every
+//! statement, so the claim runs in a transaction of its own that reads before it writes.
 
 use super::claim::{self, Claimed};
 use super::main_loop::Worker;
 use super::presence::Found;
+use super::queries;
 use super::settle::Settlement;
 use pgrx::prelude::*;
 
@@ -14,6 +21,34 @@ impl Worker {
             commands: Vec::new(),
             more: false,
         };
+        let claim_now = super::pg::transaction("amqp_outbox: settle", || self.settle(settlement));
+        if !claim_now {
+            return nothing();
+        }
+        super::pg::transaction("amqp_outbox: claim", || {
+            // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
+            // between leaves the claim for the next step, which finds it gone).
+            if !queries::extension_exists() {
+                return nothing();
+            }
+            let result = Spi::connect_mut(|client| {
+                claim::claim(
+                    client,
+                    &self.settings,
+                    &mut self.flight,
+                    &mut self.floor,
+                    &mut self.faults,
+                )
+            });
+            match result {
+                Ok(claimed) => claimed,
+                Err(e) => error!("amqp_outbox: worker query failed: {e}"),
+            }
+        })
+    }
+
+    /// The first transaction; returns whether a claim follows.
+    fn settle(&mut self, settlement: Settlement) -> bool {
         match self.presence.check() {
             Found::Waiting { unusable_now } => {
                 if unusable_now {
@@ -24,7 +59,7 @@ impl Worker {
                         &self.handle,
                     );
                 }
-                return nothing();
+                return false;
             }
             Found::Ready { appeared: true } => self.brokers.request_reload(),
             Found::Ready { appeared: false } => {}
@@ -46,19 +81,13 @@ impl Worker {
             self.status
                 .count_pending(client, self.settings.max_pending)?;
             if !self.settings.enabled {
-                return Ok(nothing());
+                return Ok(false);
             }
             self.brokers.park_orphans_when_due(client)?;
-            claim::claim(
-                client,
-                &self.settings,
-                &mut self.flight,
-                &mut self.floor,
-                &mut self.faults,
-            )
+            Ok::<_, pgrx::spi::SpiError>(true)
         });
         match result {
-            Ok(claimed) => claimed,
+            Ok(claim_now) => claim_now,
             Err(e) => error!("amqp_outbox: worker query failed: {e}"),
         }
     }
