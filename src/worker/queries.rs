@@ -571,23 +571,27 @@ pub fn park_orphans(client: &mut SpiClient<'_>) -> SpiResult<usize> {
 mod tests {
     use super::*;
 
+    /// A plan test must PREPARE the very statement the worker runs.
+    fn assert_prepares(regress: &str, sql: &str, what: &str) {
+        let prepared = format!("AS\n{};\n", sql.trim_end());
+        assert!(regress.contains(&prepared), "{what}");
+    }
+
     #[test]
     fn the_claim_plan_test_explains_the_workers_own_claim() {
-        let regress = include_str!("../../pg_regress/sql/claim_plan.sql");
-        let prepared = format!("AS\n{};\n", CLAIM_SQL.trim_end());
-        assert!(
-            regress.contains(&prepared),
-            "pg_regress/sql/claim_plan.sql must PREPARE the text of src/worker/claim.sql"
+        assert_prepares(
+            include_str!("../../pg_regress/sql/claim_plan.sql"),
+            CLAIM_SQL,
+            "pg_regress/sql/claim_plan.sql must PREPARE the text of src/worker/claim.sql",
         );
     }
 
     #[test]
     fn the_delete_plan_test_explains_the_workers_own_delete() {
-        let regress = include_str!("../../pg_regress/sql/delete_plan.sql");
-        let prepared = format!("AS\n{};\n", DELETE_DELIVERED_SQL.trim_end());
-        assert!(
-            regress.contains(&prepared),
-            "pg_regress/sql/delete_plan.sql must PREPARE the text of src/worker/delete_delivered.sql"
+        assert_prepares(
+            include_str!("../../pg_regress/sql/delete_plan.sql"),
+            DELETE_DELIVERED_SQL,
+            "pg_regress/sql/delete_plan.sql must PREPARE the text of src/worker/delete_delivered.sql",
         );
     }
 
