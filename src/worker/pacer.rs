@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// A periodic statement starts no sooner than this many times its last cost after that start:
 /// at most 1/20 of the worker's time goes to it.
-pub const SHARE: u32 = 20;
+const SHARE: u32 = 20;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Pacer {
@@ -47,7 +47,7 @@ impl Pacer {
     }
 
     /// Time from one start to the next: the period, or longer when the statement is costly.
-    pub fn gap(&self, cost: Duration) -> Duration {
+    fn gap(&self, cost: Duration) -> Duration {
         self.every.max(cost.saturating_mul(SHARE))
     }
 }

@@ -46,7 +46,7 @@ const HISTORY: usize = 4096;
 /// What the probe read before a claim, from the snapshot the claim uses (its `xmin`, its `xmax`
 /// and the transaction ids it sees running), then the sequence's last value (0 before the first
 /// id), then the next transaction id to be assigned (full transaction ids).
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Probe {
     pub xmin: u64,
     pub xmax: u64,
