@@ -104,14 +104,18 @@ fn mode(figure: &str) -> &'static str {
 }
 
 /// Drain rate of the worker (bars) and of the raw publisher (line), per mode and queue type.
+/// Only the worker against the bare raw publisher: the section's other figures have other
+/// baselines (the production log off, the raw publisher with the worker's properties).
 fn drain(figures: &[Value]) -> Option<String> {
     medians_chart(
         "Drain rate, msg/s (bars: the worker, line: raw lapin publisher)",
         "msg/s",
         0,
-        figures
-            .iter()
-            .filter(|f| text(f, "section") == "2 drain rate"),
+        figures.iter().filter(|f| {
+            text(f, "section") == "2 drain rate"
+                && text(f, "figure").starts_with("worker")
+                && text(f, "baseline") == "raw"
+        }),
         |f| {
             let queue = if text(f, "config").contains("quorum") {
                 "quorum"
@@ -162,8 +166,10 @@ mod tests {
     #[test]
     fn drain_and_latency_charts_use_medians_and_baselines() {
         let figures = vec![
-            json!({"section": "2 drain rate", "figure": "worker, confirm mode / raw", "config": "100 × 100 B, classic durable queue", "median": 4958.0, "baseline_median": 5085.0}),
-            json!({"section": "2 drain rate", "figure": "worker, ack_queue mode / raw", "config": "100 × 100 B, quorum queue", "median": 7879.0, "baseline_median": 8704.0}),
+            json!({"section": "2 drain rate", "figure": "worker, confirm mode / raw", "config": "100 × 100 B, classic durable queue", "median": 4958.0, "baseline": "raw", "baseline_median": 5085.0}),
+            json!({"section": "2 drain rate", "figure": "worker, confirm mode / raw with the worker's properties", "config": "100 × 100 B, classic durable queue", "median": 4958.0, "baseline": "raw, worker's properties", "baseline_median": 6000.0}),
+            json!({"section": "2 drain rate", "figure": "raw with the worker's properties / raw", "config": "100 × 100 B, classic durable queue", "median": 6000.0, "baseline": "raw", "baseline_median": 5085.0}),
+            json!({"section": "2 drain rate", "figure": "worker, ack_queue mode / raw", "config": "100 × 100 B, quorum queue", "median": 7879.0, "baseline": "raw", "baseline_median": 8704.0}),
             json!({"section": "3 latency", "figure": "commit→consumer p50, ack_queue mode / raw publish→consumer", "config": "200 msg/s, 1 msg/txn", "median": 1.5, "baseline_median": 0.4}),
             json!({"section": "3 latency", "figure": "commit→consumer p50, ack_queue mode / raw publish→consumer", "config": "2000 msg/s, 1 msg/txn", "median": 9.0, "baseline_median": 0.4}),
         ];

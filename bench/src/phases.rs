@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::env::{self, payload, Env, Route};
 use crate::pgbench::{self, Load, System};
-use crate::raw::{self, LatencyConsumer, Samples};
+use crate::raw::{self, LatencyConsumer, RawProps, Samples};
 use crate::report::{percentile, Figure, Target};
 use crate::{log, Opts, Run};
 
@@ -404,7 +404,13 @@ fn drain_once(
 }
 
 /// The raw publisher's rate, and the RabbitMQ node's CPU per message meanwhile.
-fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<(f64, f64), String> {
+fn raw_once(
+    env: &mut Env,
+    route: &Route,
+    body: &str,
+    n: u64,
+    with: RawProps,
+) -> Result<(f64, f64), String> {
     env.purge(&route.queue)?;
     let broker0 = broker_cpu(env);
     let rate = raw::pipelined(
@@ -413,6 +419,7 @@ fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<(f64, f6
         body.as_bytes(),
         n,
         RAW_WINDOW,
+        with,
     )?;
     let broker_us = per_msg_us(broker0, broker_cpu(env), n);
     let got = env.wait_queue_len(&route.queue, n, Duration::from_secs(60))?;
@@ -426,6 +433,8 @@ fn raw_once(env: &mut Env, route: &Route, body: &str, n: u64) -> Result<(f64, f6
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum DrainKind {
     Raw,
+    /// The raw publisher with the worker's properties and headers.
+    RawLikeOutbox,
     Confirm,
     AckQueue,
     /// `ack_queue` with `amqp_outbox.reconcile_window = 0`: what the production log costs.
@@ -459,15 +468,23 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         };
         let mut raw_r = Vec::new();
         let mut raw_broker = Vec::new();
+        let mut like_r = Vec::new();
+        let mut like_broker = Vec::new();
         let mut conf: Vec<Drained> = Vec::new();
         let mut ackq: Vec<Drained> = Vec::new();
         let mut nolog: Vec<Drained> = Vec::new();
         // The production log's cost is measured on the classic queue only.
         let kinds: Vec<DrainKind> = if route.quorum {
-            vec![DrainKind::Raw, DrainKind::Confirm, DrainKind::AckQueue]
+            vec![
+                DrainKind::Raw,
+                DrainKind::RawLikeOutbox,
+                DrainKind::Confirm,
+                DrainKind::AckQueue,
+            ]
         } else {
             vec![
                 DrainKind::Raw,
+                DrainKind::RawLikeOutbox,
                 DrainKind::Confirm,
                 DrainKind::AckQueue,
                 DrainKind::AckQueueNoLog,
@@ -477,12 +494,20 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             for kind in rotated(&kinds, rep) {
                 match kind {
                     DrainKind::Raw => {
-                        let (r, b) = raw_once(env, &route, &body, n)?;
+                        let (r, b) = raw_once(env, &route, &body, n, RawProps::Bare)?;
                         log(format!(
                             "  {qt}: raw lapin {r:.0} msg/s, RabbitMQ {b:.1} µs CPU/msg"
                         ));
                         raw_r.push(r);
                         raw_broker.push(b);
+                    }
+                    DrainKind::RawLikeOutbox => {
+                        let (r, b) = raw_once(env, &route, &body, n, RawProps::LikeOutbox)?;
+                        log(format!(
+                            "  {qt}: raw lapin with the worker's properties {r:.0} msg/s, RabbitMQ {b:.1} µs CPU/msg"
+                        ));
+                        like_r.push(r);
+                        like_broker.push(b);
                     }
                     DrainKind::Confirm | DrainKind::AckQueue | DrainKind::AckQueueNoLog => {
                         let proof = if kind == DrainKind::Confirm {
@@ -545,6 +570,48 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             raw_broker_us,
             crate::report::median(&ackq.iter().map(|d| d.seq_tup_per_msg).collect::<Vec<_>>())
         )));
+        // The same against the raw publisher sending the worker's properties and headers: what
+        // is left of the gap once RabbitMQ does the same work per message for both.
+        let like_broker_us = crate::report::median(&like_broker);
+        for (mode, v) in [("confirm", &conf), ("ack_queue", &ackq)] {
+            run.fig(
+                Figure::new(
+                    sec,
+                    &format!("worker, {mode} mode / raw lapin with the worker's properties"),
+                    &cfg,
+                    "msg/s",
+                )
+                .samples(rates(v))
+                .baseline("raw, worker's properties", like_r.clone())
+                .note(format!(
+                    "RabbitMQ {:.1} µs/msg, raw with the worker's properties {like_broker_us:.1}",
+                    broker(v)
+                )),
+            );
+        }
+        run.fig(
+            Figure::new(
+                sec,
+                "raw lapin with the worker's properties / raw lapin (reference)",
+                &cfg,
+                "msg/s",
+            )
+            .samples(like_r.clone())
+            .baseline("raw", raw_r.clone())
+            .note(format!(
+                "message_id, timestamp, 7 headers; RabbitMQ {like_broker_us:.1} / {raw_broker_us:.1} µs/msg with / without"
+            )),
+        );
+        run.fig(
+            Figure::new(
+                sec,
+                "RabbitMQ CPU, raw lapin with the worker's properties / raw lapin",
+                &cfg,
+                "µs/msg",
+            )
+            .samples(like_broker.clone())
+            .baseline("raw", raw_broker.clone()),
+        );
         if !nolog.is_empty() {
             run.fig(
                 Figure::new(
@@ -575,6 +642,7 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         }
         details.push(json!({
             "queue": qt, "n": n, "raw_msg_per_sec": raw_r, "raw_broker_cpu_us_per_msg": raw_broker,
+            "raw_like_outbox_msg_per_sec": like_r, "raw_like_outbox_broker_cpu_us_per_msg": like_broker,
             "confirm": conf.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs, "broker_cpu_us_per_msg": d.broker_us_per_msg})).collect::<Vec<_>>(),
             "ack_queue": ackq.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "vmhwm_kib": d.hwm_kib, "rss_anon_peak_kib": d.anon_kib, "delivered": d.delivered, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg, "backlog_build_secs": d.build_secs})).collect::<Vec<_>>(),
             "ack_queue_no_production_log": nolog.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "delivered": d.delivered})).collect::<Vec<_>>(),
@@ -814,7 +882,13 @@ fn raw_classic(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<f64, String>
         return Ok(*r);
     }
     let route = env.routes.classic.clone();
-    let (r, _) = raw_once(env, &route, &payload(BODY_SIZE), opts.drain_n)?;
+    let (r, _) = raw_once(
+        env,
+        &route,
+        &payload(BODY_SIZE),
+        opts.drain_n,
+        RawProps::Bare,
+    )?;
     run.shared.insert("raw_classic".into(), r);
     Ok(r)
 }
@@ -1067,7 +1141,7 @@ pub fn growth(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         for rep in 0..opts.growth_reps {
             for first_raw in rotated(&[true, false], rep) {
                 if first_raw {
-                    raw_r.push(raw_once(env, &route, &body, n)?.0);
+                    raw_r.push(raw_once(env, &route, &body, n, RawProps::Bare)?.0);
                 } else {
                     worker.push(drain_once(env, "ack_queue", &route, &body, n)?.rate);
                 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use amqp_outbox_testkit::amqp_admin::{self, runtime};
 use futures_lite::StreamExt;
 use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
 pub fn now_us() -> i64 {
@@ -37,30 +38,155 @@ fn props() -> BasicProperties {
     BasicProperties::default().with_delivery_mode(2)
 }
 
+/// The properties the pipelined publisher sends with each message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawProps {
+    /// Only delivery_mode 2: the broker's floor.
+    Bare,
+    /// The worker's, for a row of `amqp.publish()` without headers or tags: what RabbitMQ
+    /// spends on properties and headers, apart from what the worker spends.
+    LikeOutbox,
+}
+
+// The headers the worker adds to every message (src/worker/message.rs, `HEADER_*`; a test
+// checks the names). Not imported: that crate is the pgrx extension.
+const HEADER_PRODUCER_PID: &str = "x-amqp-outbox-producer-pid";
+const HEADER_PRODUCER_START: &str = "x-amqp-outbox-producer-start";
+const HEADER_SEQUENCE: &str = "x-amqp-outbox-seq";
+const HEADER_SYSTEM_ID: &str = "x-amqp-outbox-system-id";
+const HEADER_HOST_ID: &str = "x-amqp-outbox-host-id";
+const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
+const HEADER_CREATED_AT: &str = "x-amqp-outbox-created-at";
+
+/// This machine's host name: the worker's default host id (src/worker/origin.rs).
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is ours and its length is passed; gethostname NUL-terminates within
+    // it on success (the last byte stays 0 if the name was truncated).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    if rc != 0 {
+        return "localhost".to_string();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// A lowercase canonical UUIDv7 (RFC 9562), as `amqp._new_message_id()` makes them.
+fn uuid_v7(unix_ms: u64, random: [u8; 10]) -> String {
+    let mut b = [0u8; 16];
+    b[..6].copy_from_slice(&unix_ms.to_be_bytes()[2..]);
+    b[6..].copy_from_slice(&random);
+    b[6] = 0x70 | (b[6] & 0x0f);
+    b[8] = 0x80 | (b[8] & 0x3f);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(36);
+    for (i, byte) in b.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            out.push('-');
+        }
+        out.push(HEX[usize::from(byte >> 4)] as char);
+        out.push(HEX[usize::from(byte & 0x0f)] as char);
+    }
+    out
+}
+
+/// Builds, per message, the properties the worker sends for a row of `amqp.publish()` without
+/// headers or tags (src/worker/message.rs `to_message`, broker/src/outbound.rs `build`): the
+/// same keys, value types and about the same sizes.
+struct LikeOutbox {
+    /// The producer's pid and start (Unix µs): the worker's come from the row's backend.
+    pid: i64,
+    started_us: i64,
+    /// The defaults of the tags: the database's name, the host name and the routing key.
+    system_id: String,
+    host_id: String,
+    business_type: String,
+    /// xorshift64* state for the message ids' random bits: uniqueness is all that matters.
+    rng: u64,
+}
+
+impl LikeOutbox {
+    fn new(routing_key: &str) -> LikeOutbox {
+        let started_us = now_us();
+        LikeOutbox {
+            pid: i64::from(std::process::id()),
+            started_us,
+            system_id: crate::env::DATABASE.to_string(),
+            host_id: host_name(),
+            business_type: routing_key.to_string(),
+            rng: (started_us as u64 ^ (u64::from(std::process::id()) << 32)) | 1,
+        }
+    }
+
+    fn next_random(&mut self) -> u64 {
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// The properties of message number `seq`.
+    fn props(&mut self, seq: i64) -> BasicProperties {
+        let created_us = now_us();
+        let mut random = [0u8; 10];
+        random[..8].copy_from_slice(&self.next_random().to_le_bytes());
+        random[8..].copy_from_slice(&self.next_random().to_le_bytes()[..2]);
+        let message_id = uuid_v7((created_us / 1000).max(0) as u64, random);
+        // JSON numbers become long-long ints and strings long strings (broker/src/amqp_values.rs),
+        // the pid included.
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
+        let mut headers = FieldTable::default();
+        headers.insert(HEADER_PRODUCER_PID.into(), AMQPValue::LongLongInt(self.pid));
+        headers.insert(
+            HEADER_PRODUCER_START.into(),
+            AMQPValue::LongLongInt(self.started_us),
+        );
+        headers.insert(HEADER_SEQUENCE.into(), AMQPValue::LongLongInt(seq));
+        headers.insert(HEADER_SYSTEM_ID.into(), text(&self.system_id));
+        headers.insert(HEADER_HOST_ID.into(), text(&self.host_id));
+        headers.insert(HEADER_BUSINESS_TYPE.into(), text(&self.business_type));
+        headers.insert(HEADER_CREATED_AT.into(), AMQPValue::LongLongInt(created_us));
+        BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(ShortString::from(message_id))
+            .with_timestamp((created_us.max(0) / 1_000_000) as u64)
+            .with_headers(headers)
+    }
+}
+
 /// Publishes `n` persistent, mandatory messages of `body` to `exchange` with up to `window`
-/// unconfirmed; returns messages per second from the first publish to the last confirm.
+/// unconfirmed, each with the properties `with` names; returns messages per second from the
+/// first publish to the last confirm.
 pub fn pipelined(
     uri: &str,
     exchange: &str,
     body: &[u8],
     n: u64,
     window: usize,
+    with: RawProps,
 ) -> Result<f64, String> {
+    const ROUTING_KEY: &str = "";
     runtime().block_on(async {
         let (conn, ch) = confirm_channel(uri).await?;
         let opts = BasicPublishOptions {
             mandatory: true,
             ..Default::default()
         };
+        let mut like = (with == RawProps::LikeOutbox).then(|| LikeOutbox::new(ROUTING_KEY));
         let mut pending = VecDeque::with_capacity(window);
         let t0 = Instant::now();
-        for _ in 0..n {
+        for i in 0..n {
             if pending.len() >= window {
                 let c: lapin::PublisherConfirm = pending.pop_front().expect("non-empty");
                 check(c.await)?;
             }
+            // Built here, per message, as the worker builds its own: the cost is the publisher's.
+            let p = match like.as_mut() {
+                Some(l) => l.props(i as i64 + 1),
+                None => props(),
+            };
             let c = ch
-                .basic_publish(exchange.into(), "".into(), opts, body, props())
+                .basic_publish(exchange.into(), ROUTING_KEY.into(), opts, body, p)
                 .await
                 .map_err(|e| format!("basic.publish: {e}"))?;
             pending.push_back(c);
@@ -214,4 +340,102 @@ pub fn paced(
         return Err(e);
     }
     Ok((sent, Samples { us: lat }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header<'a>(p: &'a BasicProperties, key: &str) -> &'a AMQPValue {
+        let h = p.headers().as_ref().expect("headers");
+        &h.inner()[key]
+    }
+
+    #[test]
+    fn bare_properties_are_only_persistence() {
+        let p = props();
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert!(p.message_id().is_none() && p.timestamp().is_none() && p.headers().is_none());
+    }
+
+    #[test]
+    fn like_outbox_properties_are_the_workers() {
+        let mut like = LikeOutbox::new("");
+        let p = like.props(7);
+        assert_eq!(*p.delivery_mode(), Some(2));
+        let id = p.message_id().as_ref().expect("message_id").to_string();
+        // The worker's ids: lowercase canonical UUIDv7 (amqp._uuid7_time()'s pattern).
+        assert_eq!(id.len(), 36, "{id}");
+        for (i, c) in id.chars().enumerate() {
+            match i {
+                8 | 13 | 18 | 23 => assert_eq!(c, '-', "{id}"),
+                14 => assert_eq!(c, '7', "{id}"),
+                19 => assert!(matches!(c, '8' | '9' | 'a' | 'b'), "{id}"),
+                _ => assert!(c.is_ascii_digit() || ('a'..='f').contains(&c), "{id}"),
+            }
+        }
+        let ts = p.timestamp().expect("timestamp");
+        assert!(ts.abs_diff(now_us() as u64 / 1_000_000) <= 2, "{ts}");
+        assert_eq!(p.headers().as_ref().map(|h| h.inner().len()), Some(7));
+        assert_eq!(
+            *header(&p, HEADER_PRODUCER_PID),
+            AMQPValue::LongLongInt(i64::from(std::process::id()))
+        );
+        assert!(matches!(
+            header(&p, HEADER_PRODUCER_START),
+            AMQPValue::LongLongInt(_)
+        ));
+        assert_eq!(*header(&p, HEADER_SEQUENCE), AMQPValue::LongLongInt(7));
+        assert_eq!(
+            *header(&p, HEADER_SYSTEM_ID),
+            AMQPValue::LongString(crate::env::DATABASE.into())
+        );
+        assert!(matches!(header(&p, HEADER_HOST_ID), AMQPValue::LongString(h) if !h.is_empty()));
+        assert_eq!(
+            *header(&p, HEADER_BUSINESS_TYPE),
+            AMQPValue::LongString("".into())
+        );
+        match header(&p, HEADER_CREATED_AT) {
+            AMQPValue::LongLongInt(us) => assert_eq!(*us as u64 / 1_000_000, ts),
+            other => panic!("created_at: {other:?}"),
+        }
+        let q = like.props(8);
+        assert_ne!(p.message_id(), q.message_id());
+        assert_eq!(*header(&q, HEADER_SEQUENCE), AMQPValue::LongLongInt(8));
+    }
+
+    #[test]
+    fn uuid_v7_layout_is_the_extensions() {
+        assert_eq!(
+            uuid_v7(0x0191_2345_6789, [0xff; 10]),
+            "01912345-6789-7fff-bfff-ffffffffffff"
+        );
+        assert_eq!(uuid_v7(1, [0; 10]), "00000000-0001-7000-8000-000000000000");
+    }
+
+    /// The header names are the worker's: every `HEADER_*` of src/worker/message.rs but the
+    /// two a row without tags does not carry.
+    #[test]
+    fn header_names_are_the_workers() {
+        let source = include_str!("../../src/worker/message.rs");
+        let mut theirs: Vec<&str> = source
+            .lines()
+            .filter(|l| l.trim_start().starts_with("pub const HEADER_"))
+            .filter_map(|l| l.split('"').nth(1))
+            .collect();
+        theirs.sort_unstable();
+        let mut ours = vec![
+            HEADER_PRODUCER_PID,
+            HEADER_PRODUCER_START,
+            HEADER_SEQUENCE,
+            HEADER_SYSTEM_ID,
+            HEADER_HOST_ID,
+            HEADER_BUSINESS_TYPE,
+            HEADER_CREATED_AT,
+            "x-amqp-outbox-business-key",
+            "traceparent",
+        ];
+        ours.sort_unstable();
+        assert_eq!(ours, theirs);
+    }
 }
