@@ -21,10 +21,10 @@ use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
 use lapin::Connection;
-use lapin::PublisherConfirm;
 use lapin::{BasicProperties, Channel, Confirmation};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -80,14 +80,6 @@ pub(crate) struct AckCtx {
     pub(crate) queue: ShortString,
     pub(crate) session: String,
     pub(crate) tracker: SharedTracker,
-}
-
-/// The result of handing one publish to lapin.
-enum Sent {
-    Ok(PublisherConfirm),
-    Stopped(String),
-    Failed(lapin::Error),
-    Hung,
 }
 
 struct Pending {
@@ -274,7 +266,7 @@ impl Publisher {
             if (solo && !self.unsettled.is_empty()) || self.solo_unsettled > 0 {
                 return None;
             }
-            let Some(msg) = front.take_next() else {
+            let Some(mut msg) = front.take_next() else {
                 self.queue.pop_front();
                 continue;
             };
@@ -305,11 +297,12 @@ impl Publisher {
                             let text = self.describe(&e);
                             self.fail(msg.id, Failure::Rejected, &text);
                         } else {
-                            match self
-                                .send(exchange, routing_key, &msg.body, properties, stop)
+                            let body = std::mem::take(&mut msg.body);
+                            let channel = self.ctx.channel.clone();
+                            match Self::start(channel, exchange, routing_key, body, properties)
                                 .await
                             {
-                                Sent::Ok(confirm) => {
+                                Ok(publish) => {
                                     let seq = self.next_seq;
                                     self.next_seq += 1;
                                     if solo {
@@ -324,21 +317,14 @@ impl Publisher {
                                             solo,
                                         },
                                     );
-                                    self.confirms
-                                        .push(async move { (seq, confirm.await) }.boxed());
+                                    self.confirms.push(publish.map(move |r| (seq, r)).boxed());
                                     if self.ctx.ack.is_some() {
                                         self.batch_ids.push(msg.id);
                                     }
                                     published = true;
                                 }
-                                Sent::Stopped(reason) => {
-                                    self.fail(msg.id, Failure::Transient, &reason);
-                                    self.fail_everything(&reason);
-                                    return Some(ChannelEnd::Stopped);
-                                }
-                                Sent::Failed(e) => {
-                                    // The channel is closing or closed: this one was (probably) not
-                                    // sent.
+                                Err(e) => {
+                                    // The channel is closing or closed: this one was not sent.
                                     let text = self.describe(&e);
                                     self.fail(
                                         msg.id,
@@ -346,12 +332,6 @@ impl Publisher {
                                         &format!("publishing channel closed: {text}"),
                                     );
                                     return Some(self.dying(Some(e), stop).await);
-                                }
-                                Sent::Hung => {
-                                    let text = self.hung_text();
-                                    self.fail(msg.id, Failure::Transient, &text);
-                                    self.fail_everything(&text);
-                                    return Some(ChannelEnd::Hung(text));
                                 }
                             }
                         }
@@ -383,61 +363,35 @@ impl Publisher {
         None
     }
 
-    /// Hands one publish to lapin. `basic_publish` resolves once the frames are written to the
-    /// socket; the confirm comes later and is awaited concurrently with everything else. A
-    /// publish that cannot even be written (the broker stopped reading: hung) counts against the
-    /// confirm timeout too, except while the broker blocks the connection (lapin then holds
-    /// every frame back until it is unblocked).
-    async fn send(
-        &mut self,
+    /// Hands one publish to lapin without waiting for its frames to be written: one poll queues
+    /// them (so the order on the wire, and the delivery tags, follow the calls), and lapin's I/O
+    /// loop writes them while this task queues the next. The returned future completes with the
+    /// confirm, or with the error that kept the frames from being written, and is awaited with
+    /// every other confirm, under the same confirm timeout. Waiting for each write instead would
+    /// cost a round trip between this thread and the I/O loop per message. `Err`: the channel
+    /// refused the publish at once (closing or closed); nothing was queued.
+    async fn start(
+        channel: Channel,
         exchange: ShortString,
         routing_key: ShortString,
-        body: &[u8],
+        body: Vec<u8>,
         properties: BasicProperties,
-        stop: &mut oneshot::Receiver<String>,
-    ) -> Sent {
-        let channel = self.ctx.channel.clone();
-        let publish = channel.basic_publish(
-            exchange,
-            routing_key,
-            BasicPublishOptions {
+    ) -> lapin::Result<BoxFuture<'static, lapin::Result<Confirmation>>> {
+        let mut publish = async move {
+            let options = BasicPublishOptions {
                 mandatory: true,
                 immediate: false,
-            },
-            body,
-            properties,
-        );
-        let mut publish = std::pin::pin!(publish);
-        let started = Instant::now();
-        loop {
-            let oldest = self
-                .unsettled
-                .values()
-                .next()
-                .map_or(started, |p| p.sent_at);
-            let hang_at = (!self.blocked)
-                .then(|| later(oldest.max(self.resumed_at), self.ctx.confirm_timeout));
-            let sleep_until = hang_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
-            tokio::select! {
-                biased;
-                reason = &mut *stop => {
-                    return Sent::Stopped(
-                        reason.unwrap_or_else(|_| "publisher stopped".to_string()),
-                    );
-                }
-                res = &mut publish => {
-                    return match res {
-                        Ok(confirm) => Sent::Ok(confirm),
-                        Err(e) => Sent::Failed(e),
-                    };
-                }
-                changed = self.ctx.blocked.changed(), if self.blocked_open => {
-                    self.on_blocked_change(changed.is_ok());
-                }
-                _ = tokio::time::sleep_until(sleep_until), if hang_at.is_some() => {
-                    return Sent::Hung;
-                }
-            }
+            };
+            let confirm = channel
+                .basic_publish(exchange, routing_key, options, &body, properties)
+                .await?;
+            confirm.await
+        }
+        .boxed();
+        match std::future::poll_fn(|cx| Poll::Ready(publish.as_mut().poll(cx))).await {
+            Poll::Pending => Ok(publish),
+            Poll::Ready(Err(e)) => Err(e),
+            Poll::Ready(Ok(confirmation)) => Ok(std::future::ready(Ok(confirmation)).boxed()),
         }
     }
 
@@ -466,28 +420,16 @@ impl Publisher {
                 return None;
             }
         };
-        match self
-            .send(ShortString::from(""), queue, &body, properties, stop)
-            .await
-        {
-            Sent::Ok(confirm) => {
+        let channel = self.ctx.channel.clone();
+        match Self::start(channel, ShortString::from(""), queue, body, properties).await {
+            Ok(publish) => {
                 let seq = self.next_seq;
                 self.next_seq += 1;
                 self.records_unsettled.insert(seq, message_id);
-                self.confirms
-                    .push(async move { (seq, confirm.await) }.boxed());
+                self.confirms.push(publish.map(move |r| (seq, r)).boxed());
                 None
             }
-            Sent::Stopped(reason) => {
-                self.fail_everything(&reason);
-                Some(ChannelEnd::Stopped)
-            }
-            Sent::Failed(e) => Some(self.dying(Some(e), stop).await),
-            Sent::Hung => {
-                let text = self.hung_text();
-                self.fail_everything(&text);
-                Some(ChannelEnd::Hung(text))
-            }
+            Err(e) => Some(self.dying(Some(e), stop).await),
         }
     }
 

@@ -36,6 +36,11 @@ impl Presence {
         self.missing
     }
 
+    /// The extension was not found outside [`Presence::check`]: the next step looks properly.
+    pub fn doubt(&mut self) {
+        self.present = false;
+    }
+
     /// Looks, inside the step's transaction (and locks `amqp.message`, see
     /// [`queries::extension_exists`]).
     pub fn check(&mut self) -> Found {

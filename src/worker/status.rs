@@ -82,19 +82,23 @@ impl Status {
         true
     }
 
+    /// Whether [`Status::count_pending`] has anything to do now.
+    pub fn count_due(&self, max_pending: i32) -> bool {
+        if max_pending <= 0 {
+            return !self.pending.is_empty();
+        }
+        self.pending_counted_at
+            .is_none_or(|t| t.elapsed() >= COUNT_PENDING_EVERY)
+    }
+
     /// Counts the backlog about once a second while `max_pending` is set (`<= 0`: not set).
     pub fn count_pending(&mut self, client: &SpiClient<'_>, max_pending: i32) -> SpiResult<()> {
-        if max_pending <= 0 {
-            if !self.pending.is_empty() {
-                self.pending.clear();
-                self.changed = true;
-            }
+        if !self.count_due(max_pending) {
             return Ok(());
         }
-        if self
-            .pending_counted_at
-            .is_some_and(|t| t.elapsed() < COUNT_PENDING_EVERY)
-        {
+        if max_pending <= 0 {
+            self.pending.clear();
+            self.changed = true;
             return Ok(());
         }
         self.pending = queries::count_pending(client)?;

@@ -1,6 +1,6 @@
 //! One step of the worker, in two short transactions: the first records what the events
-//! settled, reads the configuration when asked and parks orphans; the second claims the next
-//! rows. What the claim returns is sent to the AMQP thread only after its transaction has
+//! settled, reads the configuration when asked and parks orphans (skipped when there is none
+//! of that to do); the second claims the next rows. What the claim returns is sent to the AMQP thread only after its transaction has
 //! committed.
 //!
 //! Why two: the claim's probe and its read of `amqp.message` must see one snapshot (the scan
@@ -21,14 +21,18 @@ impl Worker {
             commands: Vec::new(),
             more: false,
         };
-        let claim_now = super::pg::transaction("amqp_outbox: settle", || self.settle(settlement));
-        if !claim_now {
-            return nothing();
+        if self.settle_needed(&settlement) {
+            let claim_now =
+                super::pg::transaction("amqp_outbox: settle", || self.settle(settlement));
+            if !claim_now {
+                return nothing();
+            }
         }
         super::pg::transaction("amqp_outbox: claim", || {
             // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
             // between leaves the claim for the next step, which finds it gone).
             if !queries::extension_exists() {
+                self.presence.doubt();
                 return nothing();
             }
             let result = Spi::connect_mut(|client| {
@@ -45,6 +49,18 @@ impl Worker {
                 Err(e) => error!("amqp_outbox: worker query failed: {e}"),
             }
         })
+    }
+
+    /// Whether the first transaction has anything to do. Under a steady load most steps have
+    /// nothing to write (deletes are batched) and nothing due, and go straight to the claim,
+    /// which looks for the extension too.
+    fn settle_needed(&self, settlement: &Settlement) -> bool {
+        !settlement.is_empty()
+            || !self.presence.present()
+            || !self.settings.enabled
+            || self.brokers.reload_pending()
+            || self.brokers.orphan_check_due()
+            || self.status.count_due(self.settings.max_pending)
     }
 
     /// The first transaction; returns whether a claim follows.
