@@ -125,6 +125,11 @@ fn refuse_while_messages_wait() {
     if !installed {
         return;
     }
+    // The lock the DROP takes anyway, taken first: no publish can commit between the count and
+    // the drop, and the worker (whose every transaction locks amqp.message before any other
+    // table of the extension) finishes its transaction first, instead of holding a table the
+    // DROP reaches before amqp.message while waiting for amqp.message: a deadlock.
+    crate::message_table::lock(pg_sys::AccessExclusiveLock);
     let waiting = Spi::get_two::<i64, i64>(
         "SELECT pg_catalog.count(*), pg_catalog.count(parked_at) FROM amqp.message",
     );

@@ -14,6 +14,7 @@ mod gucs;
 mod headers;
 mod inbox;
 mod launcher;
+mod message_table;
 mod shmem;
 mod subtransaction;
 mod worker;

@@ -102,27 +102,12 @@ pub struct RowTags {
 /// the end of the transaction, so a concurrent DROP EXTENSION waits for the worker's short
 /// transaction instead of pulling the table from under its statements.
 pub fn extension_exists() -> bool {
-    // SAFETY: called inside the worker's transaction (catalog lookups need one); the names are
-    // NUL-terminated literals that PostgreSQL only reads (makeRangeVar copies the pointers into
-    // a node of the transaction's memory context); with missing_ok / RVR_MISSING_OK a missing
-    // extension or table returns InvalidOid instead of raising.
-    unsafe {
-        if pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) == pg_sys::InvalidOid {
-            return false;
-        }
-        let table = pg_sys::makeRangeVar(
-            c"amqp".as_ptr().cast_mut(),
-            c"message".as_ptr().cast_mut(),
-            -1,
-        );
-        pg_sys::RangeVarGetRelidExtended(
-            table,
-            pg_sys::AccessShareLock as pg_sys::LOCKMODE,
-            pg_sys::RVROption::RVR_MISSING_OK,
-            None,
-            std::ptr::null_mut(),
-        ) != pg_sys::InvalidOid
-    }
+    // SAFETY: called inside the worker's transaction (catalog lookups need one); the name is a
+    // NUL-terminated literal PostgreSQL only reads; with missing_ok a missing extension returns
+    // InvalidOid instead of raising.
+    let installed =
+        unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) } != pg_sys::InvalidOid;
+    installed && crate::message_table::lock(pg_sys::AccessShareLock)
 }
 
 /// The version of the SQL objects this library's statements are written for.
