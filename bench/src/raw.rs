@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use amqp_outbox_broker::identity::{host_name, uuid_v7};
 use amqp_outbox_testkit::amqp_admin::{self, runtime};
 use futures_lite::StreamExt;
 use lapin::options::BasicPublishOptions;
@@ -57,38 +58,6 @@ const HEADER_SYSTEM_ID: &str = "x-amqp-outbox-system-id";
 const HEADER_HOST_ID: &str = "x-amqp-outbox-host-id";
 const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
 const HEADER_CREATED_AT: &str = "x-amqp-outbox-created-at";
-
-/// This machine's host name: the worker's default host id (src/worker/origin.rs).
-fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is ours and its length is passed; gethostname NUL-terminates within
-    // it on success (the last byte stays 0 if the name was truncated).
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
-    if rc != 0 {
-        return "localhost".to_string();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
-/// A lowercase canonical UUIDv7 (RFC 9562), as `amqp._new_message_id()` makes them.
-fn uuid_v7(unix_ms: u64, random: [u8; 10]) -> String {
-    let mut b = [0u8; 16];
-    b[..6].copy_from_slice(&unix_ms.to_be_bytes()[2..]);
-    b[6..].copy_from_slice(&random);
-    b[6] = 0x70 | (b[6] & 0x0f);
-    b[8] = 0x80 | (b[8] & 0x3f);
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(36);
-    for (i, byte) in b.iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            out.push('-');
-        }
-        out.push(HEX[usize::from(byte >> 4)] as char);
-        out.push(HEX[usize::from(byte & 0x0f)] as char);
-    }
-    out
-}
 
 /// Builds, per message, the properties the worker sends for a row of `amqp.publish()` without
 /// headers or tags (src/worker/message.rs `to_message`, broker/src/outbound.rs `build`): the
@@ -402,15 +371,6 @@ mod tests {
         let q = like.props(8);
         assert_ne!(p.message_id(), q.message_id());
         assert_eq!(*header(&q, HEADER_SEQUENCE), AMQPValue::LongLongInt(8));
-    }
-
-    #[test]
-    fn uuid_v7_layout_is_the_extensions() {
-        assert_eq!(
-            uuid_v7(0x0191_2345_6789, [0xff; 10]),
-            "01912345-6789-7fff-bfff-ffffffffffff"
-        );
-        assert_eq!(uuid_v7(1, [0; 10]), "00000000-0001-7000-8000-000000000000");
     }
 
     /// The header names are the worker's: every `HEADER_*` of src/worker/message.rs but the

@@ -6,7 +6,8 @@
 //! thread waits on (`WaitLatchOrSocket`), so a confirm wakes it at once without polling.
 //!
 //! Modules import only from layers below their own (`tests/layers.rs` checks it), bottom up:
-//! 1. data and leaf helpers: `config`, `amqp_values`, `backoff`, `wake`, `exchange_probe`;
+//! 1. data and leaf helpers: `config`, `amqp_values`, `backoff`, `wake`, `exchange_probe`,
+//!    `identity`;
 //! 2. `bridge` (the Command and Event types), `ack` (acknowledgement records), `connection`
 //!    (open and close one connection, TLS, error texts, redaction), `reconnect` (the one
 //!    reconnect driver: host rounds, backoff, interruptions);
@@ -32,6 +33,7 @@ mod connection;
 mod declare;
 mod events;
 mod exchange_probe;
+pub mod identity;
 pub mod inbox;
 mod listener;
 mod outbound;

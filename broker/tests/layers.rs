@@ -8,7 +8,14 @@ use std::path::{Path, PathBuf};
 /// Bottom up. A module may use (`crate::x`) only modules of a lower layer.
 const LAYERS: &[&[&str]] = &[
     // Data and leaf helpers.
-    &["config", "amqp_values", "backoff", "wake", "exchange_probe"],
+    &[
+        "config",
+        "amqp_values",
+        "backoff",
+        "wake",
+        "exchange_probe",
+        "identity",
+    ],
     // The bridge's message types, acknowledgement records, one connection, the reconnect driver.
     &["bridge", "ack", "connection", "reconnect"],
     &["events", "outbound"],

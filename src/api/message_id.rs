@@ -6,25 +6,7 @@
 
 use pgrx::prelude::*;
 
-/// Formats a UUIDv7 from its timestamp and 10 random bytes (only 74 of their 80 bits are used:
-/// the version and variant take the rest).
-pub fn uuid_v7(unix_ms: u64, random: [u8; 10]) -> String {
-    let mut b = [0u8; 16];
-    b[..6].copy_from_slice(&unix_ms.to_be_bytes()[2..]);
-    b[6..].copy_from_slice(&random);
-    b[6] = 0x70 | (b[6] & 0x0f);
-    b[8] = 0x80 | (b[8] & 0x3f);
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(36);
-    for (i, byte) in b.iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            out.push('-');
-        }
-        out.push(HEX[usize::from(byte >> 4)] as char);
-        out.push(HEX[usize::from(byte & 0x0f)] as char);
-    }
-    out
-}
+pub use amqp_outbox_broker::identity::uuid_v7;
 
 /// The default of `amqp.message.message_id`, so direct INSERTs get one too.
 #[pg_extern(volatile, parallel_safe, name = "_new_message_id")]
@@ -40,24 +22,4 @@ pub(crate) fn new_message_id() -> String {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
     uuid_v7(unix_ms, random)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::uuid_v7;
-
-    #[test]
-    fn layout_follows_rfc_9562() {
-        let id = uuid_v7(0x0191_2345_6789, [0xff; 10]);
-        assert_eq!(id, "01912345-6789-7fff-bfff-ffffffffffff");
-        let id = uuid_v7(1, [0; 10]);
-        assert_eq!(id, "00000000-0001-7000-8000-000000000000");
-    }
-
-    #[test]
-    fn later_milliseconds_sort_later() {
-        let a = uuid_v7(1_700_000_000_000, [0xff; 10]);
-        let b = uuid_v7(1_700_000_000_001, [0; 10]);
-        assert!(a < b);
-    }
 }

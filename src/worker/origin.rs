@@ -27,15 +27,5 @@ pub fn system_id() -> &'static str {
 
 /// `amqp_outbox.host_id`'s default: the host name.
 pub fn host_id() -> &'static str {
-    HOST_ID.get_or_init(|| {
-        let mut buf = [0u8; 256];
-        // SAFETY: the buffer is ours and its length is passed; gethostname NUL-terminates
-        // within it on success (the last byte stays 0 if the name was truncated).
-        let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
-        if rc != 0 {
-            return "localhost".to_string();
-        }
-        let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    })
+    HOST_ID.get_or_init(amqp_outbox_broker::identity::host_name)
 }
