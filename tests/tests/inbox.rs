@@ -927,6 +927,9 @@ fn worker_killed_and_rabbit_restarted_mid_stream() {
     send_signal(pid, libc::SIGKILL).expect("SIGKILL the subscription worker");
     pair.reconnect();
     let new_pid = pair.wait_sub_worker(Some(pid));
+    // A connection made in the instant before the postmaster noticed the kill is closed by the
+    // restart; with the new worker up, the restart is over.
+    pair.reconnect();
     eprintln!("subscription worker {pid} killed; now {new_pid}");
     wait_more(&mut pair, 300, "effects again after the kill");
 
