@@ -106,6 +106,13 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
 /// Sleeps for `d` whatever sets the latch meanwhile (it stays set for the next `wait`). Exits
 /// (code 1) if the postmaster died.
 pub fn sleep(d: Duration) {
+    if d < Duration::from_millis(1) {
+        // WaitLatch counts whole milliseconds: a shorter gap would grow to one (at 2,000
+        // commits/s, about a third of the time between steps). Signals still only set flags,
+        // which the loop reads after this; a dead postmaster is noticed at the next wait.
+        std::thread::sleep(d);
+        return;
+    }
     let events = pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
     let timeout_ms = d.as_millis().clamp(1, i64::MAX as u128) as std::ffi::c_long;
     // SAFETY: the main thread; no latch is passed (null is allowed without WL_LATCH_SET).
