@@ -97,13 +97,14 @@ impl Brokers {
         handle.send(Command::Configure(brokers));
     }
 
-    /// Parks the rows whose broker_id names no broker, every `ORPHAN_CHECK_EVERY` (or less
-    /// often, by its cost) and after each reload: they could never be published, and must not
-    /// wait unseen.
+    /// Whether [`Brokers::park_orphans_when_due`] would look now.
     pub fn orphan_check_due(&self) -> bool {
         self.orphan_check.due(Instant::now())
     }
 
+    /// Parks the rows whose broker_id names no broker, every `ORPHAN_CHECK_EVERY` (or less
+    /// often, by its cost) and after each reload: they could never be published, and must not
+    /// wait unseen.
     pub fn park_orphans_when_due(&mut self, client: &mut SpiClient<'_>) -> SpiResult<()> {
         let started = Instant::now();
         if !self.orphan_check.due(started) {
