@@ -119,17 +119,13 @@ unsafe fn drops_this_extension(pstmt: *mut pg_sys::PlannedStmt) -> bool {
 }
 
 fn refuse_while_messages_wait() {
-    // SAFETY: a catalog lookup in a backend inside a transaction (utility statements run in one).
-    let installed =
-        unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) } != pg_sys::InvalidOid;
-    if !installed {
-        return;
-    }
     // The lock the DROP takes anyway, taken first: no publish can commit between the count and
     // the drop, and the worker (whose every transaction locks amqp.message before any other
     // table of the extension) finishes its transaction first, instead of holding a table the
     // DROP reaches before amqp.message while waiting for amqp.message: a deadlock.
-    crate::message_table::lock(pg_sys::AccessExclusiveLock);
+    if !crate::message_table::installed_and_locked(pg_sys::AccessExclusiveLock) {
+        return;
+    }
     let waiting = Spi::get_two::<i64, i64>(
         "SELECT pg_catalog.count(*), pg_catalog.count(parked_at) FROM amqp.message",
     );

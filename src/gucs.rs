@@ -41,6 +41,8 @@ pub static STATS_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(400 * 24 * 
 /// Test builds only (feature `fault-injection`): absent from a user's build, and from SHOW ALL.
 #[cfg(feature = "fault-injection")]
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
+#[cfg(feature = "fault-injection")]
+pub static TEST_DELETE_AFTER: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 /// Defines the settings. `preloading`: `_PG_init` runs while `shared_preload_libraries` is
 /// processed. A server-start setting can only be defined then (PostgreSQL ends the session with
@@ -334,6 +336,17 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    #[cfg(feature = "fault-injection")]
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.test_delete_after",
+        c"Fault injection for tests: how long delivered rows wait for their batched DELETE (0 = the built-in 20 ms).",
+        c"Never set this in production: it exists to prove that a clean shutdown deletes what was delivered.",
+        &TEST_DELETE_AFTER,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
     // SAFETY: in `_PG_init` on the process's only thread, after the GUCs above are defined; the
     // prefix is a static C string (PostgreSQL keeps its own copy).
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"amqp_outbox".as_ptr()) };
@@ -363,6 +376,8 @@ pub struct WorkerSettings {
     pub ack_queue_quorum: bool,
     #[cfg(feature = "fault-injection")]
     pub lose_one_in: u32,
+    #[cfg(feature = "fault-injection")]
+    pub delete_after: Option<Duration>,
     pub max_pending: i32,
     pub randomize_hosts: bool,
 }
@@ -387,6 +402,8 @@ impl WorkerSettings {
             ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
             #[cfg(feature = "fault-injection")]
             lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
+            #[cfg(feature = "fault-injection")]
+            delete_after: Some(ms(&TEST_DELETE_AFTER)).filter(|d| !d.is_zero()),
             max_pending: MAX_PENDING.get(),
             randomize_hosts: RANDOMIZE_HOSTS.get(),
         }

@@ -4,9 +4,20 @@
 
 use pgrx::pg_sys;
 
+/// Whether the extension is installed in this database and its `amqp.message` exists, locked in
+/// `mode` until the end of the transaction when it does.
+pub fn installed_and_locked(mode: u32) -> bool {
+    // SAFETY: called inside a transaction (catalog lookups need one); the name is a
+    // NUL-terminated literal PostgreSQL only reads; with missing_ok a missing extension returns
+    // InvalidOid instead of raising.
+    let installed =
+        unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) } != pg_sys::InvalidOid;
+    installed && lock(mode)
+}
+
 /// Locks `amqp.message` in `mode` until the end of the transaction; false when it does not
 /// exist (after a DROP EXTENSION that committed while this waited, too).
-pub fn lock(mode: u32) -> bool {
+fn lock(mode: u32) -> bool {
     // SAFETY: called inside a transaction (catalog lookups need one); the names are
     // NUL-terminated literals that PostgreSQL only reads (makeRangeVar copies the pointers into
     // a node of the transaction's memory context); with RVR_MISSING_OK a missing table returns

@@ -326,6 +326,13 @@ pub fn arm_commit_wake(armed: bool) {
     }
 }
 
+/// Whether a commit has taken the wake-up armed by [`arm_commit_wake`] (`true`) since then. The
+/// worker looks before it sleeps: a lock or buffer wait inside its own transactions sleeps on
+/// the same latch and resets it, which would leave that commit's wake-up to the naptime.
+pub fn commit_wake_taken() -> bool {
+    slot().is_some_and(|s| !s.commit_wake_armed.load(Ordering::Acquire))
+}
+
 /// Which worker of a database.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum WorkerKind {

@@ -51,7 +51,7 @@ pub fn take(
                 shmem::count(|c| &c.confirmed, ids.len() as u64);
                 for id in ids {
                     flight.holds.release(id);
-                    // Delivered ones are collected by take_proven below.
+                    // Delivered ones wait in the flight for their batched DELETE.
                     let _ = flight.confirmed(id);
                 }
             }
@@ -116,7 +116,6 @@ pub fn take(
             }
         }
     }
-    s.delivered = flight.take_proven(std::time::Instant::now(), false);
     s
 }
 

@@ -1,8 +1,10 @@
 //! Fault injection for the end-to-end tests: with `amqp_outbox.test_lose_one_in = N`, one first
 //! publish in N is handed over marked "lose in transit", to prove that losses are detected and
-//! published again. Only a build with the `fault-injection` feature has the setting; any other
-//! build never loses anything on purpose.
+//! published again; `amqp_outbox.test_delete_after` holds delivered rows back from their DELETE,
+//! to prove that a clean shutdown deletes them. Only a build with the `fault-injection` feature
+//! has these settings; any other build never loses or holds anything on purpose.
 
+use super::flight::Flight;
 use crate::gucs::WorkerSettings;
 
 #[derive(Default)]
@@ -13,6 +15,15 @@ pub struct Faults {
 }
 
 impl Faults {
+    /// Applies the settings that change the worker's timing (after every reload).
+    #[cfg(feature = "fault-injection")]
+    pub fn configure(settings: &WorkerSettings, flight: &mut Flight) {
+        flight.set_delete_after(settings.delete_after);
+    }
+
+    #[cfg(not(feature = "fault-injection"))]
+    pub fn configure(_settings: &WorkerSettings, _flight: &mut Flight) {}
+
     /// Whether to lose this message in transit.
     #[cfg(feature = "fault-injection")]
     pub fn lose_this_one(&mut self, settings: &WorkerSettings, first_attempt: bool) -> bool {

@@ -149,6 +149,9 @@ pub struct Flight {
     proven: Vec<Proof>,
     /// When the oldest of `proven` was delivered.
     proven_since: Option<Instant>,
+    /// How long delivered rows wait for their DELETE; `None`: [`DELETE_AFTER`] (only the test
+    /// builds' `amqp_outbox.test_delete_after` sets another).
+    delete_after: Option<Duration>,
     /// Grows with every message that leaves flight without proof: it is due again, maybe below
     /// where the claim reads from ([`super::scan_floor`]).
     released: u64,
@@ -247,7 +250,13 @@ impl Flight {
         if self.proven.len() >= DELETE_AT {
             return Some(Duration::ZERO);
         }
-        Some(DELETE_AFTER.saturating_sub(now.saturating_duration_since(since)))
+        let after = self.delete_after.unwrap_or(DELETE_AFTER);
+        Some(after.saturating_sub(now.saturating_duration_since(since)))
+    }
+
+    #[cfg(feature = "fault-injection")]
+    pub fn set_delete_after(&mut self, after: Option<Duration>) {
+        self.delete_after = after;
     }
 
     /// The row leaves the worker's hands without proof (refused, or to be claimed again).

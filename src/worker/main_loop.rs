@@ -7,9 +7,10 @@ use super::events;
 use super::faults::Faults;
 use super::flight::Flight;
 use super::pg;
-use super::presence::{Found, Presence};
+use super::presence::Presence;
+use super::queries;
 use super::scan_floor::ScanFloor;
-use super::settle::Settlement;
+use super::settle::{self, Settlement};
 use super::shrink::Shrink;
 use super::status::{Status, STATUS_EVERY};
 use crate::gucs::WorkerSettings;
@@ -52,10 +53,13 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(handle: BrokerHandle) -> Self {
+        let settings = WorkerSettings::snapshot();
+        let mut flight = Flight::default();
+        Faults::configure(&settings, &mut flight);
         Worker {
-            settings: WorkerSettings::snapshot(),
+            settings,
             handle,
-            flight: Flight::default(),
+            flight,
             brokers: Brokers::default(),
             presence: Presence::default(),
             status: Status::default(),
@@ -72,13 +76,14 @@ impl Worker {
         loop {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: worker shutting down");
-                self.delete_delivered_now();
+                self.delete_delivered(true);
                 // The launcher starts it again unless its database is going away: a SIGTERM
                 // from pg_terminate_backend() is not a reason to stop publishing.
                 self.exit();
             }
             if pg::reload_config_if_requested() {
                 self.settings = WorkerSettings::snapshot();
+                Faults::configure(&self.settings, &mut self.flight);
                 self.brokers.request_reload();
             }
             let requests = shmem::take_requests();
@@ -111,6 +116,7 @@ impl Worker {
                 continue;
             }
             if self.idle_while_disabled(&settlement) {
+                self.delete_delivered(false);
                 self.status.report(&self.flight);
                 let timeout = self.deletes_due(DISABLED_STEP_EVERY);
                 pg::wait(Some(self.handle.wake_fd()), timeout);
@@ -134,19 +140,22 @@ impl Worker {
                 self.exit();
             }
             self.more_work = claimed.more;
-            if claimed.commands.is_empty()
+            // Nothing to publish and nothing in flight: the table may be empty.
+            let idle = claimed.commands.is_empty()
                 && !claimed.more
                 && self.flight.len() == 0
                 && self.settings.enabled
-                && self.presence.present()
-            {
-                // Nothing to publish and nothing in flight: the table may be empty.
-                self.shrink.when_idle();
-            }
+                && self.presence.present();
             for command in claimed.commands {
                 if !self.handle.send(command) {
                     error!("amqp_outbox: the AMQP thread has stopped");
                 }
+            }
+            // After the claimed messages are on their way: in front of the claim, the DELETE
+            // would delay them (the claim skips the delivered rows until then).
+            self.delete_delivered(false);
+            if idle {
+                self.shrink.when_idle();
             }
             let reported = self.status.report(&self.flight);
             let mut timeout = if self.more_work {
@@ -164,7 +173,12 @@ impl Worker {
                 }
                 timeout = timeout.min(due);
             }
-            let timeout = self.deletes_due(timeout);
+            let mut timeout = self.deletes_due(timeout);
+            if self.settings.enabled && shmem::commit_wake_taken() {
+                // A commit came during this step: the next one claims it, even if a wait inside
+                // the step's transactions reset the latch it set.
+                timeout = Duration::ZERO;
+            }
             // Events are drained at the top of the loop, whatever woke the worker.
             pg::wait(Some(self.handle.wake_fd()), timeout);
         }
@@ -177,26 +191,25 @@ impl Worker {
             .map_or(timeout, |due| timeout.min(due))
     }
 
-    /// Deletes the delivered rows still waiting for their batch, so that a clean shutdown
-    /// publishes none of them again.
-    fn delete_delivered_now(&mut self) {
-        let delivered = self.flight.take_proven(Instant::now(), true);
+    /// Deletes the delivered rows once their batch is due ([`Flight::take_proven`]), or all of
+    /// them (`all`: at a clean shutdown, so that none is published again).
+    fn delete_delivered(&mut self, all: bool) {
+        let delivered = self.flight.take_proven(Instant::now(), all);
         if delivered.is_empty() || !self.presence.present() {
             return;
         }
-        let settlement = Settlement {
-            delivered,
-            ..Settlement::default()
-        };
-        let (settings, flight, presence) = (&self.settings, &mut self.flight, &mut self.presence);
+        let presence = &mut self.presence;
         pg::transaction("amqp_outbox: delete delivered rows", || {
             // Under the extension's share lock, as every step.
-            if !matches!(presence.check(), Found::Ready { .. }) {
-                return Ok(());
+            if !queries::extension_exists() {
+                presence.doubt();
+                return;
             }
-            Spi::connect_mut(|client| settlement.record(client, settings, flight))
-        })
-        .unwrap_or_else(|e| warning!("amqp_outbox: could not delete delivered rows: {e}"));
+            let result = Spi::connect_mut(|client| settle::delete_delivered(client, &delivered));
+            if let Err(e) = result {
+                error!("amqp_outbox: worker query failed: {e}");
+            }
+        });
     }
 
     fn exit(self) -> ! {

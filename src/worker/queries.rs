@@ -102,12 +102,7 @@ pub struct RowTags {
 /// the end of the transaction, so a concurrent DROP EXTENSION waits for the worker's short
 /// transaction instead of pulling the table from under its statements.
 pub fn extension_exists() -> bool {
-    // SAFETY: called inside the worker's transaction (catalog lookups need one); the name is a
-    // NUL-terminated literal PostgreSQL only reads; with missing_ok a missing extension returns
-    // InvalidOid instead of raising.
-    let installed =
-        unsafe { pg_sys::get_extension_oid(c"amqp_outbox".as_ptr(), true) } != pg_sys::InvalidOid;
-    installed && crate::message_table::lock(pg_sys::AccessShareLock)
+    crate::message_table::installed_and_locked(pg_sys::AccessShareLock)
 }
 
 /// The version of the SQL objects this library's statements are written for.

@@ -12,10 +12,10 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::time::Instant;
 
-/// What the events of one wake-up ask the database to do.
+/// What the events of one wake-up ask the database to do before the next claim (the delivered
+/// rows are deleted after it, in batches: [`delete_delivered`]).
 #[derive(Default)]
 pub struct Settlement {
-    pub delivered: Vec<Proof>,
     pub rejected: Vec<(i64, String)>,
     /// Can never be published as it is: parked at once.
     pub unsendable: Vec<(i64, String)>,
@@ -24,14 +24,14 @@ pub struct Settlement {
 }
 
 impl Settlement {
-    /// Whether a disabled worker may skip the transaction: nothing delivered, refused or to be
-    /// resent. (Unsendable messages are not looked at: left unrecorded, they are claimed again
-    /// once the worker is enabled, and refused again.)
+    /// Whether a disabled worker may skip the transaction: nothing refused or to be resent.
+    /// (Unsendable messages are not looked at: left unrecorded, they are claimed again once the
+    /// worker is enabled, and refused again.)
     pub fn nothing_to_record(&self) -> bool {
-        self.delivered.is_empty() && self.rejected.is_empty() && self.resend.is_empty()
+        self.rejected.is_empty() && self.resend.is_empty()
     }
 
-    /// Nothing at all to write: most steps under a steady load, whose deletes are batched.
+    /// Nothing at all to write: most steps.
     pub fn is_empty(&self) -> bool {
         self.nothing_to_record() && self.unsendable.is_empty()
     }
@@ -42,14 +42,6 @@ impl Settlement {
         settings: &WorkerSettings,
         flight: &mut Flight,
     ) -> SpiResult<()> {
-        if !self.delivered.is_empty() {
-            let log = queries::LogSettings {
-                enabled: crate::gucs::RECONCILE_WINDOW.get() > 0,
-                system_id: origin::system_id(),
-                host_id: origin::host_id(),
-            };
-            queries::delete_delivered(client, &self.delivered, &log)?;
-        }
         let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
         for (id, error) in &self.rejected {
             // Drawn for each row, so rows refused together do not retry in step.
@@ -68,6 +60,16 @@ impl Settlement {
         }
         Ok(())
     }
+}
+
+/// Deletes delivered rows, writing the production log and the day's statistics.
+pub fn delete_delivered(client: &mut SpiClient<'_>, delivered: &[Proof]) -> SpiResult<()> {
+    let log = queries::LogSettings {
+        enabled: crate::gucs::RECONCILE_WINDOW.get() > 0,
+        system_id: origin::system_id(),
+        host_id: origin::host_id(),
+    };
+    queries::delete_delivered(client, delivered, &log).map(|_| ())
 }
 
 fn record_rejection(

@@ -1,7 +1,8 @@
 //! One step of the worker, in two short transactions: the first records what the events
-//! settled, reads the configuration when asked and parks orphans (skipped when there is none
-//! of that to do); the second claims the next rows. What the claim returns is sent to the AMQP
-//! thread only after its transaction has committed.
+//! settled (refusals, resends; not deliveries, whose DELETE follows the step), reads the
+//! configuration when asked and parks orphans (skipped when there is none of that to do); the
+//! second claims the next rows. What the claim returns is sent to the AMQP thread only after its
+//! transaction has committed.
 //!
 //! Why two: the claim's probe and its read of `amqp.message` must see one snapshot (the scan
 //! floor trusts that a transaction the probe saw running is not yet visible to the claim, see

@@ -139,25 +139,30 @@ fn configure(client: &mut Client, broker_id: i32, endpoint: &AmqpEndpoint, names
 
 /// What a DBA would compare: the user's configuration and the outbox, as text.
 fn configuration(client: &mut Client) -> Vec<String> {
-    configuration_with(client, Counts::All)
+    configuration_with(client, &Counts::All)
 }
 
-/// Which of the day's statistics [`configuration_with`] reads.
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// What [`configuration_with`] leaves out of what a running worker changes while the test reads.
+#[derive(Clone, PartialEq, Eq)]
 enum Counts {
     All,
-    /// All but `delivered`, which a running worker raises while the test reads.
-    ButDelivered,
+    /// The day's `delivered` count, and the production log's records of deliveries at or after
+    /// this instant (a `timestamptz` literal).
+    ButDeliveredFrom(String),
 }
 
-fn configuration_with(client: &mut Client, counts: Counts) -> Vec<String> {
-    let daily = match counts {
-        Counts::All => "SELECT format('%s', d) FROM amqp.daily_stats d ORDER BY 1",
-        Counts::ButDelivered => {
+fn configuration_with(client: &mut Client, counts: &Counts) -> Vec<String> {
+    let (daily, delivered_before) = match counts {
+        Counts::All => (
+            "SELECT format('%s', d) FROM amqp.daily_stats d ORDER BY 1",
+            "infinity".to_string(),
+        ),
+        Counts::ButDeliveredFrom(from) => (
             "SELECT format('%s %s %s %s %s %s %s %s %s %s', day, business_type, produced, consumed,
                     late, lost, resent, compensated, parked, failed)
-               FROM amqp.daily_stats ORDER BY 1"
-        }
+               FROM amqp.daily_stats ORDER BY 1",
+            from.clone(),
+        ),
     };
     let mut out = Vec::new();
     for sql in [
@@ -179,16 +184,18 @@ fn configuration_with(client: &mut Client, counts: Counts) -> Vec<String> {
         "SELECT format('%s', r) FROM amqp.monitor_rule r ORDER BY 1",
         "SELECT format('%s %s', business_type, handler) FROM amqp.compensation_handler ORDER BY 1",
         "SELECT format('%s %s %s %s %s', message_id, business_type, resends, expected, tableoid::regclass)
-           FROM amqp.produced ORDER BY 1",
+           FROM amqp.produced WHERE delivered_at < $1::text::timestamptz ORDER BY 1",
         "SELECT format('%s %s %s %s', message_id, consumer, status, tableoid::regclass)
            FROM amqp.receipt ORDER BY 1",
         "SELECT format('%s %s %s %s', message_id, consumer, state, attempts) FROM amqp.compensation ORDER BY 1",
         daily,
     ] {
-        for r in client
-            .query(sql, &[])
-            .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        {
+        let rows = if sql.contains("$1") {
+            client.query(sql, &[&delivered_before])
+        } else {
+            client.query(sql, &[])
+        };
+        for r in rows.unwrap_or_else(|e| panic!("{sql}: {e}")) {
             out.push(r.get(0));
         }
     }
@@ -325,7 +332,9 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     );
     let before = rows(&mut src, "message");
     let before_config = configuration(&mut src);
-    let before_but_delivered = configuration_with(&mut src, Counts::ButDelivered);
+    // The restored worker delivers while the test reads: what it logs from now on is left out.
+    let restore_starts = Counts::ButDeliveredFrom(scalar(&mut src, "SELECT now()::text"));
+    let before_but_delivered = configuration_with(&mut src, &restore_starts);
     assert_eq!(before.len(), 999, "1,000 published, one discarded");
     let parked_before: BTreeSet<i64> = before.iter().filter(|r| r.parked).map(|r| r.id).collect();
     assert_eq!(parked_before.len(), 9);
@@ -378,7 +387,7 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     target.wait_for_worker(&mut dst, WORKER_UP);
     // The restored worker is already delivering: its delivered count moves meanwhile.
     assert_eq!(
-        configuration_with(&mut dst, Counts::ButDelivered),
+        configuration_with(&mut dst, &restore_starts),
         before_but_delivered,
         "custom dump: configuration differs"
     );
@@ -766,4 +775,88 @@ fn update_from_the_previous_version_keeps_every_message_and_its_id() {
         only_updated.is_empty() && only_created.is_empty(),
         "updated and fresh schemas differ\nonly after the update: {only_updated:#?}\nonly when created: {only_created:#?}"
     );
+}
+
+/// The granted locks `pid` holds on relations of the schema `amqp`, as "relation mode".
+fn amqp_locks_held(client: &mut Client, pid: i32) -> Vec<String> {
+    client
+        .query(
+            "SELECT c.relname || ' ' || l.mode FROM pg_locks l \
+               JOIN pg_class c ON c.oid = l.relation \
+              WHERE l.pid = $1 AND l.granted AND c.relnamespace = 'amqp'::regnamespace \
+              ORDER BY 1",
+            &[&pid],
+        )
+        .unwrap_or_else(|e| panic!("reading pg_locks: {e}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// `DROP EXTENSION` against a worker transaction, forced into the order that once deadlocked
+/// (40P01): the worker's transaction has locked `amqp.message` (every one of its transactions
+/// does that first) and the DROP starts; then the worker's transaction goes on to the tables
+/// behind `amqp.message` (its DELETE writes `amqp.produced`). The DROP must queue on
+/// `amqp.message` before it locks anything else, so the worker's transaction finishes and the
+/// DROP follows it. A session stands in for the worker so that the order is not left to timing.
+#[test]
+fn drop_extension_queues_behind_the_worker_instead_of_deadlocking() {
+    let cluster = PgCluster::new(disabled());
+    let mut worker = cluster.client();
+    create_extension(&mut worker);
+    let mut dropper = cluster.client();
+    let dropper_pid: i32 = scalar(&mut dropper, "SELECT pg_backend_pid()");
+    let mut observer = cluster.client();
+
+    worker
+        .batch_execute("BEGIN; LOCK TABLE amqp.message IN ROW EXCLUSIVE MODE")
+        .unwrap_or_else(|e| panic!("locking amqp.message: {e}"));
+    let drop = std::thread::spawn(move || {
+        dropper
+            .batch_execute("SET lock_timeout = '60s'; DROP EXTENSION amqp_outbox")
+            .map_err(|e| format!("{e} ({:?})", e.code().map(|c| c.code().to_string())))
+    });
+    eventually(
+        Duration::from_secs(30),
+        "the DROP to wait for amqp.message",
+        || {
+            let waiting: bool = observer
+                .query_one(
+                    "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted \
+                       AND relation = 'amqp.message'::regclass)",
+                    &[&dropper_pid],
+                )
+                .map_err(|e| e.to_string())?
+                .get(0);
+            if waiting {
+                Ok(())
+            } else {
+                Err("not waiting yet".into())
+            }
+        },
+    );
+    assert_eq!(
+        amqp_locks_held(&mut observer, dropper_pid),
+        Vec::<String>::new(),
+        "the waiting DROP already holds locks on the extension's relations"
+    );
+    // Well above deadlock_timeout (1 s): a deadlock would be reported before this runs out.
+    worker
+        .batch_execute(
+            "SET LOCAL lock_timeout = '20s'; \
+             LOCK TABLE amqp.produced IN ROW EXCLUSIVE MODE; \
+             LOCK TABLE amqp.broker IN ROW SHARE MODE; \
+             COMMIT",
+        )
+        .unwrap_or_else(|e| panic!("the worker's transaction after the DROP started: {e}"));
+    match drop.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("DROP EXTENSION after the worker's transaction: {e}"),
+        Err(_) => panic!("the DROP's thread panicked"),
+    }
+    let left: i64 = scalar(
+        &mut observer,
+        "SELECT count(*) FROM pg_extension WHERE extname = 'amqp_outbox'",
+    );
+    assert_eq!(left, 0, "the extension is still installed");
 }

@@ -770,6 +770,92 @@ fn large_messages_stay_within_max_in_flight_bytes() {
 
 /// With a naptime of a minute, only the commit's wake-up can bring a message out within
 /// `ARRIVAL`: the committing backend sets the worker's latch because the worker asked for it.
+/// A clean shutdown (`pg_terminate_backend`, a server stop) deletes the delivered rows still
+/// waiting for their batched DELETE, so the worker that comes back publishes none of them
+/// again. The batch is held back for an hour (a test build's setting) so that all of them are
+/// waiting when the worker is told to stop.
+#[test]
+fn a_terminated_worker_deletes_what_was_delivered_before_it_exits() {
+    const N: usize = 50;
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default().setting("amqp_outbox.test_delete_after", "1h");
+    let mut f = World::new("flush", config, &rabbit);
+    let (ex, rk) = (f.route.exchange.clone(), f.route.routing_key.clone());
+    f.client
+        .execute(
+            "SELECT count(amqp.publish($1, $2, $3, 'flush:' || i)) FROM generate_series(1, $4) i",
+            &[&f.outbox.broker_id, &ex, &rk, &(N as i32)],
+        )
+        .expect("publish");
+    f.collector.wait_for_count(N, BULK_ARRIVAL);
+    // Every one proven (none in flight) and every row still there: the premise.
+    let client = &mut f.client;
+    eventually(
+        ARRIVAL,
+        "all delivered rows waiting for their DELETE",
+        || {
+            let row = client
+                .query_one(
+                    "SELECT (SELECT count(*) FROM amqp.message), \
+                        (SELECT coalesce(sum(in_flight), -1) FROM amqp.broker_status)",
+                    &[],
+                )
+                .map_err(|e| e.to_string())?;
+            let (rows, in_flight): (i64, i64) = (row.get(0), row.get(1));
+            if rows == N as i64 && in_flight == 0 {
+                Ok(())
+            } else {
+                Err(format!("{rows} rows, {in_flight} in flight"))
+            }
+        },
+    );
+    let pid = f
+        .cluster
+        .worker_pid(&mut f.client)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("a worker");
+    let stopped: bool = f
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .expect("pg_terminate_backend")
+        .get(0);
+    assert!(stopped, "pg_terminate_backend({pid}) returned false");
+    let client = &mut f.client;
+    eventually(
+        ARRIVAL,
+        "the delivered rows deleted",
+        || match Outbox::rows(client)? {
+            0 => Ok(()),
+            n => Err(format!("{n} rows left")),
+        },
+    );
+    let cluster = &f.cluster;
+    let client = &mut f.client;
+    eventually(WORKER_UP, "a new worker", || {
+        match cluster.worker_pid(client)? {
+            Some(p) if p != pid => Ok(()),
+            other => Err(format!("worker {other:?}")),
+        }
+    });
+    // The new worker claims in id order: whatever of the 50 it published again would arrive
+    // before this later message.
+    f.publish("flush:after");
+    f.collector.wait_for_body("flush:after", ARRIVAL);
+    let bodies: Vec<String> = f
+        .collector
+        .bodies()
+        .into_iter()
+        .filter(|b| b != "flush:after")
+        .collect();
+    let distinct: BTreeSet<&String> = bodies.iter().collect();
+    assert_eq!(distinct.len(), N, "{bodies:?}");
+    assert_eq!(
+        bodies.len(),
+        N,
+        "delivered rows were published again after the restart: {bodies:?}"
+    );
+}
+
 #[test]
 fn commit_wakes_the_idle_worker_before_its_naptime() {
     let rabbit = Rabbit::shared();
