@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use amqp_outbox_e2e::chaos::holds_for;
 use amqp_outbox_e2e::outbox::create_extension;
 use amqp_outbox_e2e::{
     eventually, unique_name, Collector, Ledger, Outbox, PgCluster, PgConfig, PrivateRabbit,
@@ -854,6 +855,68 @@ fn a_terminated_worker_deletes_what_was_delivered_before_it_exits() {
         N,
         "delivered rows were published again after the restart: {bodies:?}"
     );
+}
+
+/// A commit made while the worker's own transaction waits for a lock still gets its message out
+/// at once. The lock wait sleeps on the worker's latch and resets it, taking the wake-up the
+/// commit set; the worker also looks at the wake-up flag the commit cleared. With the naptime at
+/// 60 s, a lost wake-up would show.
+#[test]
+fn a_commit_while_the_worker_waits_for_a_lock_is_not_left_to_the_naptime() {
+    let rabbit = Rabbit::shared();
+    let mut f = World::new("lockwake", PgConfig::default().naptime_ms(60_000), &rabbit);
+    f.publish("lockwake:warm-up");
+    f.collector.wait_for_body("lockwake:warm-up", ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    let worker = f
+        .cluster
+        .worker_pid(&mut f.client)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("a worker");
+
+    // The production log held: the DELETE after the next delivery waits for this lock.
+    let mut holder = f.cluster.client();
+    holder
+        .batch_execute("BEGIN; LOCK TABLE amqp.produced IN EXCLUSIVE MODE")
+        .expect("locking amqp.produced");
+    f.publish("lockwake:1");
+    f.collector.wait_for_body("lockwake:1", ARRIVAL);
+    let client = &mut f.client;
+    eventually(ARRIVAL, "the worker's DELETE to wait for the lock", || {
+        let waiting: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted \
+                   AND relation = 'amqp.produced'::regclass)",
+                &[&worker],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if waiting {
+            Ok(())
+        } else {
+            Err("not waiting".into())
+        }
+    });
+    // Committed during the lock wait: its wake-up sets the latch the wait then resets.
+    f.publish("lockwake:2");
+    let collector = &f.collector;
+    holds_for(
+        Duration::from_secs(1),
+        "held while the worker waits",
+        || {
+            if collector.has_body("lockwake:2") {
+                Err("delivered while the worker waited for the lock".into())
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    holder.batch_execute("COMMIT").expect("COMMIT");
+    // Without the flag, the message waits for whatever wakes the worker next: about 9 s in a
+    // run of the build before the fix (the naptime at most), against milliseconds with it.
+    f.collector
+        .wait_for_body("lockwake:2", Duration::from_secs(3));
 }
 
 #[test]
