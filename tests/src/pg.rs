@@ -642,3 +642,26 @@ pub fn run_pg_program<S: AsRef<OsStr>>(
         .output()
         .map_err(|e| format!("cannot run {}: {e}", bin.display()))
 }
+
+/// Waits until the backend `pid` waits for a lock on `relation` (a name `regclass` accepts).
+pub fn wait_for_lock_wait(client: &mut Client, pid: i32, relation: &str, timeout: Duration) {
+    eventually(
+        timeout,
+        &format!("backend {pid} to wait for a lock on {relation}"),
+        || {
+            let waiting: bool = client
+                .query_one(
+                    "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted \
+                       AND relation = $2::text::regclass)",
+                    &[&pid, &relation],
+                )
+                .map_err(|e| e.to_string())?
+                .get(0);
+            if waiting {
+                Ok(())
+            } else {
+                Err("not waiting".into())
+            }
+        },
+    );
+}

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
+use amqp_outbox_e2e::pg::wait_for_lock_wait;
 use amqp_outbox_e2e::{
     eventually, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, StopMode,
 };
@@ -816,24 +817,11 @@ fn drop_extension_queues_behind_the_worker_instead_of_deadlocking() {
             .batch_execute("SET lock_timeout = '60s'; DROP EXTENSION amqp_outbox")
             .map_err(|e| format!("{e} ({:?})", e.code().map(|c| c.code().to_string())))
     });
-    eventually(
+    wait_for_lock_wait(
+        &mut observer,
+        dropper_pid,
+        "amqp.message",
         Duration::from_secs(30),
-        "the DROP to wait for amqp.message",
-        || {
-            let waiting: bool = observer
-                .query_one(
-                    "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted \
-                       AND relation = 'amqp.message'::regclass)",
-                    &[&dropper_pid],
-                )
-                .map_err(|e| e.to_string())?
-                .get(0);
-            if waiting {
-                Ok(())
-            } else {
-                Err("not waiting yet".into())
-            }
-        },
     );
     assert_eq!(
         amqp_locks_held(&mut observer, dropper_pid),

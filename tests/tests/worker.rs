@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use amqp_outbox_e2e::chaos::holds_for;
 use amqp_outbox_e2e::outbox::create_extension;
+use amqp_outbox_e2e::pg::wait_for_lock_wait;
 use amqp_outbox_e2e::{
     eventually, unique_name, Collector, Ledger, Outbox, PgCluster, PgConfig, PrivateRabbit,
     Producer, Rabbit, Received, World,
@@ -881,22 +882,8 @@ fn a_commit_while_the_worker_waits_for_a_lock_is_not_left_to_the_naptime() {
         .expect("locking amqp.produced");
     f.publish("lockwake:1");
     f.collector.wait_for_body("lockwake:1", ARRIVAL);
-    let client = &mut f.client;
-    eventually(ARRIVAL, "the worker's DELETE to wait for the lock", || {
-        let waiting: bool = client
-            .query_one(
-                "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted \
-                   AND relation = 'amqp.produced'::regclass)",
-                &[&worker],
-            )
-            .map_err(|e| e.to_string())?
-            .get(0);
-        if waiting {
-            Ok(())
-        } else {
-            Err("not waiting".into())
-        }
-    });
+    // The worker's DELETE waits for the lock.
+    wait_for_lock_wait(&mut f.client, worker, "amqp.produced", ARRIVAL);
     // Committed during the lock wait: its wake-up sets the latch the wait then resets.
     f.publish("lockwake:2");
     let collector = &f.collector;
