@@ -8,7 +8,6 @@ use super::faults::Faults;
 use super::flight::Flight;
 use super::pg;
 use super::presence::Presence;
-use super::queries;
 use super::scan_floor::ScanFloor;
 use super::settle::{self, Settlement};
 use super::shrink::Shrink;
@@ -201,13 +200,15 @@ impl Worker {
         let presence = &mut self.presence;
         pg::transaction("amqp_outbox: delete delivered rows", || {
             // Under the extension's share lock, as every step.
-            if !queries::extension_exists() {
-                presence.doubt();
+            if !presence.still_installed() {
                 return;
             }
             let result = Spi::connect_mut(|client| settle::delete_delivered(client, &delivered));
-            if let Err(e) = result {
-                error!("amqp_outbox: worker query failed: {e}");
+            match result {
+                Ok(()) => {}
+                // Exiting anyway: say so and go.
+                Err(e) if all => warning!("amqp_outbox: could not delete delivered rows: {e}"),
+                Err(e) => error!("amqp_outbox: worker query failed: {e}"),
             }
         });
     }

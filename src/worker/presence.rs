@@ -41,6 +41,17 @@ impl Presence {
         self.present = false;
     }
 
+    /// Whether the extension is still installed, looked at inside the current transaction (and
+    /// `amqp.message` locked, see [`queries::extension_exists`]); if it is gone, the next step
+    /// looks properly ([`Presence::check`]).
+    pub fn still_installed(&mut self) -> bool {
+        let installed = queries::extension_exists();
+        if !installed {
+            self.doubt();
+        }
+        installed
+    }
+
     /// Looks, inside the step's transaction (and locks `amqp.message`, see
     /// [`queries::extension_exists`]).
     pub fn check(&mut self) -> Found {

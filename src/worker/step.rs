@@ -12,7 +12,6 @@
 use super::claim::{self, Claimed};
 use super::main_loop::Worker;
 use super::presence::Found;
-use super::queries;
 use super::settle::Settlement;
 use pgrx::prelude::*;
 
@@ -32,8 +31,7 @@ impl Worker {
         super::pg::transaction("amqp_outbox: claim", || {
             // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
             // between leaves the claim for the next step, which finds it gone).
-            if !queries::extension_exists() {
-                self.presence.doubt();
+            if !self.presence.still_installed() {
                 return nothing();
             }
             let result = Spi::connect_mut(|client| {
