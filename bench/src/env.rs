@@ -103,6 +103,9 @@ impl Env {
         .setting("max_connections", "120")
         .setting("log_min_messages", "warning")
         .setting("amqp_outbox.enabled", "on");
+        let config = extra_settings()?
+            .into_iter()
+            .fold(config, |c, (name, value)| c.setting(&name, value));
         let cluster = PgCluster::try_new(config)?;
         let mut admin = cluster.try_client()?;
         let bindir = pg_bindir()?;
@@ -541,4 +544,23 @@ fn stat_cpu_secs(path: &str) -> Option<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Some((utime + stime) / hz)
+}
+
+/// `BENCH_SETTINGS="name=value,name=value"`: settings added to the cluster's configuration
+/// after the bench's own (to measure another `amqp_outbox.batch_interval`, say). A value is
+/// written as given: quote strings the way postgresql.conf wants them.
+fn extra_settings() -> Result<Vec<(String, String)>, String> {
+    let Ok(list) = std::env::var("BENCH_SETTINGS") else {
+        return Ok(Vec::new());
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|item| match item.split_once('=') {
+            Some((name, value)) if !name.trim().is_empty() => {
+                Ok((name.trim().to_string(), value.trim().to_string()))
+            }
+            _ => Err(format!("BENCH_SETTINGS: {item:?} is not name=value")),
+        })
+        .collect()
 }

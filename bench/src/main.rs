@@ -8,7 +8,8 @@
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
 //! latency,scale,growth,consume,capacity,profile` to run a subset;
 //! `BENCH_CONSUME_N` messages per consume run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
-//! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_PROFILE=0` to skip perf.
+//! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_PROFILE=0` to skip perf;
+//! `BENCH_SETTINGS="amqp_outbox.batch_interval=0,…"` adds settings to the cluster's.
 //! `--charts <results.json>` prints the charts of an earlier run and exits.
 
 mod capacity;

@@ -301,9 +301,12 @@ fn set_latch(latch: &AtomicUsize) {
     }
 }
 
-/// Sets this database's outbox worker's latch. Never raises: it runs in a commit callback.
+/// Sets this database's outbox worker's latch, and makes its next wake-up claim as a commit's
+/// would (a wake-up with only confirms in it claims nothing): `amqp.wake()` after rows were
+/// inserted by hand. Never raises.
 pub fn wake_worker() {
     if let Some(s) = slot() {
+        s.commit_wake_armed.store(false, Ordering::Release);
         set_latch(&s.latch);
     }
 }

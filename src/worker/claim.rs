@@ -20,6 +20,22 @@ pub struct Claimed {
     pub commands: Vec<Command>,
     /// The claim filled its batch or byte budget: there is probably more, claim again at once.
     pub more: bool,
+    /// It handed over every row its snapshot showed due: every connected broker had room, none
+    /// was publishing suspects alone, nothing was left for later. Until a commit, a connection
+    /// change or a message leaving flight without proof, another claim would find nothing (a
+    /// confirm or an acknowledgement alone does not need one).
+    pub complete: bool,
+}
+
+impl Claimed {
+    /// Nothing claimed, and the next wake-up claims again.
+    pub fn nothing() -> Self {
+        Claimed {
+            commands: Vec::new(),
+            more: false,
+            complete: false,
+        }
+    }
 }
 
 pub fn claim(
@@ -57,11 +73,13 @@ pub fn claim(
     }
 
     let open = flight.open_brokers(settings.max_in_flight, settings.max_in_flight_bytes);
+    let every_broker_open = open.len() == flight.connected_brokers() && !flight.any_isolating();
     if open.is_empty() {
         park_all(client, parks)?;
         return Ok(Claimed {
             commands,
             more: false,
+            complete: false,
         });
     }
     let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
@@ -143,7 +161,11 @@ pub fn claim(
         });
     }
     park_all(client, parks)?;
-    Ok(Claimed { commands, more })
+    Ok(Claimed {
+        commands,
+        more,
+        complete: every_broker_open && !more && reach == Reach::End,
+    })
 }
 
 fn park_all(client: &mut SpiClient<'_>, parks: Vec<(i64, String)>) -> SpiResult<()> {

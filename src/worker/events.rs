@@ -19,6 +19,10 @@ pub fn take(
 ) -> Settlement {
     let mut s = Settlement::default();
     for event in events {
+        s.reopened |= !matches!(
+            event,
+            Event::Confirmed { .. } | Event::Acked { .. } | Event::Log { .. }
+        );
         match event {
             Event::Connected {
                 broker_id,

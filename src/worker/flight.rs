@@ -447,6 +447,16 @@ impl Flight {
             .chain(self.proven.iter().map(|p| p.id))
     }
 
+    /// Brokers with a connection.
+    pub fn connected_brokers(&self) -> usize {
+        self.brokers.values().filter(|b| b.connected).count()
+    }
+
+    /// Some broker publishes its suspects one at a time: each confirm lets the next one go.
+    pub fn any_isolating(&self) -> bool {
+        self.brokers.values().any(|b| b.isolating())
+    }
+
     /// Brokers whose suspects can be published now: connected, nothing else in flight.
     pub fn isolation_ready(&self) -> Vec<(i32, Vec<i64>)> {
         self.brokers

@@ -48,6 +48,10 @@ pub struct Worker {
     stepped_at: Option<Instant>,
     /// The last claim filled its batch: claim again without sleeping.
     more_work: bool,
+    /// The last claim took everything due, when [`Flight::released`] was this.
+    claimed_all: Option<u64>,
+    /// A retry or hold came due: the next step claims.
+    due_to_claim: bool,
 }
 
 impl Worker {
@@ -68,6 +72,8 @@ impl Worker {
             swept_at: Instant::now(),
             stepped_at: None,
             more_work: false,
+            claimed_all: None,
+            due_to_claim: false,
         }
     }
 
@@ -91,17 +97,6 @@ impl Worker {
             }
             self.brokers.reconnect(requests.disconnect, &self.handle);
 
-            if !self.more_work {
-                if let Some(gap) = self
-                    .stepped_at
-                    .and_then(|t| self.settings.batch_interval.checked_sub(t.elapsed()))
-                    .filter(|gap| !gap.is_zero())
-                {
-                    pg::sleep(gap);
-                }
-            }
-            // Before the snapshot of this step: a commit it does not see will wake the worker.
-            shmem::arm_commit_wake(self.settings.enabled);
             let mut settlement = events::take(
                 self.handle.drain_events(),
                 &self.settings,
@@ -121,7 +116,28 @@ impl Worker {
                 pg::wait(Some(self.handle.wake_fd()), timeout);
                 continue;
             }
+            if self.nothing_to_claim(&settlement) {
+                // Woken by confirms or acknowledgements only: no transaction, and the commit
+                // wake-up stays armed. A step here would also hold the next commit's claim
+                // back by `batch_interval`.
+                self.delete_delivered(false);
+                let reported = self.status.report(&self.flight);
+                pg::wait(Some(self.handle.wake_fd()), self.timeout(reported));
+                continue;
+            }
+            if !self.more_work {
+                if let Some(gap) = self
+                    .stepped_at
+                    .and_then(|t| self.settings.batch_interval.checked_sub(t.elapsed()))
+                    .filter(|gap| !gap.is_zero())
+                {
+                    pg::sleep(gap);
+                }
+            }
+            // Before the snapshot of this step: a commit it does not see will wake the worker.
+            shmem::arm_commit_wake(self.settings.enabled);
             self.stepped_at = Some(Instant::now());
+            self.due_to_claim = false;
             shmem::count(|c| &c.steps, 1);
             let claimed = self.step(settlement);
             if self.presence.missing() {
@@ -139,6 +155,7 @@ impl Worker {
                 self.exit();
             }
             self.more_work = claimed.more;
+            self.claimed_all = claimed.complete.then_some(self.flight.released());
             // Nothing to publish and nothing in flight: the table may be empty.
             let idle = claimed.commands.is_empty()
                 && !claimed.more
@@ -157,30 +174,65 @@ impl Worker {
                 self.shrink.when_idle();
             }
             let reported = self.status.report(&self.flight);
-            let mut timeout = if self.more_work {
-                Duration::ZERO
-            } else if !reported {
-                STATUS_EVERY.min(self.settings.naptime)
-            } else {
-                self.settings.naptime
-            };
-            // What has come due since this step's claim is claimed by the next one.
-            if let Some(due) = self.flight.holds.until_next_due(Instant::now()) {
-                if due.is_zero() {
-                    // A retry or hold came due: its row may be below the scan floor.
-                    self.floor.reset();
-                }
-                timeout = timeout.min(due);
-            }
-            let mut timeout = self.deletes_due(timeout);
-            if self.settings.enabled && shmem::commit_wake_taken() {
-                // A commit came during this step: the next one claims it, even if a wait inside
-                // the step's transactions reset the latch it set.
-                timeout = Duration::ZERO;
-            }
             // Events are drained at the top of the loop, whatever woke the worker.
-            pg::wait(Some(self.handle.wake_fd()), timeout);
+            pg::wait(Some(self.handle.wake_fd()), self.timeout(reported));
         }
+    }
+
+    /// Whether this wake-up can go without a step: the last claim took everything it saw
+    /// ([`Claimed::complete`]), and since then no commit came, nothing left flight without proof,
+    /// no connection changed, nothing came due and nothing needs writing. The naptime's step
+    /// still runs (rows inserted without `amqp.publish()`, a `COMMIT PREPARED`).
+    fn nothing_to_claim(&mut self, s: &Settlement) -> bool {
+        self.claimed_all == Some(self.flight.released())
+            && !self.more_work
+            && !s.reopened
+            && !self.settle_needed(s)
+            && !shmem::commit_wake_taken()
+            && self
+                .stepped_at
+                .is_some_and(|t| t.elapsed() < self.settings.naptime)
+            && {
+                self.next_due();
+                !self.due_to_claim
+            }
+    }
+
+    /// How long until a retry or hold comes due. One that came due since the last look is
+    /// claimed by the next step, reading from the lowest id (its row may be below the scan floor).
+    fn next_due(&mut self) -> Option<Duration> {
+        let due = self.flight.holds.until_next_due(Instant::now());
+        if due.is_some_and(|d| d.is_zero()) {
+            self.floor.reset();
+            self.due_to_claim = true;
+        }
+        due
+    }
+
+    /// How long to wait for a wake-up after a step (or a wake-up that needed none).
+    fn timeout(&mut self, reported: bool) -> Duration {
+        let since_step = self.stepped_at.map_or(Duration::ZERO, |t| t.elapsed());
+        let mut timeout = if self.more_work {
+            Duration::ZERO
+        } else if !reported {
+            STATUS_EVERY.min(self.settings.naptime)
+        } else {
+            self.settings.naptime.saturating_sub(since_step)
+        };
+        // What has come due since this step's claim is claimed by the next one.
+        if let Some(due) = self.next_due() {
+            timeout = timeout.min(due);
+        }
+        if self.due_to_claim {
+            timeout = Duration::ZERO;
+        }
+        let mut timeout = self.deletes_due(timeout);
+        if self.settings.enabled && shmem::commit_wake_taken() {
+            // A commit came during this step: the next one claims it, even if a wait inside
+            // the step's transactions reset the latch it set.
+            timeout = Duration::ZERO;
+        }
+        timeout
     }
 
     /// `timeout`, or less if delivered rows come due for their DELETE before.

@@ -21,6 +21,10 @@ pub struct Settlement {
     pub unsendable: Vec<(i64, String)>,
     /// Lost (gap rule) or without proof past the timeout: publish again, counting an attempt.
     pub resend: Vec<(Vec<i64>, &'static str)>,
+    /// A connection came or went, a broker's flow control changed, an attempt failed or the
+    /// AMQP thread stopped: rows the last claim could not take may be due now. (Confirms and
+    /// acknowledgements only prove deliveries.)
+    pub reopened: bool,
 }
 
 impl Settlement {

@@ -17,10 +17,7 @@ use pgrx::prelude::*;
 
 impl Worker {
     pub(super) fn step(&mut self, settlement: Settlement) -> Claimed {
-        let nothing = || Claimed {
-            commands: Vec::new(),
-            more: false,
-        };
+        let nothing = Claimed::nothing;
         if self.settle_needed(&settlement) {
             let claim_now =
                 super::pg::transaction("amqp_outbox: settle", || self.settle(settlement));
@@ -53,7 +50,7 @@ impl Worker {
     /// Whether the first transaction has anything to do. Under a steady load most steps have
     /// nothing to write (deletes are batched) and nothing due, and go straight to the claim,
     /// which looks for the extension too.
-    fn settle_needed(&self, settlement: &Settlement) -> bool {
+    pub(super) fn settle_needed(&self, settlement: &Settlement) -> bool {
         !settlement.is_empty()
             || !self.presence.present()
             || !self.settings.enabled

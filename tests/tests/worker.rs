@@ -992,6 +992,71 @@ fn commits_close_together_share_worker_steps() {
     );
 }
 
+/// A wake-up that brings only confirms or acknowledgements runs no step: the last claim took
+/// everything, so another would find nothing, and a step there would also hold the next commit
+/// back by `batch_interval`. One message at a time, each proven (confirmed and acknowledged)
+/// before the next: one step per commit, not one per commit, confirm and acknowledgement.
+#[test]
+fn confirms_and_acknowledgements_alone_do_not_run_a_step() {
+    const MESSAGES: i64 = 20;
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default()
+        .naptime_ms(60_000)
+        .setting("amqp_outbox.batch_interval", 0);
+    let mut f = World::new("quiet", config, &rabbit);
+    f.publish("quiet:warm-up");
+    f.collector.wait_for_body("quiet:warm-up", ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    let before = Outbox::worker_status(&mut f.client).expect("worker_status");
+
+    for i in 1..=MESSAGES {
+        let body = format!("quiet:{i}");
+        f.publish(&body);
+        f.collector.wait_for_body(&body, ARRIVAL);
+        let client = &mut f.client;
+        eventually(ARRIVAL, "the message's confirm and acknowledgement", || {
+            let now = Outbox::worker_status(client)?;
+            if now.confirmed >= before.confirmed + i && now.acknowledged >= before.acknowledged + i
+            {
+                Ok(())
+            } else {
+                Err(format!("{now:?}"))
+            }
+        });
+    }
+    let after = Outbox::worker_status(&mut f.client).expect("worker_status");
+    let steps = after.steps - before.steps;
+    eprintln!("{MESSAGES} messages one at a time: {steps} steps");
+    // A few more for the periodic checks (orphaned rows every 10 s).
+    assert!(
+        steps <= MESSAGES + 3,
+        "{steps} worker steps for {MESSAGES} commits: confirms or acknowledgements ran steps"
+    );
+}
+
+/// `amqp.wake()` claims at once what was inserted without `amqp.publish()` (no commit wake-up),
+/// even when the worker's last claim took everything: the wake-up counts as a commit's.
+#[test]
+fn wake_claims_a_row_inserted_by_hand_before_the_naptime() {
+    let rabbit = Rabbit::shared();
+    let mut f = World::new("handwake", PgConfig::default().naptime_ms(60_000), &rabbit);
+    f.publish("handwake:warm-up");
+    f.collector.wait_for_body("handwake:warm-up", ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    f.client
+        .execute(
+            "INSERT INTO amqp.message (broker_id, exchange, routing_key, body) \
+             VALUES ($1, $2, $3, 'handwake:1')",
+            &[&f.outbox.broker_id, &f.route.exchange, &f.route.routing_key],
+        )
+        .expect("INSERT INTO amqp.message");
+    f.client
+        .batch_execute("SELECT amqp.wake()")
+        .expect("amqp.wake()");
+    f.collector
+        .wait_for_body("handwake:1", Duration::from_secs(5));
+}
+
 /// A refused message is retried after the product's one backoff: at most
 /// `retry_backoff_min · 2^(attempt − 1)` (capped at `retry_backoff_max`), jittered down by up to
 /// half but never below `retry_backoff_min`; and the worker wakes up for it: with a naptime of a
