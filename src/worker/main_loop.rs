@@ -184,7 +184,10 @@ impl Worker {
     /// no connection changed, nothing came due and nothing needs writing. The naptime's step
     /// still runs (rows inserted without `amqp.publish()`, a `COMMIT PREPARED`).
     fn nothing_to_claim(&mut self, s: &Settlement) -> bool {
-        self.claimed_all == Some(self.flight.released())
+        // First, whatever else holds: a retry come due lowers the scan floor for this step.
+        self.next_due();
+        !self.due_to_claim
+            && self.claimed_all == Some(self.flight.released())
             && !self.more_work
             && !s.reopened
             && !self.settle_needed(s)
@@ -192,10 +195,6 @@ impl Worker {
             && self
                 .stepped_at
                 .is_some_and(|t| t.elapsed() < self.settings.naptime)
-            && {
-                self.next_due();
-                !self.due_to_claim
-            }
     }
 
     /// How long until a retry or hold comes due. One that came due since the last look is
@@ -222,9 +221,6 @@ impl Worker {
         // What has come due since this step's claim is claimed by the next one.
         if let Some(due) = self.next_due() {
             timeout = timeout.min(due);
-        }
-        if self.due_to_claim {
-            timeout = Duration::ZERO;
         }
         let mut timeout = self.deletes_due(timeout);
         if self.settings.enabled && shmem::commit_wake_taken() {

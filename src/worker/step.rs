@@ -17,19 +17,18 @@ use pgrx::prelude::*;
 
 impl Worker {
     pub(super) fn step(&mut self, settlement: Settlement) -> Claimed {
-        let nothing = Claimed::nothing;
         if self.settle_needed(&settlement) {
             let claim_now =
                 super::pg::transaction("amqp_outbox: settle", || self.settle(settlement));
             if !claim_now {
-                return nothing();
+                return Claimed::nothing();
             }
         }
         super::pg::transaction("amqp_outbox: claim", || {
             // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
             // between leaves the claim for the next step, which finds it gone).
             if !self.presence.still_installed() {
-                return nothing();
+                return Claimed::nothing();
             }
             let result = Spi::connect_mut(|client| {
                 claim::claim(

@@ -74,6 +74,14 @@ impl World {
         }
     }
 
+    /// One message delivered and its row deleted: the worker is connected and idle, and what the
+    /// test measures next starts from there.
+    pub fn warm_up(&mut self) {
+        self.publish("warm-up");
+        self.collector.wait_for_body("warm-up", ARRIVAL);
+        Outbox::wait_drained(&mut self.client, ARRIVAL);
+    }
+
     pub fn publish(&mut self, body: &str) {
         let (ex, rk) = (self.route.exchange.clone(), self.route.routing_key.clone());
         self.outbox.publish(&mut self.client, &ex, &rk, body);

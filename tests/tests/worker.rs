@@ -866,9 +866,7 @@ fn a_terminated_worker_deletes_what_was_delivered_before_it_exits() {
 fn a_commit_while_the_worker_waits_for_a_lock_is_not_left_to_the_naptime() {
     let rabbit = Rabbit::shared();
     let mut f = World::new("lockwake", PgConfig::default().naptime_ms(60_000), &rabbit);
-    f.publish("lockwake:warm-up");
-    f.collector.wait_for_body("lockwake:warm-up", ARRIVAL);
-    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    f.warm_up();
     let worker = f
         .cluster
         .worker_pid(&mut f.client)
@@ -915,9 +913,7 @@ fn commit_wakes_the_idle_worker_before_its_naptime() {
     let rabbit = Rabbit::shared();
     let mut f = World::new("wake", PgConfig::default().naptime_ms(60_000), &rabbit);
     // Connected and idle: the warm-up message goes out at the connection's step.
-    f.publish("wake:warm-up");
-    f.collector.wait_for_body("wake:warm-up", ARRIVAL);
-    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    f.warm_up();
     let before = Outbox::worker_status(&mut f.client).expect("worker_status");
 
     f.publish("wake:1");
@@ -968,9 +964,7 @@ fn commits_close_together_share_worker_steps() {
         .naptime_ms(60_000)
         .setting("amqp_outbox.batch_interval", 1000);
     let mut f = World::new("coalesce", config, &rabbit);
-    f.publish("co:warm-up");
-    f.collector.wait_for_body("co:warm-up", ARRIVAL);
-    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    f.warm_up();
     let before = Outbox::worker_status(&mut f.client).expect("worker_status");
 
     for i in 0..BURST {
@@ -1004,9 +998,7 @@ fn confirms_and_acknowledgements_alone_do_not_run_a_step() {
         .naptime_ms(60_000)
         .setting("amqp_outbox.batch_interval", 0);
     let mut f = World::new("quiet", config, &rabbit);
-    f.publish("quiet:warm-up");
-    f.collector.wait_for_body("quiet:warm-up", ARRIVAL);
-    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    f.warm_up();
     let before = Outbox::worker_status(&mut f.client).expect("worker_status");
 
     for i in 1..=MESSAGES {
@@ -1040,9 +1032,7 @@ fn confirms_and_acknowledgements_alone_do_not_run_a_step() {
 fn wake_claims_a_row_inserted_by_hand_before_the_naptime() {
     let rabbit = Rabbit::shared();
     let mut f = World::new("handwake", PgConfig::default().naptime_ms(60_000), &rabbit);
-    f.publish("handwake:warm-up");
-    f.collector.wait_for_body("handwake:warm-up", ARRIVAL);
-    Outbox::wait_drained(&mut f.client, ARRIVAL);
+    f.warm_up();
     f.client
         .execute(
             "INSERT INTO amqp.message (broker_id, exchange, routing_key, body) \
