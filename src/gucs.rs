@@ -11,7 +11,8 @@ pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static MAX_MESSAGE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024 * 1024);
 pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(1000);
-pub static BATCH_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1);
+/// Milliseconds, fractions allowed ('500us').
+pub static BATCH_INTERVAL: GucSetting<f64> = GucSetting::<f64>::new(0.5);
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(500);
 pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(2000);
 pub static MAX_IN_FLIGHT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(32 * 1024 * 1024);
@@ -107,13 +108,13 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
-    GucRegistry::define_int_guc(
+    GucRegistry::define_float_guc(
         c"amqp_outbox.batch_interval",
         c"Shortest time between two claims while commits keep coming.",
-        c"Under load the worker waits this long after a step before the next, so one claim takes everything committed meanwhile: longer means larger batches and less CPU per message, and up to this much more latency. An idle worker claims a new commit at once. 0 claims after every wake-up.",
+        c"Under load the worker waits this long after a step before the next, so one claim takes everything committed meanwhile: longer means larger batches and less CPU per message, and up to this much more latency. Fractions are allowed ('250us'). An idle worker claims a new commit at once. 0 claims after every wake-up.",
         &BATCH_INTERVAL,
-        0,
-        1000,
+        0.0,
+        1000.0,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
@@ -356,6 +357,11 @@ fn ms(setting: &GucSetting<i32>) -> Duration {
     Duration::from_millis(setting.get().max(0) as u64)
 }
 
+fn fractional_ms(setting: &GucSetting<f64>) -> Duration {
+    // The GUC's own bounds keep it finite and within 0..=1000.
+    Duration::try_from_secs_f64(setting.get() / 1000.0).unwrap_or_default()
+}
+
 /// The settings the worker uses, copied once per reload so the loop never reads a GUC mid-way.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerSettings {
@@ -389,7 +395,7 @@ impl WorkerSettings {
             max_message_size: MAX_MESSAGE_SIZE.get().max(0) as usize,
             max_attempts: MAX_ATTEMPTS.get(),
             naptime: ms(&NAPTIME),
-            batch_interval: ms(&BATCH_INTERVAL),
+            batch_interval: fractional_ms(&BATCH_INTERVAL),
             batch_size: BATCH_SIZE.get().max(1) as usize,
             max_in_flight: MAX_IN_FLIGHT.get().max(1) as usize,
             max_in_flight_bytes: MAX_IN_FLIGHT_BYTES.get().max(1024) as usize,

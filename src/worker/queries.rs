@@ -40,22 +40,23 @@ pub(crate) fn run_kept<'conn, R>(
     read: impl FnOnce(pgrx::spi::SpiTupleTable<'conn>) -> SpiResult<R>,
 ) -> SpiResult<R> {
     PLANS.with_borrow_mut(|plans| {
-        let plan = match plans.entry(sql.to_owned()) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
+        // Looked up by the borrowed text: the key is copied only when the plan is made.
+        let plan = match plans.get(sql) {
+            Some(plan) => plan,
+            None => {
                 let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
                 let prepared = if mutating {
                     client.prepare_mut(sql, &oids)?
                 } else {
                     client.prepare(sql, &oids)?
                 };
-                v.insert(prepared.keep())
+                plans.entry(sql.to_owned()).or_insert(prepared.keep())
             }
         };
         let table = if mutating {
-            client.update(&*plan, None, args)?
+            client.update(plan, None, args)?
         } else {
-            client.select(&*plan, None, args)?
+            client.select(plan, None, args)?
         };
         read(table)
     })
