@@ -639,6 +639,10 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
                 "ack_queue_classic".into(),
                 crate::report::median(&rates(&ackq)),
             );
+            run.shared.insert(
+                "raw_like_outbox_classic".into(),
+                crate::report::median(&like_r),
+            );
         }
         details.push(json!({
             "queue": qt, "n": n, "raw_msg_per_sec": raw_r, "raw_broker_cpu_us_per_msg": raw_broker,
@@ -1009,6 +1013,32 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             )
             .samples(vec![rate])
             .baseline(&format!("{} backlog", opts.drain_n), vec![r200]),
+        );
+    }
+    // The drain leaves the backlog in the queue (nothing consumes it): a publisher that sends
+    // as many messages into the same unconsumed queue tells RabbitMQ's share of a large
+    // backlog's slowdown from the worker's.
+    let (raw_same, _) = raw_once(env, &route, &body, n, RawProps::LikeOutbox)?;
+    run.fig(
+        Figure::new(
+            sec,
+            "drain rate / raw lapin with the worker's properties, as many messages into the same unconsumed queue",
+            &cfg,
+            "msg/s",
+        )
+        .samples(vec![rate])
+        .baseline("raw, worker's properties", vec![raw_same]),
+    );
+    if let Some(like_small) = run.shared.get("raw_like_outbox_classic").copied() {
+        run.fig(
+            Figure::new(
+                sec,
+                "raw lapin with the worker's properties: this backlog's size / the drain's (reference)",
+                &cfg,
+                "msg/s",
+            )
+            .samples(vec![raw_same])
+            .baseline(&format!("{} messages", opts.drain_n), vec![like_small]),
         );
     }
     run.fig(
