@@ -289,6 +289,18 @@ impl PgCluster {
         tail(&self.log(), n)
     }
 
+    /// Waits until the log contains `text` (a line the server writes after what the test saw,
+    /// such as the worker's report of a committed change); panics with the log's tail.
+    pub fn wait_for_log(&self, text: &str, timeout: Duration) {
+        eventually(timeout, &format!("{text:?} in the server log"), || {
+            if self.log().contains(text) {
+                Ok(())
+            } else {
+                Err(self.log_tail(20))
+            }
+        });
+    }
+
     pub fn is_running(&self) -> bool {
         self.running
     }

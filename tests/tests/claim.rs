@@ -172,19 +172,9 @@ fn a_drained_backlog_gives_its_space_back_once_nobody_uses_the_table() {
     });
     // The worker logs after its TRUNCATE has committed, so the smaller size can be seen a
     // moment before the line is written.
-    eventually(
+    f.cluster.wait_for_log(
+        "amqp.message was empty; truncated it",
         Duration::from_secs(5),
-        "the worker to say what it did",
-        || {
-            if f.cluster
-                .log()
-                .contains("amqp.message was empty; truncated it")
-            {
-                Ok(())
-            } else {
-                Err(f.cluster.log_tail(20))
-            }
-        },
     );
     // Still publishing after the TRUNCATE (the worker's kept plans follow the new files).
     f.publish("after-shrink");
@@ -225,13 +215,8 @@ fn a_failing_truncate_leaves_the_table_and_delivery_alone() {
         )
         .expect("a backlog of 5,000");
     f.collector.wait_for_count(5_000, BULK_ARRIVAL);
-    eventually(ARRIVAL, "the refused TRUNCATE to be logged", || {
-        if f.cluster.log().contains("e2e: no TRUNCATE of the outbox") {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    });
+    f.cluster
+        .wait_for_log("e2e: no TRUNCATE of the outbox", ARRIVAL);
     assert!(excess_bytes(&mut f.client) > 64 * 1024, "not truncated");
     f.publish("after-refusal");
     f.collector.wait_for_body("after-refusal", ARRIVAL);

@@ -264,14 +264,10 @@ fn databases_beyond_max_workers_are_listed_with_a_warning_and_served_when_room_f
         }
     });
     assert_eq!(state, "not served: amqp_outbox.max_workers reached");
-    eventually(UP, "the WARNING in the server log", || {
-        let log = cluster.log();
-        if log.contains("database \"shop_a\" is not served: amqp_outbox.max_workers (1)") {
-            Ok(())
-        } else {
-            Err(cluster.log_tail(10))
-        }
-    });
+    cluster.wait_for_log(
+        "database \"shop_a\" is not served: amqp_outbox.max_workers (1)",
+        UP,
+    );
     a.publish(10);
     // Room frees: e2e loses its extension (nothing waits in its outbox).
     e2e.client

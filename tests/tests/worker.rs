@@ -627,14 +627,7 @@ fn wrong_broker_password_is_reported_without_the_password_and_fixed_by_update() 
             }
         },
     );
-    eventually(ARRIVAL, "the failed login in the server log", || {
-        let log = cluster.log();
-        if log.contains(&format!("broker {broker_id}")) {
-            Ok(())
-        } else {
-            Err(cluster.log_tail(5))
-        }
-    });
+    cluster.wait_for_log(&format!("broker {broker_id}"), ARRIVAL);
     assert_eq!(
         collector.len(),
         0,
