@@ -979,6 +979,26 @@ fn commits_close_together_share_worker_steps() {
     );
 }
 
+/// `amqp_outbox.batch_interval` takes fractions of a millisecond from postgresql.conf (it was
+/// whole milliseconds, where '250us' rounded to 0), and the worker delivers with them.
+#[test]
+fn a_fractional_batch_interval_is_kept_and_delivers() {
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default().setting("amqp_outbox.batch_interval", "'250us'");
+    let mut f = World::new("fraction", config, &rabbit);
+    let shown: String = f
+        .client
+        .query_one("SHOW amqp_outbox.batch_interval", &[])
+        .expect("SHOW")
+        .get(0);
+    assert_eq!(shown, "250us");
+    for i in 0..20 {
+        f.publish(&format!("fraction:{i}"));
+    }
+    f.collector.wait_for_count(20, ARRIVAL);
+    Outbox::wait_drained(&mut f.client, ARRIVAL);
+}
+
 /// A wake-up that brings only confirms or acknowledgements runs no step: the last claim took
 /// everything, so another would find nothing, and a step there would also hold the next commit
 /// back by `batch_interval`. One message at a time, each proven (confirmed and acknowledged)
