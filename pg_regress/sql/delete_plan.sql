@@ -31,10 +31,13 @@ WITH t AS (
     RETURNING m.id, m.message_id, m.broker_id, m.exchange, m.routing_key, m.system_id,
               m.host_id, m.business_key, m.traceparent, m.producer_pid, m.producer_started_at,
               m.created_at, m.attempts, m.resends, t.published, t.confirmed, t.acknowledged,
-              to_timestamp(t.message_at / 1000000.0) AS message_at,
+              -- float8, not numeric: numeric becomes float8 through text (same values).
+              to_timestamp(t.message_at / 1e6::float8) AS message_at,
               coalesce(m.business_type, m.routing_key) AS kind,
-              CASE WHEN EXISTS (SELECT FROM amqp.monitor_rule k
-                                 WHERE k.business_type = coalesce(m.business_type, m.routing_key))
+              -- The first EXISTS runs once per statement: without rules, no lookup per row.
+              CASE WHEN EXISTS (SELECT FROM amqp.monitor_rule)
+                         AND EXISTS (SELECT FROM amqp.monitor_rule k
+                                      WHERE k.business_type = coalesce(m.business_type, m.routing_key))
                    THEN m END AS kept
 ), p AS (
     INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key,
@@ -44,8 +47,8 @@ WITH t AS (
     SELECT d.message_id, d.message_at, d.id, d.broker_id, d.exchange, d.routing_key,
            coalesce(d.system_id, $6), coalesce(d.host_id, $7), d.kind, d.business_key,
            d.traceparent, d.producer_pid, d.producer_started_at, d.created_at,
-           to_timestamp(d.published / 1000000.0), to_timestamp(d.confirmed / 1000000.0),
-           to_timestamp(d.acknowledged / 1000000.0), d.attempts, r.consumers,
+           to_timestamp(d.published / 1e6::float8), to_timestamp(d.confirmed / 1e6::float8),
+           to_timestamp(d.acknowledged / 1e6::float8), d.attempts, r.consumers,
            (d.kept).body, (d.kept).headers, (d.kept).delivery_mode, (d.kept).content_type,
            (d.kept).reply_to, (d.kept).correlation_id
       FROM d LEFT JOIN amqp.monitor_rule r ON r.business_type = d.kind

@@ -11,7 +11,8 @@ SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, 
            AND broker_id = ANY ($1)
            AND parked_at IS NULL
            AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-           AND id <> ALL ($3)
+           -- Hashed once per run; `id <> ALL ($3)` compared each row with every id in flight.
+           AND id NOT IN (SELECT unnest($3::int8[]))
          ORDER BY id
          LIMIT $2) candidates
  WHERE upto - size < $4
