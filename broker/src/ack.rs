@@ -1,8 +1,10 @@
 //! Acknowledgement records (`AckQueue` mode): their format, and the tracker that turns an
 //! arriving record into `Acked` and `Lost` ids.
 //!
-//! After the business messages of a publish command, the publisher sends one small record to the
-//! acknowledgement queue on the same channel. RabbitMQ handles one channel's publishes in order
+//! After business messages, the publisher sends one small record listing them to the
+//! acknowledgement queue on the same channel: after each solo message and each command of many
+//! messages at once, and for small commands once a few milliseconds have gathered several of
+//! them (`publisher.rs`, `RECORD_MIN_IDS`). RabbitMQ handles one channel's publishes in order
 //! and keeps their order into one queue, so when record N of a channel arrives, every message
 //! published before it was routed (or returned, which the confirm tells), and any earlier record
 //! of that channel that has not arrived by then never will: its messages were lost in transit.

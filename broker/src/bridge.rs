@@ -44,9 +44,10 @@ pub enum Command {
     /// channel arrives, otherwise the worker's own timeout handles it. (If the channel is down
     /// or dies before its turn, it fails `Transient` like any other.)
     ///
-    /// In `AckQueue` mode the messages of each command (each message, with `solo`) are followed
-    /// on the same channel by one acknowledgement record to `ack_queue` (default exchange,
-    /// mandatory, persistent, `application/json`):
+    /// In `AckQueue` mode the messages are followed on the same channel by an acknowledgement
+    /// record listing them: each message at once with `solo`, a command of many messages at
+    /// once, small commands together within a few milliseconds. It goes to `ack_queue` (default
+    /// exchange, mandatory, persistent, `application/json`):
     /// `{"v":1,"session":"<hex u64 per AMQP thread>","epoch":E,"seq":N,"ids":[…]}`, `seq`
     /// numbering the records of channel `E` from 1. The record's own confirm is not reported.
     Publish {
@@ -109,6 +110,8 @@ pub enum Event {
         broker_id: i32,
         epoch: u64,
         ids: Vec<i64>,
+        /// How many records listed them (records arriving together become one event).
+        records: usize,
     },
     /// `AckQueue` mode, the gap rule: these messages were published on channel `epoch` before a
     /// message whose acknowledgement record has arrived, and their own record did not arrive

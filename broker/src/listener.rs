@@ -174,6 +174,14 @@ impl Client for Listener {
     }
 }
 
+/// What the records of one channel in one burst of deliveries said.
+#[derive(Default)]
+struct EpochSeen {
+    lost: Vec<i64>,
+    acked: Vec<i64>,
+    records: usize,
+}
+
 impl Listener {
     fn id(&self) -> i32 {
         self.cfg.broker_id
@@ -247,7 +255,7 @@ impl Listener {
     /// Turns a batch of record bodies into events: per epoch one Lost (first: those records
     /// were published before the acknowledged ones) and one Acked.
     fn handle(&self, bodies: &[Vec<u8>]) {
-        let mut per_epoch: BTreeMap<(i32, u64), (Vec<i64>, Vec<i64>)> = BTreeMap::new();
+        let mut per_epoch: BTreeMap<(i32, u64), EpochSeen> = BTreeMap::new();
         let mut foreign = 0usize;
         let mut unknown = 0usize;
         let mut malformed: Vec<String> = Vec::new();
@@ -270,11 +278,20 @@ impl Listener {
                     continue;
                 };
                 let entry = per_epoch.entry((seen.broker_id, record.epoch)).or_default();
-                entry.0.extend(seen.lost);
-                entry.1.extend(seen.acked);
+                entry.lost.extend(seen.lost);
+                entry.acked.extend(seen.acked);
+                entry.records += 1;
             }
         }
-        for ((broker_id, epoch), (lost, acked)) in per_epoch {
+        for (
+            (broker_id, epoch),
+            EpochSeen {
+                lost,
+                acked,
+                records,
+            },
+        ) in per_epoch
+        {
             if !lost.is_empty() {
                 self.sink.send(Event::Lost {
                     broker_id,
@@ -287,6 +304,7 @@ impl Listener {
                     broker_id,
                     epoch,
                     ids: acked,
+                    records,
                 });
             }
         }

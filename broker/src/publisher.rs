@@ -39,6 +39,15 @@ const NACKS_BEFORE_RECONNECT: u32 = 5;
 /// How often an idle task checks that its channel is still open.
 const CHANNEL_CHECK: Duration = Duration::from_secs(1);
 
+/// A command that leaves fewer ids than this unrecorded does not get a record of its own: the
+/// record waits up to [`RECORD_DELAY`] for the next commands' ids. At moderate rates a command
+/// holds a message or two, and a record for each would double what the broker stores, routes
+/// and delivers; a drain's large commands still get theirs at once.
+const RECORD_MIN_IDS: usize = 64;
+/// How long published ids may wait for their record. Far below the worker's batching of the
+/// DELETE (20 ms), so rows are deleted no later; a loss is revealed this much later at most.
+const RECORD_DELAY: Duration = Duration::from_millis(5);
+
 pub(crate) enum Job {
     Publish(Batch),
     SetConfirmTimeout(Duration),
@@ -111,6 +120,8 @@ struct Publisher {
     records_unsettled: HashMap<u64, String>,
     /// Ids published since the last record: the next record lists them.
     batch_ids: Vec<i64>,
+    /// When the next record is due, while `batch_ids` waits for more (see [`RECORD_MIN_IDS`]).
+    record_due: Option<Instant>,
     /// The last record number used on this channel (records are numbered 1, 2, …).
     record_seq: u64,
     /// A refused record was logged on this channel: one line per channel, not per batch.
@@ -143,6 +154,7 @@ pub(crate) async fn run(
         solo_unsettled: 0,
         records_unsettled: HashMap::new(),
         batch_ids: Vec::new(),
+        record_due: None,
         record_seq: 0,
         record_warned: false,
         blocked,
@@ -185,9 +197,17 @@ impl Publisher {
             // The sleep future is built even when its branch is disabled: give it some instant.
             let sleep_until =
                 deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let record_at = self
+                .record_due
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 biased;
-                reason = &mut *stop => return self.stopped(reason),
+                reason = &mut *stop => {
+                    // Best effort: what was confirmed is then proven without waiting for the
+                    // timeout sweep. A channel already closing refuses it, which changes nothing.
+                    let _ = self.send_record().await;
+                    return self.stopped(reason);
+                }
                 Some(first) = self.confirms.next(), if !self.confirms.is_empty() => {
                     let batch = self.ready_batch(first);
                     if let Some(err) = self.settle(batch) {
@@ -212,6 +232,11 @@ impl Publisher {
                     let text = self.hung_text();
                     self.fail_everything(&text);
                     return ChannelEnd::Hung(text);
+                }
+                _ = tokio::time::sleep_until(record_at), if self.record_due.is_some() => {
+                    if let Some(end) = self.publish_record(stop).await {
+                        return end;
+                    }
                 }
                 _ = check.tick() => {
                     // A channel closed with nothing in flight has no confirm to tell us.
@@ -259,6 +284,12 @@ impl Publisher {
     /// for the ones before it to settle. In `AckQueue` mode a record follows the messages of each
     /// Publish command (each message, when solo).
     async fn publish_ready(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
+        // A record come due goes first, even while confirms keep the select's timer unpolled.
+        if self.record_due.is_some_and(|t| t <= Instant::now()) {
+            if let Some(end) = self.publish_record(stop).await {
+                return Some(end);
+            }
+        }
         while let Some(front) = self.queue.front_mut() {
             let solo = front.solo();
             // A solo message goes out alone: after everything before it settled, and before
@@ -338,9 +369,13 @@ impl Publisher {
                     }
                 }
             }
-            if (solo || last) && !self.batch_ids.is_empty() {
-                if let Some(end) = self.publish_record(stop).await {
-                    return Some(end);
+            if !self.batch_ids.is_empty() {
+                if solo || (last && self.batch_ids.len() >= RECORD_MIN_IDS) {
+                    if let Some(end) = self.publish_record(stop).await {
+                        return Some(end);
+                    }
+                } else if last && self.record_due.is_none() {
+                    self.record_due = Some(Instant::now() + RECORD_DELAY);
                 }
             }
             if solo && published {
@@ -395,14 +430,26 @@ impl Publisher {
         }
     }
 
-    /// Publishes the record of `batch_ids` to the acknowledgement queue, on this channel, after
-    /// the messages it lists. It is registered with the tracker first, so the listener can never
-    /// see a record the tracker does not know.
+    /// Publishes the record of `batch_ids`; a channel that refuses it is dying.
     async fn publish_record(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
+        match self.send_record().await {
+            Ok(()) => None,
+            Err(e) => Some(self.dying(Some(e), stop).await),
+        }
+    }
+
+    /// Publishes the record of `batch_ids` (if any) to the acknowledgement queue, on this
+    /// channel, after the messages it lists. It is registered with the tracker first, so the
+    /// listener can never see a record the tracker does not know. `Err`: the channel refused it.
+    async fn send_record(&mut self) -> lapin::Result<()> {
+        self.record_due = None;
         let ids = std::mem::take(&mut self.batch_ids);
         let Some(a) = &self.ctx.ack else {
-            return None;
+            return Ok(());
         };
+        if ids.is_empty() {
+            return Ok(());
+        }
         self.record_seq += 1;
         let (epoch, seq) = (self.ctx.epoch, self.record_seq);
         let body = ack::record_body(&a.session, epoch, seq, &ids);
@@ -417,20 +464,16 @@ impl Publisher {
             Err(e) => {
                 // Cannot happen (the id is short); the record is then simply missing.
                 self.warn_record(&e);
-                return None;
+                return Ok(());
             }
         };
         let channel = self.ctx.channel.clone();
-        match Self::start(channel, ShortString::from(""), queue, body, properties).await {
-            Ok(publish) => {
-                let seq = self.next_seq;
-                self.next_seq += 1;
-                self.records_unsettled.insert(seq, message_id);
-                self.confirms.push(publish.map(move |r| (seq, r)).boxed());
-                None
-            }
-            Err(e) => Some(self.dying(Some(e), stop).await),
-        }
+        let publish = Self::start(channel, ShortString::from(""), queue, body, properties).await?;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.records_unsettled.insert(seq, message_id);
+        self.confirms.push(publish.map(move |r| (seq, r)).boxed());
+        Ok(())
     }
 
     /// A record was refused: its messages will be reported Lost or time out. Said once per
@@ -673,6 +716,7 @@ impl Publisher {
         self.returned.clear();
         self.records_unsettled.clear();
         self.batch_ids.clear();
+        self.record_due = None;
     }
 
     fn fail(&self, id: i64, failure: Failure, error: &str) {

@@ -287,6 +287,35 @@ fn lose_in_transit_is_reported_lost_and_the_rest_acked() {
 }
 
 #[test]
+fn small_commands_share_a_record() {
+    let mut admin = Admin::new();
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_share", "share_q");
+    let (mut bridge, _) = ack_bridge(&ack_q, false);
+
+    // 20 commands of one message each, back to back, as the worker sends them at a moderate
+    // rate, and then nothing: the record must come without a later command.
+    let small: BTreeSet<i64> = (1..=20).collect();
+    for id in &small {
+        bridge.publish(B, vec![message(*id, "", &queue)], false);
+    }
+    let mut records = 0;
+    let mut t = Tally::default();
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        t.add(e);
+        if let Event::Acked { records: n, .. } = e {
+            records += n;
+        }
+        (t.acked.len() == small.len() && t.confirmed.len() == small.len()).then_some(())
+    });
+    assert!(t.failed.is_empty() && t.lost.is_empty(), "{t:?}");
+    assert_eq!(t.acked, small);
+    // A record per command would make 20; these wait together for one (a few, if the thread
+    // was slow to take the commands).
+    assert!((1..=3).contains(&records), "{records} records");
+    assert_eq!(admin.queue_len(&queue), 20);
+}
+
+#[test]
 fn records_of_another_session_and_malformed_ones_are_ignored() {
     let mut admin = Admin::new();
     let (ack_q, queue) = acks_and_target(&mut admin, "acks_foreign", "foreign_q");
