@@ -290,13 +290,22 @@ impl Publisher {
                 return Some(end);
             }
         }
-        while let Some(front) = self.queue.front_mut() {
-            let solo = front.solo();
+        while let Some(solo) = self.queue.front().map(Batch::solo) {
+            // A solo message may be one that closes the channel: the ids waiting for a record
+            // get theirs before it, or a channel error would leave them to the timeout sweep.
+            if solo && !self.batch_ids.is_empty() {
+                if let Some(end) = self.publish_record(stop).await {
+                    return Some(end);
+                }
+            }
             // A solo message goes out alone: after everything before it settled, and before
             // anything after it, so a channel error can only be its own.
             if (solo && !self.unsettled.is_empty()) || self.solo_unsettled > 0 {
                 return None;
             }
+            let Some(front) = self.queue.front_mut() else {
+                break;
+            };
             let Some(mut msg) = front.take_next() else {
                 self.queue.pop_front();
                 continue;
