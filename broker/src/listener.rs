@@ -283,28 +283,20 @@ impl Listener {
                 entry.records += 1;
             }
         }
-        for (
-            (broker_id, epoch),
-            EpochSeen {
-                lost,
-                acked,
-                records,
-            },
-        ) in per_epoch
-        {
-            if !lost.is_empty() {
+        for ((broker_id, epoch), seen) in per_epoch {
+            if !seen.lost.is_empty() {
                 self.sink.send(Event::Lost {
                     broker_id,
                     epoch,
-                    ids: lost,
+                    ids: seen.lost,
                 });
             }
-            if !acked.is_empty() {
+            if !seen.acked.is_empty() {
                 self.sink.send(Event::Acked {
                     broker_id,
                     epoch,
-                    ids: acked,
-                    records,
+                    ids: seen.acked,
+                    records: seen.records,
                 });
             }
         }

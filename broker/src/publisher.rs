@@ -194,12 +194,8 @@ impl Publisher {
                     .next()
                     .map(|p| later(p.sent_at.max(self.resumed_at), self.ctx.confirm_timeout))
             };
-            // The sleep future is built even when its branch is disabled: give it some instant.
-            let sleep_until =
-                deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
-            let record_at = self
-                .record_due
-                .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let sleep_until = some_instant(deadline);
+            let record_at = some_instant(self.record_due);
             tokio::select! {
                 biased;
                 reason = &mut *stop => {
@@ -233,11 +229,8 @@ impl Publisher {
                     self.fail_everything(&text);
                     return ChannelEnd::Hung(text);
                 }
-                _ = tokio::time::sleep_until(record_at), if self.record_due.is_some() => {
-                    if let Some(end) = self.publish_record(stop).await {
-                        return end;
-                    }
-                }
+                // Only wakes the loop: `publish_ready` sends the record that came due.
+                _ = tokio::time::sleep_until(record_at), if self.record_due.is_some() => {}
                 _ = check.tick() => {
                     // A channel closed with nothing in flight has no confirm to tell us.
                     if !self.ctx.channel.status().connected() && self.confirms.is_empty() {
@@ -281,10 +274,12 @@ impl Publisher {
     }
 
     /// Publishes queued messages, in order, until the queue is empty or a solo message must wait
-    /// for the ones before it to settle. In `AckQueue` mode a record follows the messages of each
-    /// Publish command (each message, when solo).
+    /// for the ones before it to settle. In `AckQueue` mode it also publishes the record of the
+    /// ids published so far: once due, before a solo message and after it, and after a command
+    /// that leaves at least [`RECORD_MIN_IDS`] of them (else it sets `record_due`).
     async fn publish_ready(&mut self, stop: &mut oneshot::Receiver<String>) -> Option<ChannelEnd> {
-        // A record come due goes first, even while confirms keep the select's timer unpolled.
+        // A record come due goes first (woken by its timer, or passing by while confirms keep
+        // the select's other branches busy).
         if self.record_due.is_some_and(|t| t <= Instant::now()) {
             if let Some(end) = self.publish_record(stop).await {
                 return Some(end);
@@ -740,6 +735,11 @@ impl Publisher {
     fn describe(&self, e: &lapin::Error) -> String {
         self.ctx.redactor.clean(&describe_error(e))
     }
+}
+
+/// A sleep future is built even when its branch is disabled: give it some instant.
+fn some_instant(t: Option<Instant>) -> Instant {
+    t.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600))
 }
 
 /// `t + d`, without the panic of an overflowing Instant (a huge timeout means "never").
