@@ -316,6 +316,36 @@ fn small_commands_share_a_record() {
 }
 
 #[test]
+fn waiting_ids_get_their_record_before_a_solo_message_that_closes_the_channel() {
+    let mut admin = Admin::new();
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_doomed", "doomed_q");
+    let (exchange, _) = admin.direct_route("doomed");
+    let (mut bridge, _) = ack_bridge(&ack_q, false);
+
+    // Once published to, the exchange is known on this connection and not probed again; deleted
+    // afterwards, a publish to it makes the broker close the channel (404).
+    bridge.publish(B, vec![message(1, &exchange, "rk")], false);
+    collect(&mut bridge, Duration::from_secs(30), |t| {
+        t.acked.contains(&1)
+    });
+    admin.delete_exchange(&exchange);
+
+    // Small commands whose ids wait for a shared record, then a solo message that kills the
+    // channel: their record must go out before it, or nothing ever acknowledges them here.
+    let small: BTreeSet<i64> = (10..=14).collect();
+    for id in &small {
+        bridge.publish(B, vec![message(*id, "", &queue)], false);
+    }
+    bridge.publish(B, vec![message(99, &exchange, "rk")], true);
+    let t = collect(&mut bridge, Duration::from_secs(20), |t| {
+        small.is_subset(&t.acked) && t.failed.contains_key(&99)
+    });
+    assert!(small.is_subset(&t.acked), "{t:?}");
+    assert!(small.is_subset(&t.confirmed), "{t:?}");
+    assert!(t.lost.is_empty(), "{t:?}");
+}
+
+#[test]
 fn records_of_another_session_and_malformed_ones_are_ignored() {
     let mut admin = Admin::new();
     let (ack_q, queue) = acks_and_target(&mut admin, "acks_foreign", "foreign_q");
