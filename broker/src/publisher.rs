@@ -47,6 +47,9 @@ const RECORD_MIN_IDS: usize = 64;
 /// How long published ids may wait for their record. Far below the worker's batching of the
 /// DELETE (20 ms), so rows are deleted no later; a loss is revealed this much later at most.
 const RECORD_DELAY: Duration = Duration::from_millis(5);
+/// How long a stopping task waits for the confirm of the record it flushed (well below the
+/// broker task's wait for it to stop).
+const RECORD_FLUSH_WAIT: Duration = Duration::from_secs(1);
 
 pub(crate) enum Job {
     Publish(Batch),
@@ -199,9 +202,7 @@ impl Publisher {
             tokio::select! {
                 biased;
                 reason = &mut *stop => {
-                    // Best effort: what was confirmed is then proven without waiting for the
-                    // timeout sweep. A channel already closing refuses it, which changes nothing.
-                    let _ = self.send_record().await;
+                    self.flush_record_before_stop().await;
                     return self.stopped(reason);
                 }
                 Some(first) = self.confirms.next(), if !self.confirms.is_empty() => {
@@ -431,6 +432,28 @@ impl Publisher {
             Poll::Pending => Ok(publish),
             Poll::Ready(Err(e)) => Err(e),
             Poll::Ready(Ok(confirmation)) => Ok(std::future::ready(Ok(confirmation)).boxed()),
+        }
+    }
+
+    /// At a stop (a configuration change closes the connection right after), the ids waiting
+    /// for a record get it, and its confirm is awaited briefly: once confirmed, the record is in
+    /// the acknowledgement queue, where the listener finds it after this channel is gone.
+    /// Otherwise those messages would wait for the timeout sweep. Best effort.
+    async fn flush_record_before_stop(&mut self) {
+        if self.batch_ids.is_empty() || self.send_record().await.is_err() {
+            return;
+        }
+        let deadline = Instant::now() + RECORD_FLUSH_WAIT;
+        while !self.records_unsettled.is_empty() && !self.confirms.is_empty() {
+            tokio::select! {
+                Some(first) = self.confirms.next() => {
+                    let batch = self.ready_batch(first);
+                    if self.settle(batch).is_some() {
+                        return;
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => return,
+            }
         }
     }
 
