@@ -53,6 +53,9 @@ pub struct BrokerFlight {
     /// earliest, as the AMQP thread's confirm timeout does.
     pub resumed_at: Option<Instant>,
     pub in_flight: usize,
+    /// Messages in flight the broker has not confirmed yet (the others wait for their
+    /// acknowledgement record only).
+    pub unconfirmed: usize,
     /// Bodies handed over and not confirmed yet: what the worker's process may still hold.
     pub unconfirmed_bytes: usize,
     /// Ids whose last publish ended in an ambiguous channel error: they are published one at a
@@ -71,6 +74,7 @@ impl Default for BrokerFlight {
             blocked: false,
             resumed_at: None,
             in_flight: 0,
+            unconfirmed: 0,
             unconfirmed_bytes: 0,
             suspects: BTreeSet::new(),
         }
@@ -178,12 +182,14 @@ impl Flight {
     fn recount(&mut self) {
         for b in self.brokers.values_mut() {
             b.in_flight = 0;
+            b.unconfirmed = 0;
             b.unconfirmed_bytes = 0;
         }
         for e in self.entries.values() {
             if let Some(b) = self.brokers.get_mut(&e.broker_id) {
                 b.in_flight += 1;
                 if !e.confirmed {
+                    b.unconfirmed += 1;
                     b.unconfirmed_bytes += e.bytes;
                 }
             }
@@ -212,6 +218,7 @@ impl Flight {
             None => {
                 let b = self.broker(broker_id);
                 b.in_flight += 1;
+                b.unconfirmed += 1;
                 b.unconfirmed_bytes += bytes;
             }
             // Sent again while still tracked (a resend): its old counts go.
@@ -279,6 +286,7 @@ impl Flight {
         if let Some(b) = self.brokers.get_mut(&e.broker_id) {
             b.in_flight = b.in_flight.saturating_sub(1);
             if !e.confirmed {
+                b.unconfirmed = b.unconfirmed.saturating_sub(1);
                 b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(e.bytes);
             }
         }
@@ -305,7 +313,11 @@ impl Flight {
             e.confirmed_unix = Some(unix_now());
             let (broker_id, bytes) = (e.broker_id, e.bytes);
             if let Some(b) = self.brokers.get_mut(&broker_id) {
+                b.unconfirmed = b.unconfirmed.saturating_sub(1);
                 b.unconfirmed_bytes = b.unconfirmed_bytes.saturating_sub(bytes);
+                // Confirmed, it did not close the channel: no longer a suspect. Left in the
+                // set, it would be claimed again until its row is deleted.
+                b.suspects.remove(&id);
             }
         }
         self.changes += 1;
@@ -457,11 +469,14 @@ impl Flight {
         self.brokers.values().any(|b| b.isolating())
     }
 
-    /// Brokers whose suspects can be published now: connected, nothing else in flight.
+    /// Brokers whose suspects can be published now: connected, nothing else unconfirmed. A
+    /// confirmed message cannot close the channel any more, and one whose acknowledgement
+    /// record was lost with a channel would otherwise hold every suspect (and so every other
+    /// message of the broker) back until the timeout sweep.
     pub fn isolation_ready(&self) -> Vec<(i32, Vec<i64>)> {
         self.brokers
             .iter()
-            .filter(|(_, b)| b.connected && b.isolating() && b.in_flight == 0)
+            .filter(|(_, b)| b.connected && b.isolating() && b.unconfirmed == 0)
             .map(|(id, b)| (*id, b.suspects.iter().copied().collect()))
             .collect()
     }
@@ -715,6 +730,38 @@ mod tests {
         assert_eq!(f.isolation_ready(), vec![(1, vec![12])]);
         f.mark_sent(1, 12, 100, 0);
         assert!(f.isolation_ready().is_empty(), "one suspect at a time");
+    }
+
+    #[test]
+    fn a_confirmed_suspect_is_no_longer_one_and_the_next_goes() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.broker(1).suspects.extend([12, 13]);
+        assert_eq!(f.isolation_ready(), vec![(1, vec![12, 13])]);
+        f.mark_sent(1, 12, 100, 0);
+        assert!(f.isolation_ready().is_empty(), "12 is unconfirmed");
+        assert_eq!(f.confirmed(12), Verdict::Wait);
+        assert_eq!(
+            f.isolation_ready(),
+            vec![(1, vec![13])],
+            "12 was confirmed: it neither holds 13 back nor is published again"
+        );
+        assert_eq!(f.acked(12), Verdict::Delivered);
+        assert_eq!(f.isolation_ready(), vec![(1, vec![13])]);
+    }
+
+    #[test]
+    fn messages_waiting_for_their_record_do_not_hold_suspects_back() {
+        let mut f = flight(ProofMode::AckQueue);
+        f.mark_sent(1, 10, 100, 0);
+        f.broker(1).suspects.insert(11);
+        assert!(f.isolation_ready().is_empty(), "10 is unconfirmed");
+        // Its record may have been lost with its channel: only the sweep would end the wait.
+        assert_eq!(f.confirmed(10), Verdict::Wait);
+        assert_eq!(f.isolation_ready(), vec![(1, vec![11])]);
+        assert!(
+            f.open_brokers(10, 1000).is_empty(),
+            "suspects still go first"
+        );
     }
 
     #[test]
