@@ -22,7 +22,7 @@ use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
 use lapin::Connection;
 use lapin::{BasicProperties, Channel, Confirmation};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -119,8 +119,14 @@ struct Publisher {
     /// Unsettled solo messages (0 or 1): nothing else is published meanwhile.
     solo_unsettled: usize,
     /// Acknowledgement records published and not yet confirmed, by publish order: their
-    /// message_id (to match a return). Their confirms are never reported to the worker.
-    records_unsettled: HashMap<u64, String>,
+    /// message_id (to match a return) and the ids they list. Their confirms are never reported
+    /// to the worker.
+    records_unsettled: HashMap<u64, (String, Vec<i64>)>,
+    /// `AckQueue` mode: ids confirmed on this channel (or handed over by an earlier one) whose
+    /// record has not been confirmed. When the channel ends they go to the next one, which
+    /// records them first: a confirmed message is in its queue, and without a record it would
+    /// wait for the worker's timeout sweep and be published again.
+    unrecorded: HashSet<i64>,
     /// Ids published since the last record: the next record lists them.
     batch_ids: Vec<i64>,
     /// When the next record is due, while `batch_ids` waits for more (see [`RECORD_MIN_IDS`]).
@@ -139,12 +145,15 @@ struct Publisher {
     probe: ExchangeProbe,
 }
 
-/// Runs until the channel dies or `stop` fires; reports every message it was given.
+/// Runs until the channel dies or `stop` fires; reports every message it was given. `carried`:
+/// confirmed ids whose record an earlier channel could not deliver (see `unrecorded`); returns
+/// the ones this channel could not either.
 pub(crate) async fn run(
     ctx: ChannelCtx,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     mut stop: oneshot::Receiver<String>,
-) -> ChannelEnd {
+    carried: Vec<i64>,
+) -> (ChannelEnd, Vec<i64>) {
     let blocked = *ctx.blocked.borrow();
     let probe = ExchangeProbe::new(ctx.conn.clone(), ctx.confirm_timeout);
     let mut p = Publisher {
@@ -156,8 +165,10 @@ pub(crate) async fn run(
         next_seq: 0,
         solo_unsettled: 0,
         records_unsettled: HashMap::new(),
-        batch_ids: Vec::new(),
-        record_due: None,
+        unrecorded: carried.iter().copied().collect(),
+        // Handed over by the channel before: their record goes first.
+        record_due: (!carried.is_empty()).then(Instant::now),
+        batch_ids: carried,
         record_seq: 0,
         record_warned: false,
         blocked,
@@ -173,7 +184,7 @@ pub(crate) async fn run(
     // Batches still queued fail their messages as they are dropped; one sent after this
     // comes back to its sender, which drops it likewise.
     drop(jobs);
-    end
+    (end, p.unrecorded.into_iter().collect())
 }
 
 impl Publisher {
@@ -482,7 +493,7 @@ impl Publisher {
         let body = ack::record_body(&a.session, epoch, seq, &ids);
         let message_id = ack::record_message_id(&a.session, epoch, seq);
         let queue = a.queue.clone();
-        ack::lock(&a.tracker).register(self.ctx.broker_id, epoch, seq, ids);
+        ack::lock(&a.tracker).register(self.ctx.broker_id, epoch, seq, ids.clone());
         let properties = match short(&message_id, "record message_id") {
             Ok(mid) => BasicProperties::default()
                 .with_delivery_mode(2)
@@ -498,7 +509,7 @@ impl Publisher {
         let publish = Self::start(channel, ShortString::from(""), queue, body, properties).await?;
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.records_unsettled.insert(seq, message_id);
+        self.records_unsettled.insert(seq, (message_id, ids));
         self.confirms.push(publish.map(move |r| (seq, r)).boxed());
         Ok(())
     }
@@ -560,9 +571,16 @@ impl Publisher {
                 }
             }
         }
+        // In publish order: a record's confirm comes after those of the messages it lists.
+        outcomes.sort_unstable_by_key(|(seq, _)| *seq);
         let mut confirmed = Vec::new();
         for (seq, outcome) in outcomes {
-            if let Some(message_id) = self.records_unsettled.remove(&seq) {
+            if let Some((message_id, ids)) = self.records_unsettled.remove(&seq) {
+                // Settled either way: a refused record is not retried (its messages are
+                // reported lost by a later record, or time out).
+                for id in &ids {
+                    self.unrecorded.remove(id);
+                }
                 // A record's confirm is ours alone; only a refusal is worth a word.
                 let returned = self.take_return(&message_id);
                 match (outcome, returned) {
@@ -579,7 +597,12 @@ impl Publisher {
             };
             match outcome {
                 Some(true) => match self.take_return(&p.message_id) {
-                    None => confirmed.push(p.id),
+                    None => {
+                        if self.ctx.ack.is_some() {
+                            self.unrecorded.insert(p.id);
+                        }
+                        confirmed.push(p.id)
+                    }
                     Some((code, text)) => self.fail(
                         p.id,
                         Failure::Rejected,

@@ -80,6 +80,7 @@ pub(crate) fn start(
         shared,
         listener: None,
         ack_invalid_warned: false,
+        unrecorded: Vec::new(),
     };
     let handle = spawn_guarded(sink, format!("broker {broker_id}: task"), task.run());
     (tx, handle)
@@ -104,6 +105,9 @@ struct BrokerTask {
     listener: Option<ListenerHandle>,
     /// The invalid acknowledgement queue name of the current configuration was logged.
     ack_invalid_warned: bool,
+    /// Confirmed ids whose acknowledgement record the last publishing channel could not
+    /// deliver: the next channel (on this connection or the next) records them first.
+    unrecorded: Vec<i64>,
 }
 
 impl Client for BrokerTask {
@@ -288,7 +292,7 @@ impl BrokerTask {
             let mut pub_task = spawn_guarded(
                 self.sink.clone(),
                 format!("broker {}: publishing channel {epoch}", self.id()),
-                publisher::run(ctx, job_rx, stop_rx),
+                publisher::run(ctx, job_rx, stop_rx, std::mem::take(&mut self.unrecorded)),
             );
             let mut running = Running {
                 sink: self.sink.clone(),
@@ -311,7 +315,10 @@ impl BrokerTask {
                 tokio::select! {
                     end = &mut pub_task => {
                         let end = match end {
-                            Ok(Some(end)) => end,
+                            Ok(Some((end, unrecorded))) => {
+                                self.unrecorded = unrecorded;
+                                end
+                            }
                             // Reported as a fatal event by spawn_guarded.
                             Ok(None) => ChannelEnd::Closed("publishing task panicked".into()),
                             Err(e) => {
@@ -358,7 +365,7 @@ impl BrokerTask {
                         Some(BrokerCmd::Configure(cfg)) => {
                             let old_timeout = self.cfg.confirm_timeout;
                             if self.apply_config(cfg) {
-                                running.stop(&mut pub_task, "broker configuration changed").await;
+                                self.unrecorded = running.stop(&mut pub_task, "broker configuration changed").await;
                                 self.report_down(format!("{host}: reconnecting: configuration changed"));
                                 close_connection(&conn).await;
                                 self.reported_down = false;
@@ -370,13 +377,13 @@ impl BrokerTask {
                             self.declare_changes(&conn, &mut declared);
                         }
                         Some(BrokerCmd::Reconnect) => {
-                            running.stop(&mut pub_task, "reconnect requested").await;
+                            self.unrecorded = running.stop(&mut pub_task, "reconnect requested").await;
                             self.report_down(format!("{host}: reconnect requested"));
                             close_connection(&conn).await;
                             break Some(End::Restart);
                         }
                         None | Some(BrokerCmd::Shutdown) => {
-                            running.stop(&mut pub_task, "shutting down").await;
+                            self.unrecorded = running.stop(&mut pub_task, "shutting down").await;
                             let _ = tokio::time::timeout(
                                 CLOSE_WAIT,
                                 running.channel.close(200, "shutting down".into()),
@@ -409,7 +416,7 @@ impl BrokerTask {
                         };
                         if let Some(text) = lost {
                             let why = format!("connection lost: {text}");
-                            running.stop(&mut pub_task, &why).await;
+                            self.unrecorded = running.stop(&mut pub_task, &why).await;
                             self.report_down(format!("{host}: {why}"));
                             break Some(End::Lost);
                         }
@@ -417,7 +424,7 @@ impl BrokerTask {
                     _ = check.tick() => {
                         if !conn.status().connected() {
                             let why = "connection lost: connection is no longer open".to_string();
-                            running.stop(&mut pub_task, &why).await;
+                            self.unrecorded = running.stop(&mut pub_task, &why).await;
                             self.report_down(format!("{host}: {why}"));
                             break Some(End::Lost);
                         }
@@ -493,22 +500,29 @@ struct Running {
 }
 
 impl Running {
-    /// Tells the publishing task to fail what it holds (Transient) and waits for it to finish.
-    async fn stop(&mut self, task: &mut JoinHandle<Option<ChannelEnd>>, why: &str) {
+    /// Tells the publishing task to fail what it holds (Transient) and waits for it to finish;
+    /// returns the confirmed ids it could not record.
+    async fn stop(
+        &mut self,
+        task: &mut JoinHandle<Option<(ChannelEnd, Vec<i64>)>>,
+        why: &str,
+    ) -> Vec<i64> {
         if let Some(tx) = self.stop_tx.take() {
             let _ = tx.send(why.to_string());
         }
-        if task.is_finished() {
-            let _ = task.await;
-            return;
-        }
-        if tokio::time::timeout(STOP_WAIT, &mut *task).await.is_err() {
-            // Cannot happen (the task selects on its stop signal at every await), but if it
-            // did, its messages would go unanswered: say so, the worker restarts.
-            task.abort();
-            self.sink.send(Event::Fatal(
-                "a publishing task did not stop; unconfirmed messages are unaccounted for".into(),
-            ));
+        match tokio::time::timeout(STOP_WAIT, &mut *task).await {
+            Ok(Ok(Some((_, unrecorded)))) => unrecorded,
+            Ok(_) => Vec::new(),
+            Err(_) => {
+                // Cannot happen (the task selects on its stop signal at every await), but if it
+                // did, its messages would go unanswered: say so, the worker restarts.
+                task.abort();
+                self.sink.send(Event::Fatal(
+                    "a publishing task did not stop; unconfirmed messages are unaccounted for"
+                        .into(),
+                ));
+                Vec::new()
+            }
         }
     }
 }

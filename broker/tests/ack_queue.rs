@@ -345,6 +345,92 @@ fn waiting_ids_get_their_record_before_a_solo_message_that_closes_the_channel() 
     assert!(t.lost.is_empty(), "{t:?}");
 }
 
+/// What one round of the test below saw of its small messages and its bad one.
+#[derive(Default)]
+struct Carried {
+    confirmed: BTreeSet<i64>,
+    /// Epoch of the record that acknowledged each small id.
+    acked: BTreeMap<i64, u64>,
+    bad_failed: bool,
+}
+
+impl Carried {
+    fn note(&mut self, e: &Event, small: &BTreeSet<i64>, bad: i64) {
+        match e {
+            Event::Confirmed { ids, .. } => self.confirmed.extend(ids.iter().copied()),
+            Event::Acked { ids, epoch, .. } => {
+                for id in ids.iter().filter(|id| small.contains(id)) {
+                    assert!(
+                        self.acked.insert(*id, *epoch).is_none(),
+                        "{id} acknowledged twice"
+                    );
+                }
+            }
+            Event::Failed { id, .. } if *id == bad => self.bad_failed = true,
+            Event::Failed { id, .. } => panic!("message {id} failed: {e:?}"),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn confirmed_ids_whose_record_died_with_the_channel_are_recorded_on_the_next() {
+    let mut admin = Admin::new();
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_carried", "carried_q");
+    let (mut bridge, _) = ack_bridge(&ack_q, false);
+
+    // Small commands whose ids wait (a few milliseconds) for a shared record; once they are
+    // confirmed, an ordinary command makes the broker close the channel (404) before that
+    // record goes out. The confirmed ids must be recorded on the next channel, or nothing but
+    // the worker's timeout sweep ever proves them. Whether the close beats the record is a
+    // race: a round the record won is repeated.
+    let mut published: u32 = 0;
+    for round in 1..=10i64 {
+        let (exchange, _) = admin.direct_route("carried");
+        let base = 1000 * round;
+        // Known to this channel's exchange probe, then deleted.
+        bridge.publish(B, vec![message(base, &exchange, "rk")], false);
+        let first_epoch = bridge.wait_for(Duration::from_secs(30), |e| match e {
+            Event::Acked { ids, epoch, .. } if ids.contains(&base) => Some(*epoch),
+            _ => None,
+        });
+        admin.delete_exchange(&exchange);
+
+        let small: BTreeSet<i64> = (base + 1..=base + 5).collect();
+        for id in &small {
+            let mut m = message(*id, "", &queue);
+            m.delivery_mode = 1; // confirmed at once, without a disk write
+            bridge.publish(B, vec![m], false);
+        }
+        published += small.len() as u32;
+        let mut seen = Carried::default();
+        bridge.wait_for(Duration::from_secs(20), |e| {
+            seen.note(e, &small, base + 99);
+            small.is_subset(&seen.confirmed).then_some(())
+        });
+        bridge.publish(B, vec![message(base + 99, &exchange, "rk")], false);
+        bridge.wait_for(Duration::from_secs(20), |e| {
+            seen.note(e, &small, base + 99);
+            (seen.bad_failed && seen.acked.len() == small.len()).then_some(())
+        });
+        let acked = seen.acked;
+        if acked.values().all(|epoch| *epoch == first_epoch) {
+            continue; // the record went out before the bad publish
+        }
+        assert!(
+            acked.values().all(|epoch| *epoch >= first_epoch),
+            "{acked:?}"
+        );
+        assert_eq!(
+            admin.queue_len(&queue),
+            published,
+            "each small message once"
+        );
+        return;
+    }
+    panic!("in 10 rounds the shared record always went out before the channel closed");
+}
+
 #[test]
 fn records_of_another_session_and_malformed_ones_are_ignored() {
     let mut admin = Admin::new();
