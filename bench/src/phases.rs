@@ -1279,6 +1279,26 @@ pub fn profile(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
         "worker (pid {pid}) draining {n} messages, ack_queue mode, {:.0} msg/s while profiled:\n{worker}\n\n",
         d.rate
     ));
+    // The worker at a steady 2,000 msg/s, one message per transaction: there a step carries a
+    // message or two, so its fixed costs show, where the drain shows the per-message ones.
+    env.set_enabled(true)?;
+    let steady = env.routes.latency.clone();
+    env.purge(&steady.queue)?;
+    let pad = payload(BODY_SIZE - 19);
+    let rate = 2000.0;
+    let p = Perf::start(env, pid, "worker-steady")?;
+    let cpu0 = env::proc_cpu_secs(pid);
+    let broker0 = broker_cpu(env);
+    let sent = outbox_paced(env, rate, Duration::ZERO, Duration::from_secs(6), &pad)?;
+    env.wait_outbox_empty(Duration::from_secs(30))?;
+    let (cpu1, broker1) = (env::proc_cpu_secs(pid), broker_cpu(env));
+    let worker = p.finish(env, "worker-steady")?;
+    summary.push_str(&format!(
+        "worker (pid {pid}) at a steady {rate:.0} msg/s, one message per transaction, ack_queue mode, {sent} messages, worker {:.1} µs and RabbitMQ {:.1} µs of CPU per message:\n{worker}\n\n",
+        per_msg_us(cpu0, cpu1, sent),
+        per_msg_us(broker0, broker1, sent),
+    ));
+    env.purge(&steady.queue)?;
     // A backend running pgbench (1 client, 1 msg/txn) through publish() and a plain INSERT.
     for system in [System::PublishOff, System::Insert] {
         if system == System::PublishOff {
