@@ -103,7 +103,12 @@ pub struct RowTags {
 /// the end of the transaction, so a concurrent DROP EXTENSION waits for the worker's short
 /// transaction instead of pulling the table from under its statements.
 pub fn extension_exists() -> bool {
-    crate::message_table::installed_and_locked(pg_sys::AccessShareLock)
+    installed_table().is_some()
+}
+
+/// As [`extension_exists`], returning `amqp.message`'s oid.
+pub fn installed_table() -> Option<pg_sys::Oid> {
+    crate::message_table::installed_table(pg_sys::AccessShareLock)
 }
 
 /// The version of the SQL objects this library's statements are written for.
