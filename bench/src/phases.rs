@@ -656,6 +656,12 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     Ok(())
 }
 
+/// The padding of [`outbox_paced`]'s bodies: about `BODY_SIZE` bytes with the timestamp and
+/// marker in front ("<16 digits> m " + pad).
+fn paced_pad() -> String {
+    payload(BODY_SIZE - 19)
+}
+
 /// Publishes through `amqp.publish()` at a steady `rate` from as many sessions as needed
 /// (about 400/s each), one message per transaction, each body starting with
 /// `clock_timestamp()` in Unix µs. Returns the number of measured messages.
@@ -747,8 +753,7 @@ pub fn latency(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
     let route = env.routes.latency.clone();
     env.purge(&route.queue)?;
     let consumer = LatencyConsumer::start(&env.amqp_uri(), &route.queue)?;
-    // Bodies of about 100 bytes: "<16 digits> m " + pad.
-    let pad = payload(BODY_SIZE - 19);
+    let pad = paced_pad();
     let warmup = Duration::from_secs(1);
     #[derive(Clone, Copy, PartialEq, Eq, Debug)]
     enum Who {
@@ -1284,7 +1289,7 @@ pub fn profile(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
     env.set_enabled(true)?;
     let steady = env.routes.latency.clone();
     env.purge(&steady.queue)?;
-    let pad = payload(BODY_SIZE - 19);
+    let pad = paced_pad();
     let rate = 2000.0;
     let p = Perf::start(env, pid, "worker-steady")?;
     let cpu0 = env::proc_cpu_secs(pid);
