@@ -473,6 +473,70 @@ impl MemSampler {
     }
 }
 
+/// Samples `pg_stat_progress_vacuum` every 100 ms in a thread, on its own connection: how
+/// long a VACUUM (autovacuum's or anyone's) of `amqp.message` was running, and how many
+/// different ones. On two cores a vacuum landing in a drain takes CPU from it, and whether
+/// one lands depends on autovacuum's clock, not on the backlog.
+pub struct VacuumSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<VacuumSeen>>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VacuumSeen {
+    /// Seconds during which a vacuum of the table was seen running (100 ms resolution).
+    pub secs: f64,
+    /// Distinct vacuums seen (by the pid running them).
+    pub runs: u32,
+}
+
+impl VacuumSampler {
+    pub fn start(env: &Env) -> Result<VacuumSampler, String> {
+        let mut client = env.cluster.try_client()?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut seen = VacuumSeen::default();
+            let mut last_pid = None;
+            let tick = Duration::from_millis(100);
+            loop {
+                let pid: Option<i32> = client
+                    .query_opt(
+                        "SELECT pid FROM pg_stat_progress_vacuum
+                          WHERE relid = 'amqp.message'::regclass LIMIT 1",
+                        &[],
+                    )
+                    .ok()
+                    .flatten()
+                    .map(|r| r.get(0));
+                if let Some(p) = pid {
+                    seen.secs += tick.as_secs_f64();
+                    if last_pid != Some(p) {
+                        seen.runs += 1;
+                    }
+                }
+                last_pid = pid;
+                if s2.load(std::sync::atomic::Ordering::Relaxed) {
+                    return seen;
+                }
+                std::thread::sleep(tick);
+            }
+        });
+        Ok(VacuumSampler {
+            stop,
+            handle: Some(handle),
+        })
+    }
+
+    pub fn finish(mut self) -> VacuumSeen {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default()
+    }
+}
+
 /// Resets VmHWM of `pid` (needs permission on /proc/<pid>/clear_refs: root or the owner).
 pub fn reset_hwm(pid: i32) -> bool {
     fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
