@@ -40,13 +40,20 @@ const NACKS_BEFORE_RECONNECT: u32 = 5;
 const CHANNEL_CHECK: Duration = Duration::from_secs(1);
 
 /// A command that leaves fewer ids than this unrecorded does not get a record of its own: the
-/// record waits up to [`RECORD_DELAY`] for the next commands' ids. At moderate rates a command
-/// holds a message or two, and a record for each would double what the broker stores, routes
-/// and delivers; a drain's large commands still get theirs at once.
+/// record waits for the next commands' ids until they pause for [`RECORD_QUIET`], at most
+/// [`RECORD_DELAY`]. At moderate rates a command holds a message or two, and a record for each
+/// would double what the broker stores, routes and delivers; a drain's large commands still get
+/// theirs at once.
 const RECORD_MIN_IDS: usize = 64;
 /// How long published ids may wait for their record. Far below the worker's batching of the
 /// DELETE (20 ms), so rows are deleted no later; a loss is revealed this much later at most.
 const RECORD_DELAY: Duration = Duration::from_millis(5);
+/// A record also goes once no command has come for this long. A deadline counted from the first
+/// id alone lands wherever the next message happens to be: at a steady 200 messages/s (one every
+/// 5 ms) each record went out with the next message and shared its way through this thread, the
+/// I/O loop and the broker. After a pause, the record follows its message while the way is clear;
+/// commands closer together than this still share one record.
+const RECORD_QUIET: Duration = Duration::from_millis(1);
 /// How long a stopping task waits for the confirm of the record it flushed (well below the
 /// broker task's wait for it to stop).
 const RECORD_FLUSH_WAIT: Duration = Duration::from_secs(1);
@@ -131,6 +138,8 @@ struct Publisher {
     batch_ids: Vec<i64>,
     /// When the next record is due, while `batch_ids` waits for more (see [`RECORD_MIN_IDS`]).
     record_due: Option<Instant>,
+    /// The latest it may be due: [`RECORD_DELAY`] after the first id it waits with.
+    record_by: Option<Instant>,
     /// The last record number used on this channel (records are numbered 1, 2, …).
     record_seq: u64,
     /// A refused record was logged on this channel: one line per channel, not per batch.
@@ -168,6 +177,7 @@ pub(crate) async fn run(
         unrecorded: carried.iter().copied().collect(),
         // Handed over by the channel before: their record goes first.
         record_due: (!carried.is_empty()).then(Instant::now),
+        record_by: (!carried.is_empty()).then(Instant::now),
         batch_ids: carried,
         record_seq: 0,
         record_warned: false,
@@ -390,8 +400,10 @@ impl Publisher {
                     if let Some(end) = self.publish_record(stop).await {
                         return Some(end);
                     }
-                } else if last && self.record_due.is_none() {
-                    self.record_due = Some(Instant::now() + RECORD_DELAY);
+                } else if last {
+                    let now = Instant::now();
+                    let by = *self.record_by.get_or_insert(now + RECORD_DELAY);
+                    self.record_due = Some((now + RECORD_QUIET).min(by));
                 }
             }
             if solo && published {
@@ -481,6 +493,7 @@ impl Publisher {
     /// listener can never see a record the tracker does not know. `Err`: the channel refused it.
     async fn send_record(&mut self) -> lapin::Result<()> {
         self.record_due = None;
+        self.record_by = None;
         let ids = std::mem::take(&mut self.batch_ids);
         let Some(a) = &self.ctx.ack else {
             return Ok(());
@@ -767,6 +780,7 @@ impl Publisher {
         self.records_unsettled.clear();
         self.batch_ids.clear();
         self.record_due = None;
+        self.record_by = None;
     }
 
     fn fail(&self, id: i64, failure: Failure, error: &str) {

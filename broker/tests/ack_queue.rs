@@ -316,6 +316,35 @@ fn small_commands_share_a_record() {
 }
 
 #[test]
+fn a_command_after_a_pause_does_not_wait_for_the_record_before_it() {
+    let mut admin = Admin::new();
+    let (ack_q, queue) = acks_and_target(&mut admin, "acks_pause", "pause_q");
+    let (mut bridge, _) = ack_bridge(&ack_q, false);
+
+    // One message every 4 ms, as a worker sees a steady 250 messages/s: the record of each
+    // goes once the commands pause (1 ms), not 5 ms after its first id, where it would go out
+    // with the next message and list both.
+    let ids: BTreeSet<i64> = (1..=10).collect();
+    for id in &ids {
+        bridge.publish(B, vec![message(*id, "", &queue)], false);
+        std::thread::sleep(Duration::from_millis(4));
+    }
+    let mut records = 0;
+    let mut t = Tally::default();
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        t.add(e);
+        if let Event::Acked { records: n, .. } = e {
+            records += n;
+        }
+        (t.acked.len() == ids.len()).then_some(())
+    });
+    assert_eq!(t.acked, ids);
+    // Ten with a record each; a deadline counted from the first id makes about five. A thread
+    // descheduled for a few milliseconds may merge one or two.
+    assert!(records >= 8, "{records} records for 10 paused commands");
+}
+
+#[test]
 fn waiting_ids_get_their_record_before_a_solo_message_that_closes_the_channel() {
     let mut admin = Admin::new();
     let (ack_q, queue) = acks_and_target(&mut admin, "acks_doomed", "doomed_q");
@@ -379,15 +408,17 @@ fn confirmed_ids_whose_record_died_with_the_channel_are_recorded_on_the_next() {
     let (ack_q, queue) = acks_and_target(&mut admin, "acks_carried", "carried_q");
     let (mut bridge, _) = ack_bridge(&ack_q, false);
 
-    // Small commands whose ids wait (a few milliseconds) for a shared record; once they are
-    // confirmed, an ordinary command makes the broker close the channel (404) before that
-    // record goes out. The confirmed ids must be recorded on the next channel, or nothing but
-    // the worker's timeout sweep ever proves them. Whether the close beats the record is a
-    // race: a round the record won is repeated.
+    // Small commands whose ids wait for a shared record; once one is confirmed, an ordinary
+    // command makes the broker close the channel (404) before that record goes out. The
+    // confirmed ids must be recorded on the next channel, or nothing but the worker's timeout
+    // sweep ever proves them. The record waits while commands keep coming (at most 5 ms), so
+    // they come every 0.3 ms until a confirm is seen. Whether the close beats the record is
+    // still a race: a round the record won is repeated.
     let mut published: u32 = 0;
     for round in 1..=10i64 {
         let (exchange, _) = admin.direct_route("carried");
         let base = 1000 * round;
+        let bad = base + 999;
         // Known to this channel's exchange probe, then deleted.
         bridge.publish(B, vec![message(base, &exchange, "rk")], false);
         let first_epoch = bridge.wait_for(Duration::from_secs(30), |e| match e {
@@ -396,23 +427,33 @@ fn confirmed_ids_whose_record_died_with_the_channel_are_recorded_on_the_next() {
         });
         admin.delete_exchange(&exchange);
 
-        let small: BTreeSet<i64> = (base + 1..=base + 5).collect();
-        for id in &small {
-            let mut m = message(*id, "", &queue);
+        let mut small = BTreeSet::new();
+        let mut seen = Carried::default();
+        let started = std::time::Instant::now();
+        while seen.confirmed.is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "no confirm for {small:?}"
+            );
+            let id = base + 1 + small.len() as i64;
+            let mut m = message(id, "", &queue);
             m.delivery_mode = 1; // confirmed at once, without a disk write
-            bridge.publish(B, vec![m], false);
+            if id < bad {
+                bridge.publish(B, vec![m], false);
+                small.insert(id);
+            }
+            std::thread::sleep(Duration::from_micros(300));
+            for e in bridge.poll(Duration::ZERO) {
+                seen.note(&e, &small, bad);
+            }
         }
         published += small.len() as u32;
-        let mut seen = Carried::default();
+        bridge.publish(B, vec![message(bad, &exchange, "rk")], false);
         bridge.wait_for(Duration::from_secs(20), |e| {
-            seen.note(e, &small, base + 99);
-            small.is_subset(&seen.confirmed).then_some(())
-        });
-        bridge.publish(B, vec![message(base + 99, &exchange, "rk")], false);
-        bridge.wait_for(Duration::from_secs(20), |e| {
-            seen.note(e, &small, base + 99);
+            seen.note(e, &small, bad);
             (seen.bad_failed && seen.acked.len() == small.len()).then_some(())
         });
+        assert!(small.is_subset(&seen.confirmed), "{small:?}");
         let acked = seen.acked;
         if acked.values().all(|epoch| *epoch == first_epoch) {
             continue; // the record went out before the bad publish
