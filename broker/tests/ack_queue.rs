@@ -286,6 +286,32 @@ fn lose_in_transit_is_reported_lost_and_the_rest_acked() {
     assert_eq!(admin.queue_len(&queue) as usize, delivered.len());
 }
 
+/// Publishes `ids` one per command, `gap` apart, to `queue`; waits until every one is confirmed
+/// and acknowledged, and returns how many records acknowledged them.
+fn publish_one_by_one(
+    bridge: &mut Bridge,
+    queue: &str,
+    ids: &BTreeSet<i64>,
+    gap: Duration,
+) -> usize {
+    for id in ids {
+        bridge.publish(B, vec![message(*id, "", queue)], false);
+        std::thread::sleep(gap);
+    }
+    let mut records = 0;
+    let mut t = Tally::default();
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        t.add(e);
+        if let Event::Acked { records: n, .. } = e {
+            records += n;
+        }
+        (t.acked.len() == ids.len() && t.confirmed.len() == ids.len()).then_some(())
+    });
+    assert!(t.failed.is_empty() && t.lost.is_empty(), "{t:?}");
+    assert_eq!(&t.acked, ids);
+    records
+}
+
 #[test]
 fn small_commands_share_a_record() {
     let mut admin = Admin::new();
@@ -295,20 +321,7 @@ fn small_commands_share_a_record() {
     // 20 commands of one message each, back to back, as the worker sends them at a moderate
     // rate, and then nothing: the record must come without a later command.
     let small: BTreeSet<i64> = (1..=20).collect();
-    for id in &small {
-        bridge.publish(B, vec![message(*id, "", &queue)], false);
-    }
-    let mut records = 0;
-    let mut t = Tally::default();
-    bridge.wait_for(Duration::from_secs(30), |e| {
-        t.add(e);
-        if let Event::Acked { records: n, .. } = e {
-            records += n;
-        }
-        (t.acked.len() == small.len() && t.confirmed.len() == small.len()).then_some(())
-    });
-    assert!(t.failed.is_empty() && t.lost.is_empty(), "{t:?}");
-    assert_eq!(t.acked, small);
+    let records = publish_one_by_one(&mut bridge, &queue, &small, Duration::ZERO);
     // A record per command would make 20; these wait together for one (a few, if the thread
     // was slow to take the commands).
     assert!((1..=3).contains(&records), "{records} records");
@@ -325,20 +338,7 @@ fn a_command_after_a_pause_does_not_wait_for_the_record_before_it() {
     // goes once the commands pause (1 ms), not 5 ms after its first id, where it would go out
     // with the next message and list both.
     let ids: BTreeSet<i64> = (1..=10).collect();
-    for id in &ids {
-        bridge.publish(B, vec![message(*id, "", &queue)], false);
-        std::thread::sleep(Duration::from_millis(4));
-    }
-    let mut records = 0;
-    let mut t = Tally::default();
-    bridge.wait_for(Duration::from_secs(30), |e| {
-        t.add(e);
-        if let Event::Acked { records: n, .. } = e {
-            records += n;
-        }
-        (t.acked.len() == ids.len()).then_some(())
-    });
-    assert_eq!(t.acked, ids);
+    let records = publish_one_by_one(&mut bridge, &queue, &ids, Duration::from_millis(4));
     // Ten with a record each; a deadline counted from the first id makes about five. A thread
     // descheduled for a few milliseconds may merge one or two.
     assert!(records >= 8, "{records} records for 10 paused commands");
