@@ -134,6 +134,11 @@ struct Publisher {
     /// records them first: a confirmed message is in its queue, and without a record it would
     /// wait for the worker's timeout sweep and be published again.
     unrecorded: HashSet<i64>,
+    /// `AckQueue` mode: ids whose record was confirmed before their own confirm came. RabbitMQ
+    /// confirms a channel's publishes out of order when they go to different queues (the
+    /// record's, the message's), so a message confirmed after its record must not become
+    /// unrecorded: it would never leave that set, and the next channel would record it again.
+    recorded_early: HashSet<i64>,
     /// Ids published since the last record: the next record lists them.
     batch_ids: Vec<i64>,
     /// When the next record is due, while `batch_ids` waits for more (see [`RECORD_MIN_IDS`]).
@@ -175,6 +180,7 @@ pub(crate) async fn run(
         solo_unsettled: 0,
         records_unsettled: HashMap::new(),
         unrecorded: carried.iter().copied().collect(),
+        recorded_early: HashSet::new(),
         // Handed over by the channel before: their record goes first.
         record_due: (!carried.is_empty()).then(Instant::now),
         record_by: (!carried.is_empty()).then(Instant::now),
@@ -584,7 +590,8 @@ impl Publisher {
                 }
             }
         }
-        // In publish order: a record's confirm comes after those of the messages it lists.
+        // In publish order: within a batch a record's confirm then comes after those of the
+        // messages it lists (across batches it may not, see `recorded_early`).
         outcomes.sort_unstable_by_key(|(seq, _)| *seq);
         let mut confirmed = Vec::new();
         for (seq, outcome) in outcomes {
@@ -592,7 +599,9 @@ impl Publisher {
                 // Settled either way: a refused record is not retried (its messages are
                 // reported lost by a later record, or time out).
                 for id in &ids {
-                    self.unrecorded.remove(id);
+                    if !self.unrecorded.remove(id) {
+                        self.recorded_early.insert(*id);
+                    }
                 }
                 // A record's confirm is ours alone; only a refusal is worth a word.
                 let returned = self.take_return(&message_id);
@@ -608,10 +617,11 @@ impl Publisher {
             let Some(p) = self.take_unsettled(seq) else {
                 continue;
             };
+            let recorded = self.recorded_early.remove(&p.id);
             match outcome {
                 Some(true) => match self.take_return(&p.message_id) {
                     None => {
-                        if self.ctx.ack.is_some() {
+                        if self.ctx.ack.is_some() && !recorded {
                             self.unrecorded.insert(p.id);
                         }
                         confirmed.push(p.id)
@@ -781,6 +791,7 @@ impl Publisher {
         self.batch_ids.clear();
         self.record_due = None;
         self.record_by = None;
+        self.recorded_early.clear();
     }
 
     fn fail(&self, id: i64, failure: Failure, error: &str) {
