@@ -433,107 +433,91 @@ pub fn proc_mem_detail_kib(pid: i32) -> Option<[u64; 4]> {
     ])
 }
 
-/// Samples a process's memory every 100 ms in a thread; keeps the peaks.
-pub struct MemSampler {
+/// Calls a sampling function on its state every 100 ms in a thread (once at the start, once
+/// more when told to stop) until [`Sampler::finish`], which returns the state.
+pub struct Sampler<T> {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    handle: Option<std::thread::JoinHandle<[u64; 4]>>,
+    handle: Option<std::thread::JoinHandle<T>>,
 }
 
-impl MemSampler {
-    pub fn start(pid: i32) -> MemSampler {
+impl<T: Default + Send + 'static> Sampler<T> {
+    fn start(mut sample: impl FnMut(&mut T) + Send + 'static) -> Sampler<T> {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let s2 = stop.clone();
         let handle = std::thread::spawn(move || {
-            let mut peak = [0u64; 4];
+            let mut state = T::default();
             loop {
-                if let Some(m) = proc_mem_detail_kib(pid) {
-                    for i in 0..4 {
-                        peak[i] = peak[i].max(m[i]);
-                    }
-                }
+                sample(&mut state);
                 if s2.load(std::sync::atomic::Ordering::Relaxed) {
-                    return peak;
+                    return state;
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(SAMPLE_EVERY);
             }
         });
-        MemSampler {
+        Sampler {
             stop,
             handle: Some(handle),
         }
     }
 
-    /// Peaks in KiB: [VmRSS, VmHWM, RssAnon, RssShmem].
-    pub fn finish(mut self) -> [u64; 4] {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.handle
-            .take()
-            .and_then(|h| h.join().ok())
-            .unwrap_or([0; 4])
-    }
-}
-
-/// Samples `pg_stat_progress_vacuum` every 100 ms in a thread, on its own connection: how
-/// long a VACUUM (autovacuum's or anyone's) of `amqp.message` was running, and how many
-/// different ones. On two cores a vacuum landing in a drain takes CPU from it, and whether
-/// one lands depends on autovacuum's clock, not on the backlog.
-pub struct VacuumSampler {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    handle: Option<std::thread::JoinHandle<VacuumSeen>>,
-}
-
-#[derive(Clone, Copy, Debug, Default)]
-pub struct VacuumSeen {
-    /// Seconds during which a vacuum of the table was seen running (100 ms resolution).
-    pub secs: f64,
-    /// Distinct vacuums seen (by the pid running them).
-    pub runs: u32,
-}
-
-impl VacuumSampler {
-    pub fn start(env: &Env) -> Result<VacuumSampler, String> {
-        let mut client = env.cluster.try_client()?;
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let s2 = stop.clone();
-        let handle = std::thread::spawn(move || {
-            let mut seen = VacuumSeen::default();
-            let mut last_pid = None;
-            let tick = Duration::from_millis(100);
-            loop {
-                let pid: Option<i32> = client
-                    .query_opt(
-                        "SELECT pid FROM pg_stat_progress_vacuum
-                          WHERE relid = 'amqp.message'::regclass LIMIT 1",
-                        &[],
-                    )
-                    .ok()
-                    .flatten()
-                    .map(|r| r.get(0));
-                if let Some(p) = pid {
-                    seen.secs += tick.as_secs_f64();
-                    if last_pid != Some(p) {
-                        seen.runs += 1;
-                    }
-                }
-                last_pid = pid;
-                if s2.load(std::sync::atomic::Ordering::Relaxed) {
-                    return seen;
-                }
-                std::thread::sleep(tick);
-            }
-        });
-        Ok(VacuumSampler {
-            stop,
-            handle: Some(handle),
-        })
-    }
-
-    pub fn finish(mut self) -> VacuumSeen {
+    pub fn finish(mut self) -> T {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.handle
             .take()
             .and_then(|h| h.join().ok())
             .unwrap_or_default()
+    }
+}
+
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+impl Sampler<[u64; 4]> {
+    /// Peaks of a process's memory in KiB: [VmRSS, VmHWM, RssAnon, RssShmem].
+    pub fn memory(pid: i32) -> Sampler<[u64; 4]> {
+        Sampler::start(move |peak: &mut [u64; 4]| {
+            if let Some(m) = proc_mem_detail_kib(pid) {
+                for i in 0..4 {
+                    peak[i] = peak[i].max(m[i]);
+                }
+            }
+        })
+    }
+}
+
+/// How long a VACUUM (autovacuum's or anyone's) of `amqp.message` was seen running, and how
+/// many different ones. On two cores a vacuum landing in a drain takes CPU from it, and whether
+/// one lands depends on autovacuum's clock, not on the backlog.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VacuumSeen {
+    /// Seconds during which a vacuum of the table was seen running (sampling resolution).
+    pub secs: f64,
+    /// Distinct vacuums seen (by the pid running them).
+    pub runs: u32,
+    last_pid: Option<i32>,
+}
+
+impl Sampler<VacuumSeen> {
+    /// Samples `pg_stat_progress_vacuum` on a connection of its own.
+    pub fn vacuum(env: &Env) -> Result<Sampler<VacuumSeen>, String> {
+        let mut client = env.cluster.try_client()?;
+        Ok(Sampler::start(move |seen: &mut VacuumSeen| {
+            let pid: Option<i32> = client
+                .query_opt(
+                    "SELECT pid FROM pg_stat_progress_vacuum
+                      WHERE relid = 'amqp.message'::regclass LIMIT 1",
+                    &[],
+                )
+                .ok()
+                .flatten()
+                .map(|r| r.get(0));
+            if let Some(p) = pid {
+                seen.secs += SAMPLE_EVERY.as_secs_f64();
+                if seen.last_pid != Some(p) {
+                    seen.runs += 1;
+                }
+            }
+            seen.last_pid = pid;
+        }))
     }
 }
 

@@ -368,12 +368,12 @@ fn drain_once(
         .ok_or("the amqp_outbox worker is not running")?;
     env::reset_hwm(pid);
     let cpu0 = env::proc_cpu_secs(pid);
-    let mem = env::MemSampler::start(pid);
+    let mem = env::Sampler::memory(pid);
     // Let the stats of the backlog's own statements arrive first.
     std::thread::sleep(Duration::from_millis(600));
     let st0 = table_stats(env)?;
     let broker0 = broker_cpu(env);
-    let vacuums = env::VacuumSampler::start(env)?;
+    let vacuums = env::Sampler::vacuum(env)?;
     let t0 = Instant::now();
     env.set_enabled(true)?;
     let timeout = Duration::from_secs((n / 500).max(300));
@@ -913,11 +913,15 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     // just after, the same way: a drain measured in another phase saw another machine (a
     // phase's background work in RabbitMQ or PostgreSQL can take a tenth of the rate from the
     // next drain on two cores), and the mean of one before and one after cancels a drift.
-    let small_before = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
-    log(format!(
-        "  reference: drained {} in the same way, {:.0} msg/s",
-        opts.drain_n, small_before.rate
-    ));
+    let reference = |env: &mut Env| -> Result<f64, String> {
+        let d = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
+        log(format!(
+            "  reference: drained {} in the same way, {:.0} msg/s",
+            opts.drain_n, d.rate
+        ));
+        Ok(d.rate)
+    };
+    let small_before = reference(env)?;
     env.set_enabled(false)?;
     env.set_proof("ack_queue")?;
     env.sql("TRUNCATE amqp.message")?;
@@ -926,7 +930,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let before = env.outbox_size()?;
     let pid = env.worker_pid()?.ok_or("the worker is not running")?;
     let hwm_reset = env::reset_hwm(pid);
-    let sampler = env::MemSampler::start(pid);
+    let sampler = env::Sampler::memory(pid);
     let t = Instant::now();
     env.build_backlog(&route.exchange, &body, n)?;
     let build_secs = t.elapsed().as_secs_f64();
@@ -938,7 +942,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         mib(peak.0)
     ));
     let cpu0 = env::proc_cpu_secs(pid);
-    let vacuums = env::VacuumSampler::start(env)?;
+    let vacuums = env::Sampler::vacuum(env)?;
     let t0 = Instant::now();
     env.set_enabled(true)?;
     let mut max_size = peak.0;
@@ -1002,11 +1006,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             "scale: the worker's pid changed during the drain ({pid} → {pid_after:?}): it restarted"
         ));
     }
-    let small_after = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
-    log(format!(
-        "  reference: drained {} in the same way, {:.0} msg/s",
-        opts.drain_n, small_after.rate
-    ));
+    let small_after = reference(env)?;
     let raw = raw_classic(env, opts, run)?;
     let cfg = format!("{n} × {BODY_SIZE} B backlog, built with amqp_outbox.enabled = off, ack_queue mode, classic queue");
     let sec = "4 scale";
@@ -1027,7 +1027,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             }
         )),
     );
-    let small = (small_before.rate + small_after.rate) / 2.0;
+    let small = (small_before + small_after) / 2.0;
     run.fig(
         Figure::new(
             sec,
@@ -1040,7 +1040,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         .target(Target::RatioAtLeast(0.9))
         .note(format!(
             "{} backlog: {:.0} before, {:.0} after",
-            opts.drain_n, small_before.rate, small_after.rate
+            opts.drain_n, small_before, small_after
         )),
     );
     // The drain leaves the backlog in the queue (nothing consumes it): a publisher that sends
