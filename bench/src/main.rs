@@ -7,6 +7,7 @@
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
 //! latency,scale,growth,consume,capacity,profile` to run a subset;
+//! `BENCH_SCALE_N` messages per large backlog and `BENCH_SCALE_REPS` backlogs in the scale phase;
 //! `BENCH_CONSUME_N` messages per consume run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
 //! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_PROFILE=0` to skip perf;
 //! `BENCH_SETTINGS="amqp_outbox.batch_interval=0,…"` adds settings to the cluster's.
@@ -47,6 +48,8 @@ pub struct Opts {
     pub lat_secs_high: f64,
     pub lat_reps: usize,
     pub scale_n: u64,
+    /// Large backlogs drained in the scale phase, each between two reference drains.
+    pub scale_reps: usize,
     /// (body size, backlog) for the size-growth drains.
     pub size_drains: Vec<(usize, u64)>,
     /// Messages per run of the consume phase, and its repetitions.
@@ -83,11 +86,12 @@ impl Opts {
                 lat_secs_high: 3.0,
                 lat_reps: 2,
                 scale_n: 200_000,
+                scale_reps: 2,
                 size_drains: vec![(4096, 20_000), (65536, 2_000)],
                 consume_n: 20_000,
                 consume_reps: 3,
                 capacity_rounds: 7,
-                capacity_reps: 1,
+                capacity_reps: 2,
                 capacity_secs: 4,
                 profile: true,
                 only: None,
@@ -104,6 +108,7 @@ impl Opts {
                 lat_secs_high: 10.0,
                 lat_reps: 3,
                 scale_n: 1_000_000,
+                scale_reps: 2,
                 size_drains: vec![(4096, 50_000), (65536, 5_000)],
                 consume_n: 100_000,
                 consume_reps: 5,
@@ -118,6 +123,7 @@ impl Opts {
         o.reps = num("BENCH_REPS", o.reps as u64) as usize;
         o.drain_n = num("BENCH_DRAIN_N", o.drain_n);
         o.scale_n = num("BENCH_SCALE_N", o.scale_n);
+        o.scale_reps = num("BENCH_SCALE_REPS", o.scale_reps as u64).max(1) as usize;
         o.consume_n = num("BENCH_CONSUME_N", o.consume_n);
         o.capacity_rounds = num("BENCH_CAPACITY_ROUNDS", o.capacity_rounds as u64) as usize;
         o.capacity_reps = num("BENCH_CAPACITY_REPS", o.capacity_reps as u64).max(1) as usize;
@@ -322,6 +328,7 @@ fn main() {
         "drain_reps": opts.drain_reps,
         "latency_reps": opts.lat_reps,
         "scale_n": opts.scale_n,
+        "scale_reps": opts.scale_reps,
         "size_drains": opts.size_drains,
         "consume_n": opts.consume_n,
         "consume_reps": opts.consume_reps,

@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::env::{self, payload, Env, Route};
 use crate::pgbench::{self, Load, System};
 use crate::raw::{self, LatencyConsumer, RawProps, Samples};
-use crate::report::{percentile, Figure, Target};
+use crate::report::{median, percentile, Figure, Target};
 use crate::{log, Opts, Run};
 
 const BODY_SIZE: usize = 100;
@@ -903,25 +903,39 @@ fn raw_classic(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<f64, String>
     Ok(r)
 }
 
-/// 4. Scale: a large backlog built with `amqp_outbox.enabled = off`, then drained.
-pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
-    let n = opts.scale_n;
-    let route = env.routes.classic.clone();
-    let body = payload(BODY_SIZE);
+/// `amqp.message`'s size: total, heap and indexes, in bytes.
+type Size = (i64, i64, i64);
+
+/// One large backlog, built with the worker off and drained, as the scale section reports it.
+struct BigDrain {
+    rate: f64,
+    secs: f64,
+    build_secs: f64,
+    /// The worker's CPU per message, when `/proc` could tell.
+    cpu_us_per_msg: Option<f64>,
+    /// VmRSS and VmHWM at the end (KiB).
+    mem: (u64, u64),
+    /// Sampled peaks in KiB: VmRSS, VmHWM, RssAnon, RssShmem.
+    peaks: [u64; 4],
+    hwm_reset: bool,
+    before: Size,
+    peak: Size,
+    max_size: i64,
+    after: Size,
+    shrunk: Size,
+    shrink_secs: f64,
+    vacuumed: Size,
+    delivered: u64,
+}
+
+fn big_drain(
+    env: &mut Env,
+    run: &mut Run,
+    route: &Route,
+    body: &str,
+    n: u64,
+) -> Result<BigDrain, String> {
     let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
-    // Flatness is this backlog against the drain phase's size drained here, just before and
-    // just after, the same way: a drain measured in another phase saw another machine (a
-    // phase's background work in RabbitMQ or PostgreSQL can take a tenth of the rate from the
-    // next drain on two cores), and the mean of one before and one after cancels a drift.
-    let reference = |env: &mut Env| -> Result<f64, String> {
-        let d = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
-        log(format!(
-            "  reference: drained {} in the same way, {:.0} msg/s",
-            opts.drain_n, d.rate
-        ));
-        Ok(d.rate)
-    };
-    let small_before = reference(env)?;
     env.set_enabled(false)?;
     env.set_proof("ack_queue")?;
     env.sql("TRUNCATE amqp.message")?;
@@ -932,7 +946,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let hwm_reset = env::reset_hwm(pid);
     let sampler = env::Sampler::memory(pid);
     let t = Instant::now();
-    env.build_backlog(&route.exchange, &body, n)?;
+    env.build_backlog(&route.exchange, body, n)?;
     let build_secs = t.elapsed().as_secs_f64();
     let peak = env.outbox_size()?;
     env.sql("CHECKPOINT")?;
@@ -1006,10 +1020,62 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             "scale: the worker's pid changed during the drain ({pid} → {pid_after:?}): it restarted"
         ));
     }
-    let small_after = reference(env)?;
+    Ok(BigDrain {
+        rate,
+        secs,
+        build_secs,
+        cpu_us_per_msg: cpu0.zip(cpu1).map(|(a, b)| (b - a) * 1e6 / n as f64),
+        mem,
+        peaks,
+        hwm_reset,
+        before,
+        peak,
+        max_size,
+        after,
+        shrunk,
+        shrink_secs,
+        vacuumed,
+        delivered,
+    })
+}
+
+/// 4. Scale: large backlogs built with `amqp_outbox.enabled = off`, then drained.
+pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let n = opts.scale_n;
+    let reps = opts.scale_reps;
+    let route = env.routes.classic.clone();
+    let body = payload(BODY_SIZE);
+    let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
+    // Flatness is a large backlog against the drain phase's size drained here, just before and
+    // just after it, the same way: a drain measured in another phase saw another machine (a
+    // phase's background work in RabbitMQ or PostgreSQL can take a tenth of the rate from the
+    // next drain on two cores), and the mean of one before and one after cancels a drift. Two
+    // identical drains in a row differ by up to a fifth here, so the large one is repeated,
+    // interleaved with the small ones: ref, large, ref, large, ref.
+    let reference = |env: &mut Env| -> Result<f64, String> {
+        let d = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
+        log(format!(
+            "  reference: drained {} in the same way, {:.0} msg/s",
+            opts.drain_n, d.rate
+        ));
+        Ok(d.rate)
+    };
+    let mut smalls = vec![reference(env)?];
+    let mut bigs = Vec::with_capacity(reps);
+    let mut raw_same = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        bigs.push(big_drain(env, run, &route, &body, n)?);
+        smalls.push(reference(env)?);
+        // The drain leaves its backlog in the queue (nothing consumes it): a publisher that
+        // sends as many messages into the same unconsumed queue tells RabbitMQ's share of a
+        // large backlog's slowdown from the worker's.
+        raw_same.push(raw_once(env, &route, &body, n, RawProps::LikeOutbox)?.0);
+    }
     let raw = raw_classic(env, opts, run)?;
-    let cfg = format!("{n} × {BODY_SIZE} B backlog, built with amqp_outbox.enabled = off, ack_queue mode, classic queue");
+    let rates: Vec<f64> = bigs.iter().map(|b| b.rate).collect();
+    let cfg = format!("{n} × {BODY_SIZE} B backlog, built with amqp_outbox.enabled = off, ack_queue mode, classic queue; {reps} backlogs");
     let sec = "4 scale";
+    let cpu: Vec<f64> = bigs.iter().filter_map(|b| b.cpu_us_per_msg).collect();
     run.fig(
         Figure::new(
             sec,
@@ -1017,36 +1083,40 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             &cfg,
             "msg/s",
         )
-        .samples(vec![rate])
+        .samples(rates.clone())
         .baseline("raw", vec![raw])
         .note(format!(
             "worker {:.1} µs CPU/msg",
-            match (cpu0, cpu1) {
-                (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
-                _ => f64::NAN,
+            if cpu.is_empty() {
+                f64::NAN
+            } else {
+                median(&cpu)
             }
         )),
     );
-    let small = (small_before + small_after) / 2.0;
+    let around: Vec<f64> = smalls.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+    let smalls_text: Vec<String> = smalls.iter().map(|r| format!("{r:.0}")).collect();
     run.fig(
         Figure::new(
             sec,
-            "drain rate / the drain phase's backlog drained just before and after (mean)",
+            "drain rate / the drain phase's backlog drained just before and after each (mean)",
             &cfg,
             "msg/s",
         )
-        .samples(vec![rate])
-        .baseline(&format!("{} backlog", opts.drain_n), vec![small])
+        .samples(rates.clone())
+        .baseline(&format!("{} backlog", opts.drain_n), around)
         .target(Target::RatioAtLeast(0.9))
         .note(format!(
-            "{} backlog: {:.0} before, {:.0} after",
-            opts.drain_n, small_before, small_after
+            "{} backlogs, in order: {}; large ones: {}",
+            opts.drain_n,
+            smalls_text.join(", "),
+            rates
+                .iter()
+                .map(|r| format!("{r:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         )),
     );
-    // The drain leaves the backlog in the queue (nothing consumes it): a publisher that sends
-    // as many messages into the same unconsumed queue tells RabbitMQ's share of a large
-    // backlog's slowdown from the worker's.
-    let (raw_same, _) = raw_once(env, &route, &body, n, RawProps::LikeOutbox)?;
     run.fig(
         Figure::new(
             sec,
@@ -1054,8 +1124,8 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             &cfg,
             "msg/s",
         )
-        .samples(vec![rate])
-        .baseline("raw, worker's properties", vec![raw_same]),
+        .samples(rates.clone())
+        .baseline("raw, worker's properties", raw_same.clone()),
     );
     if let Some(like_small) = run.shared.get("raw_like_outbox_classic").copied() {
         run.fig(
@@ -1065,22 +1135,25 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
                 &cfg,
                 "msg/s",
             )
-            .samples(vec![raw_same])
+            .samples(raw_same.clone())
             .baseline(&format!("{} messages", opts.drain_n), vec![like_small]),
         );
     }
+    // Memory and sizes: the worst of the backlogs.
+    let worst = |f: &dyn Fn(&BigDrain) -> i64| bigs.iter().map(f).max().unwrap_or(0);
+    let hwm_reset = bigs.iter().all(|b| b.hwm_reset);
     run.fig(
         Figure::new(sec, "worker peak resident memory (VmHWM)", &cfg, "MiB")
-            .samples(vec![mem.1 as f64 / 1024.0])
+            .samples(vec![worst(&|b| b.mem.1 as i64) as f64 / 1024.0])
             .target(Target::AtMost(64.0))
             .note(format!(
                 "{}; counts the shared buffers it touched: peak RssShmem {:.1} MiB",
                 if hwm_reset {
-                    "reset before the backlog"
+                    "reset before each backlog"
                 } else {
                     "could not be reset: since the worker started"
                 },
-                peaks[3] as f64 / 1024.0
+                worst(&|b| b.peaks[3] as i64) as f64 / 1024.0
             )),
     );
     run.fig(
@@ -1090,41 +1163,68 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             &cfg,
             "MiB",
         )
-        .samples(vec![peaks[2] as f64 / 1024.0])
+        .samples(vec![worst(&|b| b.peaks[2] as i64) as f64 / 1024.0])
         .target(Target::AtMost(64.0)),
     );
-    let shrunk_label = format!("amqp.message size {shrink_secs:.1} s after the drain, no VACUUM");
+    let pick =
+        |f: &dyn Fn(&BigDrain) -> Size| bigs.iter().map(f).max_by_key(|s| s.0).unwrap_or_default();
+    let shrink_secs = bigs.iter().map(|b| b.shrink_secs).fold(0.0, f64::max);
+    let shrunk_label =
+        format!("amqp.message size at most {shrink_secs:.1} s after the drain, no VACUUM");
     for (label, v) in [
-        ("amqp.message size before (empty, vacuumed)", before),
-        ("amqp.message size at peak (backlog built)", peak),
-        ("amqp.message size right after the drain", after),
-        (shrunk_label.as_str(), shrunk),
-        ("amqp.message size after the drain + VACUUM", vacuumed),
+        (
+            "amqp.message size before (empty, vacuumed)",
+            pick(&|b| b.before),
+        ),
+        (
+            "amqp.message size at peak (backlog built)",
+            pick(&|b| b.peak),
+        ),
+        (
+            "amqp.message size right after the drain",
+            pick(&|b| b.after),
+        ),
+        (shrunk_label.as_str(), pick(&|b| b.shrunk)),
+        (
+            "amqp.message size after the drain + VACUUM",
+            pick(&|b| b.vacuumed),
+        ),
     ] {
         run.fig(
             Figure::new(sec, label, &cfg, "MiB")
                 .samples(vec![mib(v.0)])
                 .note(format!(
-                    "heap {:.1} MiB, indexes {:.1} MiB",
+                    "largest of the backlogs; heap {:.1} MiB, indexes {:.1} MiB",
                     mib(v.1),
                     mib(v.2)
                 )),
         );
     }
+    let details: Vec<Value> = bigs
+        .iter()
+        .map(|b| {
+            json!({
+                "build_secs": b.build_secs, "drain_secs": b.secs, "msg_per_sec": b.rate,
+                "worker_cpu_us_per_msg": b.cpu_us_per_msg,
+                "worker_vmhwm_kib": b.mem.1, "worker_vmrss_end_kib": b.mem.0,
+                "worker_peak_vmrss_sampled_kib": b.peaks[0],
+                "worker_peak_rss_anon_sampled_kib": b.peaks[2],
+                "worker_peak_rss_shmem_sampled_kib": b.peaks[3],
+                "vmhwm_reset_before": b.hwm_reset,
+                "size_bytes": {"before": b.before, "peak": b.peak, "max_during_drain": b.max_size, "after_drain": b.after, "shrunk_without_vacuum": b.shrunk, "after_vacuum": b.vacuumed},
+                "shrink_secs": b.shrink_secs,
+                "delivered": b.delivered,
+            })
+        })
+        .collect();
     run.detail(
         "scale",
         json!({
             "n": n, "built_with": "amqp_outbox.enabled = off",
-            "build_secs": build_secs, "drain_secs": secs, "msg_per_sec": rate,
             "raw_classic_msg_per_sec": raw,
-            "worker_vmhwm_kib": mem.1, "worker_vmrss_end_kib": mem.0,
-            "worker_peak_vmrss_sampled_kib": peaks[0],
-            "worker_peak_rss_anon_sampled_kib": peaks[2],
-            "worker_peak_rss_shmem_sampled_kib": peaks[3],
-            "vmhwm_reset_before": hwm_reset,
-            "size_bytes": {"before": before, "peak": peak, "max_during_drain": max_size, "after_drain": after, "shrunk_without_vacuum": shrunk, "after_vacuum": vacuumed},
-            "shrink_secs": shrink_secs,
-            "delivered": delivered,
+            "references_msg_per_sec": smalls,
+            "raw_like_outbox_same_queue_msg_per_sec": raw_same,
+            "backlogs": details,
         }),
     );
     Ok(())
