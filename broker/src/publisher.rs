@@ -101,6 +101,15 @@ pub(crate) struct AckCtx {
     pub(crate) tracker: SharedTracker,
 }
 
+/// An acknowledgement record published and not yet confirmed.
+struct RecordInFlight {
+    /// To match a return.
+    message_id: String,
+    ids: Vec<i64>,
+    /// Publish order of the messages it lists (this channel's).
+    listed: std::ops::Range<u64>,
+}
+
 struct Pending {
     id: i64,
     message_id: String,
@@ -125,10 +134,9 @@ struct Publisher {
     next_seq: u64,
     /// Unsettled solo messages (0 or 1): nothing else is published meanwhile.
     solo_unsettled: usize,
-    /// Acknowledgement records published and not yet confirmed, by publish order: their
-    /// message_id (to match a return) and the ids they list. Their confirms are never reported
-    /// to the worker.
-    records_unsettled: HashMap<u64, (String, Vec<i64>)>,
+    /// Acknowledgement records published and not yet confirmed, by publish order. Their
+    /// confirms are never reported to the worker.
+    records_unsettled: HashMap<u64, RecordInFlight>,
     /// `AckQueue` mode: ids confirmed on this channel (or handed over by an earlier one) whose
     /// record has not been confirmed. When the channel ends they go to the next one, which
     /// records them first: a confirmed message is in its queue, and without a record it would
@@ -141,6 +149,9 @@ struct Publisher {
     recorded_early: HashSet<i64>,
     /// Ids published since the last record: the next record lists them.
     batch_ids: Vec<i64>,
+    /// Publish order of the first message `batch_ids` can hold: the next record lists
+    /// messages published from here on (and ids carried from an earlier channel).
+    batch_from: u64,
     /// When the next record is due, while `batch_ids` waits for more (see [`RECORD_MIN_IDS`]).
     record_due: Option<Instant>,
     /// The latest it may be due: [`RECORD_DELAY`] after the first id it waits with.
@@ -185,6 +196,7 @@ pub(crate) async fn run(
         record_due: (!carried.is_empty()).then(Instant::now),
         record_by: (!carried.is_empty()).then(Instant::now),
         batch_ids: carried,
+        batch_from: 0,
         record_seq: 0,
         record_warned: false,
         blocked,
@@ -501,6 +513,7 @@ impl Publisher {
         self.record_due = None;
         self.record_by = None;
         let ids = std::mem::take(&mut self.batch_ids);
+        let listed = std::mem::replace(&mut self.batch_from, self.next_seq)..self.next_seq;
         let Some(a) = &self.ctx.ack else {
             return Ok(());
         };
@@ -528,7 +541,14 @@ impl Publisher {
         let publish = Self::start(channel, ShortString::from(""), queue, body, properties).await?;
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.records_unsettled.insert(seq, (message_id, ids));
+        self.records_unsettled.insert(
+            seq,
+            RecordInFlight {
+                message_id,
+                ids,
+                listed,
+            },
+        );
         self.confirms.push(publish.map(move |r| (seq, r)).boxed());
         Ok(())
     }
@@ -595,16 +615,24 @@ impl Publisher {
         outcomes.sort_unstable_by_key(|(seq, _)| *seq);
         let mut confirmed = Vec::new();
         for (seq, outcome) in outcomes {
-            if let Some((message_id, ids)) = self.records_unsettled.remove(&seq) {
+            if let Some(record) = self.records_unsettled.remove(&seq) {
                 // Settled either way: a refused record is not retried (its messages are
-                // reported lost by a later record, or time out).
-                for id in &ids {
-                    if !self.unrecorded.remove(id) {
+                // reported lost by a later record, or time out). Only a message still waiting
+                // for its own confirm was recorded early: one that already failed (nacked,
+                // returned) would stay in that set, and its next publish on this channel would
+                // not be carried if its record died with the channel.
+                let waiting: HashSet<i64> = self
+                    .unsettled
+                    .range(record.listed)
+                    .map(|(_, p)| p.id)
+                    .collect();
+                for id in &record.ids {
+                    if !self.unrecorded.remove(id) && waiting.contains(id) {
                         self.recorded_early.insert(*id);
                     }
                 }
                 // A record's confirm is ours alone; only a refusal is worth a word.
-                let returned = self.take_return(&message_id);
+                let returned = self.take_return(&record.message_id);
                 match (outcome, returned) {
                     (Some(true), None) | (None, _) => {}
                     (Some(true), Some((code, text))) => {
@@ -789,6 +817,7 @@ impl Publisher {
         self.returned.clear();
         self.records_unsettled.clear();
         self.batch_ids.clear();
+        self.batch_from = self.next_seq;
         self.record_due = None;
         self.record_by = None;
         self.recorded_early.clear();

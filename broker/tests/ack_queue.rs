@@ -404,8 +404,43 @@ impl Carried {
 
 #[test]
 fn confirmed_ids_whose_record_died_with_the_channel_are_recorded_on_the_next() {
+    carried_to_the_next_channel("carried", false);
+}
+
+#[test]
+fn ids_that_failed_once_are_still_carried_when_published_again_on_the_channel() {
+    // Each small id is first published unroutable (returned, so it fails) and settled, record
+    // and all, on the same channel. A failed id must not count as recorded for its next
+    // publish: its confirm would not make it unrecorded, and when that publish's record died
+    // with the channel nothing would carry it.
+    carried_to_the_next_channel("refused", true);
+}
+
+/// Publishes `ids` unroutable and waits until each has failed (returned) and its record has
+/// reached the listener, then for the record's confirm: the channel has settled them all.
+fn refuse(bridge: &mut Bridge, ids: std::ops::RangeInclusive<i64>) {
+    let nowhere = unique("nowhere");
+    let n = ids.clone().count();
+    bridge.publish(B, ids.map(|id| message(id, "", &nowhere)).collect(), false);
+    let (mut failed, mut acked) = (BTreeSet::new(), BTreeSet::new());
+    bridge.wait_for(Duration::from_secs(30), |e| {
+        match e {
+            Event::Failed { id, failure, .. } => {
+                assert_eq!(*failure, Failure::Rejected, "{e:?}");
+                failed.insert(*id);
+            }
+            Event::Acked { ids, .. } => acked.extend(ids.iter().copied()),
+            _ => {}
+        }
+        (failed.len() == n && acked.len() >= n).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+fn carried_to_the_next_channel(name: &str, refused_first: bool) {
+    const REFUSED: i64 = 200;
     let mut admin = Admin::new();
-    let (ack_q, queue) = acks_and_target(&mut admin, "acks_carried", "carried_q");
+    let (ack_q, queue) = acks_and_target(&mut admin, &format!("acks_{name}"), &format!("{name}_q"));
     let (mut bridge, _) = ack_bridge(&ack_q, false);
 
     // Small commands whose ids wait for a shared record; once one is confirmed, an ordinary
@@ -426,6 +461,9 @@ fn confirmed_ids_whose_record_died_with_the_channel_are_recorded_on_the_next() {
             _ => None,
         });
         admin.delete_exchange(&exchange);
+        if refused_first {
+            refuse(&mut bridge, base + 1..=base + REFUSED);
+        }
 
         let mut small = BTreeSet::new();
         let mut seen = Carried::default();
