@@ -956,6 +956,7 @@ fn big_drain(
         mib(peak.0)
     ));
     let cpu0 = env::proc_cpu_secs(pid);
+    let broker0 = broker_cpu(env);
     let vacuums = env::Sampler::vacuum(env)?;
     let t0 = Instant::now();
     env.set_enabled(true)?;
@@ -981,6 +982,7 @@ fn big_drain(
     };
     let secs = (done - t0).as_secs_f64();
     let cpu1 = env::proc_cpu_secs(pid);
+    let broker_us = per_msg_us(broker0, broker_cpu(env), n);
     let vacuum = vacuums.finish();
     let peaks = sampler.finish();
     let mem = env::proc_mem_kib(pid).unwrap_or((0, 0));
@@ -1003,8 +1005,10 @@ fn big_drain(
     env.purge(&route.queue)?;
     let rate = n as f64 / secs;
     log(format!(
-        "  drained {n} in {secs:.1}s ({rate:.0} msg/s); worker VmHWM {} KiB, peak VmRSS {} KiB; \
+        "  drained {n} in {secs:.1}s ({rate:.0} msg/s); CPU µs/msg: worker {:.1}, RabbitMQ \
+         {broker_us:.1}; worker VmHWM {} KiB, peak VmRSS {} KiB; \
          sizes: before {:.2} MiB, peak {:.1} MiB, after {:.1} MiB, {:.2} MiB {shrink_secs:.1} s later, after VACUUM {:.2} MiB; {delivered} delivered; a VACUUM of amqp.message running for {:.1} s of the drain ({} seen)",
+        per_msg_us(cpu0, cpu1, n),
         mem.1,
         peaks[0],
         mib(before.0),
@@ -1055,8 +1059,14 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let reference = |env: &mut Env| -> Result<f64, String> {
         let d = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
         log(format!(
-            "  reference: drained {} in the same way, {:.0} msg/s",
-            opts.drain_n, d.rate
+            "  reference: drained {} in the same way, {:.0} msg/s; CPU µs/msg: worker {:.1}, \
+             RabbitMQ {:.1}; per message: {:.2} tuples seq-scanned, {:.2} fetched by index",
+            opts.drain_n,
+            d.rate,
+            d.cpu_us_per_msg,
+            d.broker_us_per_msg,
+            d.seq_tup_per_msg,
+            d.idx_fetch_per_msg
         ));
         Ok(d.rate)
     };
