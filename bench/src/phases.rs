@@ -911,8 +911,9 @@ struct BigDrain {
     rate: f64,
     secs: f64,
     build_secs: f64,
-    /// The worker's CPU per message, when `/proc` could tell.
-    cpu_us_per_msg: Option<f64>,
+    /// The worker's and RabbitMQ's CPU per message (NaN when `/proc` could not tell).
+    cpu_us_per_msg: f64,
+    broker_us_per_msg: f64,
     /// VmRSS and VmHWM at the end (KiB).
     mem: (u64, u64),
     /// Sampled peaks in KiB: VmRSS, VmHWM, RssAnon, RssShmem.
@@ -1028,7 +1029,8 @@ fn big_drain(
         rate,
         secs,
         build_secs,
-        cpu_us_per_msg: cpu0.zip(cpu1).map(|(a, b)| (b - a) * 1e6 / n as f64),
+        cpu_us_per_msg: per_msg_us(cpu0, cpu1, n),
+        broker_us_per_msg: broker_us,
         mem,
         peaks,
         hwm_reset,
@@ -1056,7 +1058,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     // next drain on two cores), and the mean of one before and one after cancels a drift. Two
     // identical drains in a row differ by up to a fifth here, so the large one is repeated,
     // interleaved with the small ones: ref, large, ref, large, ref.
-    let reference = |env: &mut Env| -> Result<f64, String> {
+    let reference = |env: &mut Env| -> Result<Drained, String> {
         let d = drain_once(env, "ack_queue", &route, &body, opts.drain_n)?;
         log(format!(
             "  reference: drained {} in the same way, {:.0} msg/s; CPU µs/msg: worker {:.1}, \
@@ -1068,7 +1070,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             d.seq_tup_per_msg,
             d.idx_fetch_per_msg
         ));
-        Ok(d.rate)
+        Ok(d)
     };
     let mut smalls = vec![reference(env)?];
     let mut bigs = Vec::with_capacity(reps);
@@ -1085,7 +1087,11 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let rates: Vec<f64> = bigs.iter().map(|b| b.rate).collect();
     let cfg = format!("{n} × {BODY_SIZE} B backlog, built with amqp_outbox.enabled = off, ack_queue mode, classic queue; {reps} backlogs");
     let sec = "4 scale";
-    let cpu: Vec<f64> = bigs.iter().filter_map(|b| b.cpu_us_per_msg).collect();
+    let cpu: Vec<f64> = bigs
+        .iter()
+        .map(|b| b.cpu_us_per_msg)
+        .filter(|c| c.is_finite())
+        .collect();
     run.fig(
         Figure::new(
             sec,
@@ -1104,8 +1110,14 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             }
         )),
     );
-    let around: Vec<f64> = smalls.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
-    let smalls_text: Vec<String> = smalls.iter().map(|r| format!("{r:.0}")).collect();
+    // Each large backlog against the mean of the small ones on either side of it.
+    let around = |f: fn(&Drained) -> f64| -> Vec<f64> {
+        smalls
+            .windows(2)
+            .map(|w| (f(&w[0]) + f(&w[1])) / 2.0)
+            .collect()
+    };
+    let smalls_text: Vec<String> = smalls.iter().map(|d| format!("{:.0}", d.rate)).collect();
     run.fig(
         Figure::new(
             sec,
@@ -1114,7 +1126,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             "msg/s",
         )
         .samples(rates.clone())
-        .baseline(&format!("{} backlog", opts.drain_n), around)
+        .baseline(&format!("{} backlog", opts.drain_n), around(|d| d.rate))
         .target(Target::RatioAtLeast(0.9))
         .note(format!(
             "{} backlogs, in order: {}; large ones: {}",
@@ -1127,6 +1139,28 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
                 .join(", ")
         )),
     );
+    // Which side a large backlog costs more: the drain rate follows RabbitMQ's CPU per message
+    // on two cores, and that moves between drains of the same size.
+    type Per<T> = fn(&T) -> f64;
+    let cpu_figures: [(&str, Per<BigDrain>, Per<Drained>); 2] = [
+        (
+            "worker CPU per message / the small backlogs' just before and after each (mean)",
+            |b| b.cpu_us_per_msg,
+            |d| d.cpu_us_per_msg,
+        ),
+        (
+            "RabbitMQ CPU per message / the small backlogs' just before and after each (mean)",
+            |b| b.broker_us_per_msg,
+            |d| d.broker_us_per_msg,
+        ),
+    ];
+    for (label, big, small) in cpu_figures {
+        run.fig(
+            Figure::new(sec, label, &cfg, "µs/msg")
+                .samples(bigs.iter().map(big).collect())
+                .baseline(&format!("{} backlog", opts.drain_n), around(small)),
+        );
+    }
     run.fig(
         Figure::new(
             sec,
@@ -1216,6 +1250,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             json!({
                 "build_secs": b.build_secs, "drain_secs": b.secs, "msg_per_sec": b.rate,
                 "worker_cpu_us_per_msg": b.cpu_us_per_msg,
+                "broker_cpu_us_per_msg": b.broker_us_per_msg,
                 "worker_vmhwm_kib": b.mem.1, "worker_vmrss_end_kib": b.mem.0,
                 "worker_peak_vmrss_sampled_kib": b.peaks[0],
                 "worker_peak_rss_anon_sampled_kib": b.peaks[2],
@@ -1232,7 +1267,7 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         json!({
             "n": n, "built_with": "amqp_outbox.enabled = off",
             "raw_classic_msg_per_sec": raw,
-            "references_msg_per_sec": smalls,
+            "references": smalls.iter().map(|d| json!({"msg_per_sec": d.rate, "cpu_us_per_msg": d.cpu_us_per_msg, "broker_cpu_us_per_msg": d.broker_us_per_msg, "seq_tup_read_per_msg": d.seq_tup_per_msg, "idx_tup_fetch_per_msg": d.idx_fetch_per_msg})).collect::<Vec<_>>(),
             "raw_like_outbox_same_queue_msg_per_sec": raw_same,
             "backlogs": details,
         }),
