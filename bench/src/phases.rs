@@ -906,6 +906,10 @@ fn raw_classic(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<f64, String>
 /// `amqp.message`'s size: total, heap and indexes, in bytes.
 type Size = (i64, i64, i64);
 
+fn mib(bytes: i64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
 /// One large backlog, built with the worker off and drained, as the scale section reports it.
 struct BigDrain {
     rate: f64,
@@ -936,7 +940,6 @@ fn big_drain(
     body: &str,
     n: u64,
 ) -> Result<BigDrain, String> {
-    let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
     env.set_enabled(false)?;
     env.set_proof("ack_queue")?;
     env.sql("TRUNCATE amqp.message")?;
@@ -982,7 +985,7 @@ fn big_drain(
         std::thread::sleep(Duration::from_millis(100));
     };
     let secs = (done - t0).as_secs_f64();
-    let cpu1 = env::proc_cpu_secs(pid);
+    let cpu_us = per_msg_us(cpu0, env::proc_cpu_secs(pid), n);
     let broker_us = per_msg_us(broker0, broker_cpu(env), n);
     let vacuum = vacuums.finish();
     let peaks = sampler.finish();
@@ -1006,10 +1009,9 @@ fn big_drain(
     env.purge(&route.queue)?;
     let rate = n as f64 / secs;
     log(format!(
-        "  drained {n} in {secs:.1}s ({rate:.0} msg/s); CPU µs/msg: worker {:.1}, RabbitMQ \
+        "  drained {n} in {secs:.1}s ({rate:.0} msg/s); CPU µs/msg: worker {cpu_us:.1}, RabbitMQ \
          {broker_us:.1}; worker VmHWM {} KiB, peak VmRSS {} KiB; \
          sizes: before {:.2} MiB, peak {:.1} MiB, after {:.1} MiB, {:.2} MiB {shrink_secs:.1} s later, after VACUUM {:.2} MiB; {delivered} delivered; a VACUUM of amqp.message running for {:.1} s of the drain ({} seen)",
-        per_msg_us(cpu0, cpu1, n),
         mem.1,
         peaks[0],
         mib(before.0),
@@ -1029,7 +1031,7 @@ fn big_drain(
         rate,
         secs,
         build_secs,
-        cpu_us_per_msg: per_msg_us(cpu0, cpu1, n),
+        cpu_us_per_msg: cpu_us,
         broker_us_per_msg: broker_us,
         mem,
         peaks,
@@ -1051,7 +1053,6 @@ pub fn scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     let reps = opts.scale_reps;
     let route = env.routes.classic.clone();
     let body = payload(BODY_SIZE);
-    let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
     // Flatness is a large backlog against the drain phase's size drained here, just before and
     // just after it, the same way: a drain measured in another phase saw another machine (a
     // phase's background work in RabbitMQ or PostgreSQL can take a tenth of the rate from the
