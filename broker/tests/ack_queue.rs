@@ -521,6 +521,16 @@ fn carried_to_the_next_channel(name: &str, refused_first: bool) {
     panic!("in 10 rounds the shared record always went out before the channel closed");
 }
 
+/// Queue arguments that make a quorum queue.
+fn quorum_args() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args
+}
+
 #[test]
 fn ids_confirmed_after_their_record_are_not_recorded_again_on_the_next_channel() {
     let mut admin = Admin::new();
@@ -530,12 +540,7 @@ fn ids_confirmed_after_their_record_are_not_recorded_again_on_the_next_channel()
     // publishes as each queue has them, so a record is often confirmed before the messages it
     // lists.
     let queue = unique("order_q");
-    let mut quorum = FieldTable::default();
-    quorum.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    admin.try_declare_durable(&queue, quorum).unwrap();
+    admin.try_declare_durable(&queue, quorum_args()).unwrap();
     admin.cleanup_queue(&queue);
     let (mut bridge, first) = ack_bridge(&ack_q, false);
 
@@ -618,12 +623,7 @@ fn quorum_ack_queue_is_declared_and_works() {
         err.contains("PRECONDITION_FAILED") || err.contains("406"),
         "{err}"
     );
-    let mut quorum = FieldTable::default();
-    quorum.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    admin.try_declare_durable(&ack_q, quorum).unwrap();
+    admin.try_declare_durable(&ack_q, quorum_args()).unwrap();
 }
 
 #[test]
