@@ -10,6 +10,7 @@ use super::scan_floor::{Reach, ScanFloor};
 use super::settle::park_now;
 use crate::gucs::WorkerSettings;
 use crate::shmem;
+use amqp_outbox_broker::backoff::Backoff;
 use amqp_outbox_broker::{Command, OutboundMessage};
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::BTreeMap;
@@ -75,7 +76,7 @@ pub fn claim(
     let open = flight.open_brokers(settings.max_in_flight, settings.max_in_flight_bytes);
     let every_broker_open = open.len() == flight.connected_brokers() && !flight.any_isolating();
     if open.is_empty() {
-        park_all(client, parks)?;
+        park_all(client, parks, settings, flight)?;
         return Ok(Claimed {
             commands,
             more: false,
@@ -160,7 +161,7 @@ pub fn claim(
             solo: false,
         });
     }
-    park_all(client, parks)?;
+    park_all(client, parks, settings, flight)?;
     Ok(Claimed {
         commands,
         more,
@@ -168,9 +169,15 @@ pub fn claim(
     })
 }
 
-fn park_all(client: &mut SpiClient<'_>, parks: Vec<(i64, String)>) -> SpiResult<()> {
+fn park_all(
+    client: &mut SpiClient<'_>,
+    parks: Vec<(i64, String)>,
+    settings: &WorkerSettings,
+    flight: &mut Flight,
+) -> SpiResult<()> {
+    let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
     for (id, why) in parks {
-        park_now(client, id, &why)?;
+        park_now(client, id, &why, &backoff, flight)?;
     }
     Ok(())
 }

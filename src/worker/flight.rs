@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 pub const DELETE_AT: usize = 1000;
 /// ...or once the oldest was delivered this long ago.
 pub const DELETE_AFTER: Duration = Duration::from_millis(20);
+/// Delivered rows another session kept locked at their DELETE are tried again this often.
+pub const LOCKED_RETRY: Duration = Duration::from_secs(1);
 
 pub struct Entry {
     pub broker_id: i32,
@@ -153,6 +155,10 @@ pub struct Flight {
     proven: Vec<Proof>,
     /// When the oldest of `proven` was delivered.
     proven_since: Option<Instant>,
+    /// Delivered rows that another session kept locked at their DELETE, and when they are tried
+    /// again ([`LOCKED_RETRY`]). Skipped by the claim like `proven`.
+    locked: Vec<Proof>,
+    locked_retry_at: Option<Instant>,
     /// How long delivered rows wait for their DELETE; `None`: [`DELETE_AFTER`] (only the test
     /// builds' `amqp_outbox.test_delete_after` sets another).
     delete_after: Option<Duration>,
@@ -253,12 +259,37 @@ impl Flight {
 
     /// How long until the delivered rows are due for their DELETE (zero: now).
     pub fn proven_due_in(&self, now: Instant) -> Option<Duration> {
-        let since = self.proven_since?;
+        let locked = self
+            .locked_retry_at
+            .map(|at| at.saturating_duration_since(now));
+        let Some(since) = self.proven_since else {
+            return locked;
+        };
         if self.proven.len() >= DELETE_AT {
             return Some(Duration::ZERO);
         }
         let after = self.delete_after.unwrap_or(DELETE_AFTER);
-        Some(after.saturating_sub(now.saturating_duration_since(since)))
+        let proven = after.saturating_sub(now.saturating_duration_since(since));
+        Some(locked.map_or(proven, |l| l.min(proven)))
+    }
+
+    /// Delivered rows whose DELETE found them locked by another session: tried again after
+    /// [`LOCKED_RETRY`], skipped by the claim until then.
+    pub fn keep_locked(&mut self, proofs: Vec<Proof>, now: Instant) {
+        if proofs.is_empty() {
+            return;
+        }
+        self.locked.extend(proofs);
+        self.locked_retry_at = Some(now + LOCKED_RETRY);
+    }
+
+    /// The rows [`Flight::keep_locked`] kept, once they are due again (or `all`).
+    pub fn take_locked(&mut self, now: Instant, all: bool) -> Vec<Proof> {
+        if !all && self.locked_retry_at.is_none_or(|at| now < at) {
+            return Vec::new();
+        }
+        self.locked_retry_at = None;
+        std::mem::take(&mut self.locked)
     }
 
     #[cfg(feature = "fault-injection")]
@@ -456,7 +487,7 @@ impl Flight {
         self.entries
             .keys()
             .copied()
-            .chain(self.proven.iter().map(|p| p.id))
+            .chain(self.proven.iter().chain(&self.locked).map(|p| p.id))
     }
 
     /// Brokers with a connection.
@@ -495,7 +526,7 @@ impl Flight {
         self.entries
             .iter()
             .map(|(id, e)| (*id, e.confirmed))
-            .chain(self.proven.iter().map(|p| (p.id, true)))
+            .chain(self.proven.iter().chain(&self.locked).map(|p| (p.id, true)))
             .collect()
     }
 }
@@ -546,6 +577,36 @@ mod tests {
         }
         assert_eq!(f.proven_due_in(Instant::now()), Some(Duration::ZERO));
         assert_eq!(f.take_proven(Instant::now(), false).len(), DELETE_AT);
+    }
+
+    #[test]
+    fn delivered_rows_kept_locked_by_another_session_wait_skipped_and_come_due_again() {
+        let mut f = flight(ProofMode::Confirm);
+        f.mark_sent(1, 5, 10, 0);
+        f.confirmed(5);
+        let now = Instant::now();
+        let taken = f.take_proven(now + DELETE_AFTER, false);
+        f.keep_locked(taken, now);
+        assert_eq!(f.ids().collect::<Vec<_>>(), vec![5], "the claim skips it");
+        assert!(f.snapshot().contains(&(5, true)), "shown as delivered");
+        assert_eq!(f.proven_due_in(now), Some(LOCKED_RETRY));
+        assert!(f.take_locked(now, false).is_empty(), "not due yet");
+        assert!(
+            f.take_proven(now + LOCKED_RETRY, false).is_empty(),
+            "not in the next ordinary batch"
+        );
+        // A new delivery keeps its own, shorter wait.
+        f.mark_sent(1, 6, 10, 0);
+        f.confirmed(6);
+        let due = f.proven_due_in(Instant::now()).unwrap();
+        assert!(due <= DELETE_AFTER, "{due:?}");
+        let again = f.take_locked(now + LOCKED_RETRY, false);
+        assert_eq!(again.iter().map(|p| p.id).collect::<Vec<_>>(), vec![5]);
+        assert_eq!(f.ids().collect::<Vec<_>>(), vec![6]);
+        assert!(
+            f.take_locked(now + LOCKED_RETRY, true).is_empty(),
+            "taken once"
+        );
     }
 
     #[test]

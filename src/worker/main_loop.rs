@@ -241,24 +241,41 @@ impl Worker {
     /// Deletes the delivered rows once their batch is due ([`Flight::take_proven`]), or all of
     /// them (`all`: at a clean shutdown, so that none is published again).
     fn delete_delivered(&mut self, all: bool) {
-        let delivered = self.flight.take_proven(Instant::now(), all);
+        let now = Instant::now();
+        let locked = self.flight.take_locked(now, all);
+        let locked_before = !locked.is_empty();
+        let mut delivered = self.flight.take_proven(now, all);
+        delivered.extend(locked);
         if delivered.is_empty() || !self.presence.present() {
             return;
         }
         let presence = &mut self.presence;
-        pg::transaction("amqp_outbox: delete delivered rows", || {
+        let still_locked = pg::transaction("amqp_outbox: delete delivered rows", || {
             // Under the extension's share lock, as every step.
             if !presence.still_installed() {
-                return;
+                return Vec::new();
             }
-            let result = Spi::connect_mut(|client| settle::delete_delivered(client, &delivered));
+            let result = Spi::connect_mut(|client| {
+                settle::delete_delivered(client, delivered, locked_before)
+            });
             match result {
-                Ok(()) => {}
+                Ok(locked) => locked,
                 // Exiting anyway: say so and go.
-                Err(e) if all => warning!("amqp_outbox: could not delete delivered rows: {e}"),
+                Err(e) if all => {
+                    warning!("amqp_outbox: could not delete delivered rows: {e}");
+                    Vec::new()
+                }
                 Err(e) => error!("amqp_outbox: worker query failed: {e}"),
             }
         });
+        if all && !still_locked.is_empty() {
+            // Published again after the restart: at least once, never lost.
+            warning!(
+                "amqp_outbox: {} delivered row(s) locked by another session were not deleted",
+                still_locked.len()
+            );
+        }
+        self.flight.keep_locked(still_locked, Instant::now());
     }
 
     fn exit(self) -> ! {

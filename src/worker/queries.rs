@@ -392,6 +392,46 @@ pub fn delete_delivered(
     })
 }
 
+/// The longest the worker's DELETE of delivered rows waits for a lock before it deletes only
+/// the rows no other session holds ([`lock_free`]).
+pub const DELETE_LOCK_WAIT: &str = "100ms";
+
+/// Bounds the lock waits of the rest of the current (sub)transaction.
+pub fn set_lock_timeout(client: &mut SpiClient<'_>, timeout: &str) -> SpiResult<()> {
+    client.update(
+        "SELECT pg_catalog.set_config('lock_timeout', $1, true)",
+        None,
+        &[timeout.into()],
+    )?;
+    Ok(())
+}
+
+/// Of these rows, the ones no other session holds, locked now for this transaction.
+pub fn lock_free(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<i64>> {
+    ids_of(client.update(
+        "SELECT id FROM amqp.message WHERE id = ANY ($1) FOR UPDATE SKIP LOCKED",
+        None,
+        &[ids.to_vec().into()],
+    )?)
+}
+
+/// Of these rows, the ones still in the table.
+pub fn existing(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<i64>> {
+    ids_of(client.select(
+        "SELECT id FROM amqp.message WHERE id = ANY ($1)",
+        None,
+        &[ids.to_vec().into()],
+    )?)
+}
+
+fn ids_of(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<i64>> {
+    let mut ids = Vec::with_capacity(table.len());
+    for r in table {
+        ids.push(r.get::<i64>(1)?.unwrap_or_default());
+    }
+    Ok(ids)
+}
+
 pub struct Recorded {
     pub attempts: i32,
     pub parked: bool,
@@ -436,7 +476,9 @@ impl RetryDelays {
 
 /// A refused publish: count the attempt, keep the error, schedule the retry after the backoff
 /// for the attempts made so far, or park the row once `max_attempts` is reached. `None` when the
-/// row is gone.
+/// row is gone, parked, or locked by another session: the worker never waits for a row lock
+/// that a user's transaction holds (an admin's open transaction would stop every delivery, and
+/// a multi-row `amqp.discard()` could deadlock with the worker); it tries again later.
 pub fn record_failure(
     client: &mut SpiClient<'_>,
     id: i64,
@@ -458,7 +500,8 @@ pub fn record_failure(
                     + $4[least(greatest(attempts, 0), cardinality($4) - 1) + 1] \
                       * interval '1 microsecond', \
                 parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
-          WHERE id = $1 \
+          WHERE id = (SELECT id FROM amqp.message \
+                       WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED) \
       RETURNING attempts, parked_at IS NOT NULL",
         None,
         &args,
@@ -477,6 +520,7 @@ pub fn record_failure(
 
 /// Messages known lost (gap rule) or without proof past the timeout: count the attempt, keep
 /// why, publish again at once, or park once `max_attempts` is reached. Returns the parked ids.
+/// Rows locked by another session are left uncounted (see [`record_failure`]).
 pub fn record_resend(
     client: &mut SpiClient<'_>,
     ids: &[i64],
@@ -488,7 +532,8 @@ pub fn record_resend(
         "UPDATE amqp.message \
             SET attempts = attempts + 1, last_error = $2, next_attempt_at = NULL, \
                 parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
-          WHERE id = ANY ($1) AND parked_at IS NULL \
+          WHERE id IN (SELECT id FROM amqp.message \
+                        WHERE id = ANY ($1) AND parked_at IS NULL FOR UPDATE SKIP LOCKED) \
       RETURNING id, parked_at IS NOT NULL",
         None,
         &args,
@@ -502,17 +547,19 @@ pub fn record_resend(
     Ok(parked)
 }
 
-/// Parks a row at once (a row that can never be published as it is).
-pub fn park(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<()> {
+/// Parks a row at once (a row that can never be published as it is). `false`: the row is gone,
+/// already parked, or locked by another session (see [`record_failure`]).
+pub fn park(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<bool> {
     let args: [DatumWithOid; 2] = [id.into(), error.into()];
-    client.update(
+    let table = client.update(
         "UPDATE amqp.message SET attempts = attempts + 1, last_error = $2, \
                 parked_at = clock_timestamp() \
-          WHERE id = $1",
+          WHERE id = (SELECT id FROM amqp.message \
+                       WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED)",
         None,
         &args,
     )?;
-    Ok(())
+    Ok(table.len() == 1)
 }
 
 /// The backlog per broker, for `amqp_outbox.max_pending`: rows waiting to be taken by the
@@ -538,14 +585,17 @@ pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::Hash
 
 /// Parks the rows whose broker_id names no broker (inserted directly, or the broker was
 /// removed): they could never be published, and must not wait unseen. One statement, so the
-/// check and the update see the same brokers. Returns how many.
+/// check and the update see the same brokers. Rows locked by another session wait for the
+/// next check. Returns how many.
 pub fn park_orphans(client: &mut SpiClient<'_>) -> SpiResult<usize> {
     let table = client.update(
         "UPDATE amqp.message m \
             SET attempts = m.attempts + 1, parked_at = clock_timestamp(), \
                 last_error = 'broker ' || m.broker_id::text || ' does not exist in amqp.broker' \
-          WHERE m.parked_at IS NULL \
-            AND NOT EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id = m.broker_id) \
+          WHERE m.id IN (SELECT o.id FROM amqp.message o \
+                          WHERE o.parked_at IS NULL \
+                            AND NOT EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id = o.broker_id) \
+                            FOR UPDATE OF o SKIP LOCKED) \
       RETURNING m.id",
         None,
         &[],

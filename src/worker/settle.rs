@@ -7,6 +7,7 @@ use super::origin;
 use super::queries::{self, RetryDelays};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
+use crate::subtransaction::subtransaction;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -50,10 +51,10 @@ impl Settlement {
         for (id, error) in &self.rejected {
             // Drawn for each row, so rows refused together do not retry in step.
             let delays = RetryDelays::new(&backoff);
-            record_rejection(client, *id, error, settings.max_attempts, &delays, flight)?;
+            record_rejection(client, *id, error, settings, &delays, flight)?;
         }
         for (id, error) in &self.unsendable {
-            park_now(client, *id, error)?;
+            park_now(client, *id, error, &backoff, flight)?;
         }
         for (ids, reason) in &self.resend {
             let parked = queries::record_resend(client, ids, reason, settings.max_attempts)?;
@@ -66,25 +67,63 @@ impl Settlement {
     }
 }
 
-/// Deletes delivered rows, writing the production log and the day's statistics.
-pub fn delete_delivered(client: &mut SpiClient<'_>, delivered: &[Proof]) -> SpiResult<()> {
+/// Deletes delivered rows, writing the production log and the day's statistics. Returns the
+/// rows another session keeps locked (an admin's open transaction): the worker does not wait
+/// for them, it deletes them later. `locked_before`: some of these rows were locked at the last
+/// try, so the rows no one holds are picked out at once instead of after a wait.
+pub fn delete_delivered(
+    client: &mut SpiClient<'_>,
+    delivered: Vec<Proof>,
+    locked_before: bool,
+) -> Result<Vec<Proof>, String> {
     let log = queries::LogSettings {
         enabled: crate::gucs::RECONCILE_WINDOW.get() > 0,
         system_id: origin::system_id(),
         host_id: origin::host_id(),
     };
-    queries::delete_delivered(client, delivered, &log).map(|_| ())
+    if !locked_before {
+        let tried = subtransaction(|| -> SpiResult<()> {
+            queries::set_lock_timeout(client, queries::DELETE_LOCK_WAIT)?;
+            queries::delete_delivered(client, &delivered, &log).map(|_| ())
+        });
+        match tried {
+            Ok(done) => return done.map(|()| Vec::new()).map_err(|e| e.to_string()),
+            Err(caught) if caught.sqlstate == LOCK_NOT_AVAILABLE => {}
+            Err(caught) => return Err(format!("{} ({})", caught.message, caught.sqlstate)),
+        }
+    }
+    let locked = (|| -> SpiResult<Vec<Proof>> {
+        let ids: Vec<i64> = delivered.iter().map(|p| p.id).collect();
+        let free = queries::lock_free(client, &ids)?;
+        let (now, held): (Vec<Proof>, Vec<Proof>) =
+            delivered.into_iter().partition(|p| free.contains(&p.id));
+        if !now.is_empty() {
+            queries::delete_delivered(client, &now, &log)?;
+        }
+        // The others are locked by another session, or gone (deleted by it).
+        let held_ids: Vec<i64> = held.iter().map(|p| p.id).collect();
+        let still = queries::existing(client, &held_ids)?;
+        Ok(held.into_iter().filter(|p| still.contains(&p.id)).collect())
+    })();
+    locked.map_err(|e| e.to_string())
 }
+
+/// SQLSTATE 55P03: `lock_timeout` ran out.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 fn record_rejection(
     client: &mut SpiClient<'_>,
     id: i64,
     error: &str,
-    max_attempts: i32,
+    settings: &WorkerSettings,
     delays: &RetryDelays,
     flight: &mut Flight,
 ) -> SpiResult<()> {
-    let Some(r) = queries::record_failure(client, id, error, max_attempts, delays)? else {
+    let Some(r) = queries::record_failure(client, id, error, settings.max_attempts, delays)? else {
+        // Gone, parked, or locked by another session: held back (if it is still there, it is
+        // refused and recorded again once the lock is gone).
+        let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
+        flight.holds.hold(id, &backoff);
         return Ok(());
     };
     if r.parked {
@@ -105,10 +144,20 @@ fn record_rejection(
 }
 
 /// Parks a message that can never be published as it is (retrying cannot help), says so in the
-/// log and counts it.
-pub fn park_now(client: &mut SpiClient<'_>, id: i64, why: &str) -> SpiResult<()> {
-    warning!("amqp_outbox: message {id} parked: {why}");
-    queries::park(client, id, why)?;
-    shmem::count(|c| &c.parked, 1);
+/// log and counts it. A row locked by another session is held back and parked when claimed
+/// again after the lock is gone.
+pub fn park_now(
+    client: &mut SpiClient<'_>,
+    id: i64,
+    why: &str,
+    backoff: &Backoff,
+    flight: &mut Flight,
+) -> SpiResult<()> {
+    if queries::park(client, id, why)? {
+        warning!("amqp_outbox: message {id} parked: {why}");
+        shmem::count(|c| &c.parked, 1);
+    } else {
+        flight.holds.hold(id, backoff);
+    }
     Ok(())
 }

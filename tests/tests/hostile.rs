@@ -497,3 +497,117 @@ fn refused_messages_do_not_count_against_max_pending() {
     first_good(&mut w, "good", 20);
     assert_each_arrived_once(&w, "good", 20);
 }
+
+/// Inserts a row directly that comes due in `secs` seconds; returns its id.
+fn insert_due_in(w: &mut World, exchange: &str, body: &str, headers: &str, secs: f64) -> i64 {
+    let rk = w.route.routing_key.clone();
+    w.client
+        .query_one(
+            "INSERT INTO amqp.message (broker_id, exchange, routing_key, body, headers, next_attempt_at) \
+             VALUES ($1, $2, $3, convert_to($4, 'UTF8'), $5::text::jsonb, \
+                     now() + $6 * interval '1 second') RETURNING id",
+            &[&w.outbox.broker_id, &exchange, &rk, &body, &headers, &secs],
+        )
+        .unwrap_or_else(|e| panic!("INSERT {body}: {e}"))
+        .get(0)
+}
+
+/// A session that keeps rows locked (an admin's open transaction, a long `amqp.discard()` run)
+/// holds back nothing but those rows: the worker records what it can, delivers everything
+/// else, and finishes the locked rows once they are free. Each locked row stands for one thing
+/// the worker writes: a refusal to record, a poison row to park, a delivered row to delete.
+#[test]
+fn rows_a_session_keeps_locked_hold_back_nothing_else() {
+    let rabbit = Rabbit::shared();
+    let mut w = World::new(
+        "hostile_locked",
+        PgConfig::default()
+            .setting("amqp_outbox.retry_backoff_min", 100)
+            .setting("amqp_outbox.retry_backoff_max", 1000),
+        &rabbit,
+    );
+    first_good(&mut w, "warm", 5);
+    let missing = amqp_outbox_e2e::unique_name("locked_missing_x");
+    let route = w.route.exchange.clone();
+    let refused = insert_due_in(&mut w, &missing, "locked-refused", "{}", 1.0);
+    let poison = insert_due_in(&mut w, &route, "locked-poison", r#"{"f": 1e400}"#, 1.0);
+    let delivered = insert_due_in(&mut w, &route, "locked-delivered", "{}", 1.0);
+    let ids = vec![refused, poison, delivered];
+    let mut admin = w.cluster.client();
+    admin.batch_execute("BEGIN").unwrap();
+    let locked = admin
+        .query(
+            "SELECT id FROM amqp.message WHERE id = ANY ($1) FOR UPDATE",
+            &[&ids],
+        )
+        .unwrap()
+        .len();
+    assert_eq!(locked, 3, "the three rows locked before they came due");
+
+    // Due now: the next wake-up takes them with this message.
+    std::thread::sleep(Duration::from_millis(1500));
+    publish_good(&mut w, "wake", 1);
+    w.collector.wait_for_body("locked-delivered", ARRIVAL);
+    w.collector.wait_for_body("wake-0", ARRIVAL);
+    // The worker now has a refusal to record, a row to park and one to delete, all locked.
+    let before = w.collector.len();
+    publish_good(&mut w, "beside", 50);
+    eventually(ARRIVAL, "good messages beside the locked rows", || {
+        let counts = w.collector.body_counts();
+        let n = (0..50)
+            .filter(|i| counts.contains_key(&format!("beside-{i}")))
+            .count();
+        if n == 50 {
+            Ok(())
+        } else {
+            Err(format!("{n} of 50 arrived while three rows are locked"))
+        }
+    });
+    let (pid, _) = worker_and_channel(&mut w);
+    let still: i64 = w
+        .client
+        .query_one(
+            "SELECT count(*) FROM amqp.message WHERE id = ANY ($1) AND attempts = 0 AND parked_at IS NULL",
+            &[&ids],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(still, 3, "the locked rows were left as they were");
+
+    admin.batch_execute("COMMIT").unwrap();
+    // Free again: the refusal is recorded with the broker's reason, the poison parked, the
+    // delivered row deleted without being published again.
+    eventually(
+        ARRIVAL,
+        "the refused row's attempt recorded",
+        || match Outbox::message_status(&mut w.client, refused)? {
+            Some(s) if s.attempts >= 1 && s.last_error.as_deref().unwrap_or("").contains("404") => {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        },
+    );
+    wait_parked(&mut w, poison, "cannot be sent");
+    eventually(
+        ARRIVAL,
+        "the delivered row deleted",
+        || match Outbox::message_status(&mut w.client, delivered)? {
+            None => Ok(()),
+            Some(s) => Err(format!("{s:?}")),
+        },
+    );
+    w.client
+        .execute("DELETE FROM amqp.message WHERE id = $1", &[&refused])
+        .unwrap();
+    w.settle();
+    let counts = w.collector.body_counts();
+    assert_eq!(
+        counts.get("locked-delivered"),
+        Some(&1),
+        "the locked delivered row went out once: {counts:?}"
+    );
+    assert!(!counts.contains_key("locked-poison") && !counts.contains_key("locked-refused"));
+    assert_each_arrived_once(&w, "beside", 50);
+    assert!(w.collector.len() >= before + 50);
+    assert_eq!(worker_and_channel(&mut w).0, pid, "the worker restarted");
+}

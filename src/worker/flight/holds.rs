@@ -1,6 +1,7 @@
-//! Messages held back after a nack, and the instants at which a retry comes due (a nack's hold
-//! ending, a refused message's `next_attempt_at`): the worker wakes then instead of at its
-//! naptime, so retries keep to their backoff. Plain Rust, no PostgreSQL calls.
+//! Messages held back after a nack (or while their row is locked by another session), and the
+//! instants at which a retry comes due (a hold ending, a refused message's `next_attempt_at`): the
+//! worker wakes then instead of at its naptime, so retries keep to their backoff. Plain Rust, no
+//! PostgreSQL calls.
 
 use amqp_outbox_broker::backoff::Backoff;
 use std::cmp::Reverse;
@@ -12,7 +13,8 @@ const NACK_LOG_EVERY: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 pub struct Holds {
-    /// Nacked messages held back until the instant, with how many nacks each had.
+    /// Messages held back until the instant (nacked, or their row locked by another session),
+    /// with how many holds each had.
     held: HashMap<i64, (Instant, u32)>,
     /// When held or refused messages are due again, earliest first.
     due: BinaryHeap<Reverse<Instant>>,
@@ -25,10 +27,7 @@ impl Holds {
     /// an attempt (a nack is the broker's trouble, not the message's). Returns `Some(n)` when it
     /// is time for a log line about the `n` messages nacked since the last one.
     pub fn hold_nacked(&mut self, id: i64, backoff: &Backoff) -> Option<u64> {
-        let nacks = self.held.get(&id).map_or(0, |h| h.1) + 1;
-        let until = Instant::now() + backoff.delay(nacks - 1);
-        self.held.insert(id, (until, nacks));
-        self.retry_at(until);
+        self.hold(id, backoff);
         self.nacked_since_log += 1;
         if self
             .nack_logged_at
@@ -38,6 +37,16 @@ impl Holds {
         }
         self.nack_logged_at = Some(Instant::now());
         Some(std::mem::take(&mut self.nacked_since_log))
+    }
+
+    /// Holds a message back, longer each time it is held, without counting an attempt: after a
+    /// nack, or when its row is locked by another session and the worker could not write what
+    /// happened to it.
+    pub fn hold(&mut self, id: i64, backoff: &Backoff) {
+        let holds = self.held.get(&id).map_or(0, |h| h.1) + 1;
+        let until = Instant::now() + backoff.delay(holds - 1);
+        self.held.insert(id, (until, holds));
+        self.retry_at(until);
     }
 
     /// Confirmed: its nack count starts again from zero.
