@@ -11,6 +11,7 @@ use crate::subtransaction::subtransaction;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
+use std::collections::HashSet;
 use std::time::Instant;
 
 /// What the events of one wake-up ask the database to do before the next claim (the delivered
@@ -92,20 +93,27 @@ pub fn delete_delivered(
             Err(caught) => return Err(format!("{} ({})", caught.message, caught.sqlstate)),
         }
     }
-    let locked = (|| -> SpiResult<Vec<Proof>> {
-        let ids: Vec<i64> = delivered.iter().map(|p| p.id).collect();
-        let free = queries::lock_free(client, &ids)?;
-        let (now, held): (Vec<Proof>, Vec<Proof>) =
-            delivered.into_iter().partition(|p| free.contains(&p.id));
-        if !now.is_empty() {
-            queries::delete_delivered(client, &now, &log)?;
-        }
-        // The others are locked by another session, or gone (deleted by it).
-        let held_ids: Vec<i64> = held.iter().map(|p| p.id).collect();
-        let still = queries::existing(client, &held_ids)?;
-        Ok(held.into_iter().filter(|p| still.contains(&p.id)).collect())
-    })();
-    locked.map_err(|e| e.to_string())
+    delete_unlocked(client, delivered, &log).map_err(|e| e.to_string())
+}
+
+/// Deletes the rows no other session holds (locking them first, `SKIP LOCKED`); returns the
+/// others that are still in the table.
+fn delete_unlocked(
+    client: &mut SpiClient<'_>,
+    delivered: Vec<Proof>,
+    log: &queries::LogSettings<'_>,
+) -> SpiResult<Vec<Proof>> {
+    let ids: Vec<i64> = delivered.iter().map(|p| p.id).collect();
+    let free: HashSet<i64> = queries::lock_free(client, &ids)?.into_iter().collect();
+    let (now, held): (Vec<Proof>, Vec<Proof>) =
+        delivered.into_iter().partition(|p| free.contains(&p.id));
+    if !now.is_empty() {
+        queries::delete_delivered(client, &now, log)?;
+    }
+    // The others are locked by another session, or gone (deleted by it).
+    let held_ids: Vec<i64> = held.iter().map(|p| p.id).collect();
+    let still: HashSet<i64> = queries::existing(client, &held_ids)?.into_iter().collect();
+    Ok(held.into_iter().filter(|p| still.contains(&p.id)).collect())
 }
 
 /// SQLSTATE 55P03: `lock_timeout` ran out.
