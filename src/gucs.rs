@@ -1,6 +1,7 @@
 //! The `amqp_outbox.*` settings. Read them only on a PostgreSQL thread; the worker copies what
 //! the AMQP thread needs into plain values ([`WorkerSettings`]).
 
+use amqp_outbox_broker::backoff::Backoff;
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 use std::time::Duration;
@@ -389,6 +390,11 @@ pub struct WorkerSettings {
 }
 
 impl WorkerSettings {
+    /// The product's one retry backoff, from `retry_backoff_min` and `retry_backoff_max`.
+    pub fn retry_backoff(&self) -> Backoff {
+        Backoff::new(self.retry_backoff_min, self.retry_backoff_max)
+    }
+
     pub fn snapshot() -> Self {
         WorkerSettings {
             enabled: ENABLED.get(),

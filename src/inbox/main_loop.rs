@@ -13,7 +13,6 @@ use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
-use amqp_outbox_broker::backoff::Backoff;
 use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
 use amqp_outbox_broker::LogLevel;
 use pgrx::prelude::*;
@@ -150,10 +149,7 @@ impl Inbox {
             receipts: gucs::RECEIPTS_EXCHANGE
                 .get()
                 .is_some_and(|e| !e.as_bytes().is_empty()),
-            backoff: Backoff::new(
-                self.settings.retry_backoff_min,
-                self.settings.retry_backoff_max,
-            ),
+            backoff: self.settings.retry_backoff(),
         }
     }
 

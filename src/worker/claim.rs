@@ -10,7 +10,6 @@ use super::scan_floor::{Reach, ScanFloor};
 use super::settle::park_now;
 use crate::gucs::WorkerSettings;
 use crate::shmem;
-use amqp_outbox_broker::backoff::Backoff;
 use amqp_outbox_broker::{Command, OutboundMessage};
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::BTreeMap;
@@ -175,7 +174,7 @@ fn park_all(
     settings: &WorkerSettings,
     flight: &mut Flight,
 ) -> SpiResult<()> {
-    let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
+    let backoff = settings.retry_backoff();
     for (id, why) in parks {
         park_now(client, id, &why, &backoff, flight)?;
     }

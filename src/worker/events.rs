@@ -7,7 +7,6 @@ use super::settle::Settlement;
 use super::status::Status;
 use crate::gucs::WorkerSettings;
 use crate::shmem;
-use amqp_outbox_broker::backoff::Backoff;
 use amqp_outbox_broker::{Event, Failure, LogLevel};
 use pgrx::prelude::*;
 
@@ -126,8 +125,7 @@ pub fn take(
 /// A nack is the broker's trouble, not the message's: held back with the product's backoff,
 /// no attempt counted. One log line a while.
 fn hold_nacked(id: i64, settings: &WorkerSettings, flight: &mut Flight) {
-    let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
-    if let Some(n) = flight.holds.hold_nacked(id, &backoff) {
+    if let Some(n) = flight.holds.hold_nacked(id, &settings.retry_backoff()) {
         log!(
             "amqp_outbox: {n} message(s) nacked by the broker since the last report; each is published again after a growing delay"
         );

@@ -396,14 +396,16 @@ pub fn delete_delivered(
 /// the rows no other session holds ([`lock_free`]).
 pub const DELETE_LOCK_WAIT: &str = "100ms";
 
-/// Bounds the lock waits of the rest of the current (sub)transaction.
+/// Bounds the lock waits of the rest of the current (sub)transaction. A kept plan: it runs
+/// before every DELETE of delivered rows.
 pub fn set_lock_timeout(client: &mut SpiClient<'_>, timeout: &str) -> SpiResult<()> {
-    client.update(
+    run_kept(
+        client,
         "SELECT pg_catalog.set_config('lock_timeout', $1, true)",
-        None,
         &[timeout.into()],
-    )?;
-    Ok(())
+        true,
+        |_| Ok(()),
+    )
 }
 
 /// Of these rows, the ones no other session holds, locked now for this transaction.

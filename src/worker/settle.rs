@@ -48,11 +48,12 @@ impl Settlement {
         settings: &WorkerSettings,
         flight: &mut Flight,
     ) -> SpiResult<()> {
-        let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
+        let backoff = settings.retry_backoff();
         for (id, error) in &self.rejected {
             // Drawn for each row, so rows refused together do not retry in step.
             let delays = RetryDelays::new(&backoff);
-            record_rejection(client, *id, error, settings, &delays, flight)?;
+            let max_attempts = settings.max_attempts;
+            record_rejection(client, *id, error, max_attempts, &delays, &backoff, flight)?;
         }
         for (id, error) in &self.unsendable {
             park_now(client, *id, error, &backoff, flight)?;
@@ -123,15 +124,15 @@ fn record_rejection(
     client: &mut SpiClient<'_>,
     id: i64,
     error: &str,
-    settings: &WorkerSettings,
+    max_attempts: i32,
     delays: &RetryDelays,
+    backoff: &Backoff,
     flight: &mut Flight,
 ) -> SpiResult<()> {
-    let Some(r) = queries::record_failure(client, id, error, settings.max_attempts, delays)? else {
+    let Some(r) = queries::record_failure(client, id, error, max_attempts, delays)? else {
         // Gone, parked, or locked by another session: held back (if it is still there, it is
         // refused and recorded again once the lock is gone).
-        let backoff = Backoff::new(settings.retry_backoff_min, settings.retry_backoff_max);
-        flight.holds.hold(id, &backoff);
+        flight.holds.hold(id, backoff);
         return Ok(());
     };
     if r.parked {
