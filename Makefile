@@ -51,11 +51,11 @@ build:
 # can start from them) are copied here.
 # Update scripts that repeat a file of the install script are assembled from it (`make sql`);
 # `make lint` checks that the committed result is current.
-GENERATED_UPDATES := sql/amqp_outbox--0.2.0--0.3.0.sql sql/amqp_outbox--0.3.0--0.4.0.sql
+# Once a version is released its update script is frozen: its rule and its parts in
+# sql/upgrade/ go, and the script stays as it was (the install-script files change later).
+GENERATED_UPDATES := sql/amqp_outbox--0.4.0--0.5.0.sql
 sql: $(GENERATED_UPDATES)
-sql/amqp_outbox--0.2.0--0.3.0.sql: sql/upgrade/0.2.0--0.3.0.head.sql sql/inbox.sql sql/upgrade/0.2.0--0.3.0.tail.sql
-	cat $^ > $@
-sql/amqp_outbox--0.3.0--0.4.0.sql: sql/upgrade/0.3.0--0.4.0.head.sql sql/reconcile.sql
+sql/amqp_outbox--0.4.0--0.5.0.sql: sql/upgrade/0.4.0--0.5.0.head.sql sql/runs_as.sql sql/health.sql
 	cat $^ > $@
 
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))

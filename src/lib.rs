@@ -28,6 +28,12 @@ extension_sql_file!(
     name = "reconcile",
     requires = ["inbox"]
 );
+extension_sql_file!(
+    "../sql/runs_as.sql",
+    name = "runs_as",
+    requires = ["reconcile"]
+);
+extension_sql_file!("../sql/health.sql", name = "health", requires = ["runs_as"]);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]

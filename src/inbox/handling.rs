@@ -28,7 +28,17 @@ pub enum Outcome {
     Failed,
     /// Its subscription is gone or paused: left unacknowledged (the broker gives it back).
     Dropped,
+    /// Its handler cannot run as the subscription's owner any more (dropped function or role,
+    /// revoked privilege): left unacknowledged like a dropped one, without using up an
+    /// attempt; the subscriptions must be read again (it then stops, saying why).
+    CannotRun,
 }
+
+/// The SQLSTATEs a handler call raises when the function or its owner is gone, or the owner
+/// may not execute it: undefined_function, undefined_object (an owner role dropped: "invalid
+/// role OID"), insufficient_privilege. A handler may raise them itself too; the subscription is
+/// then checked to tell the two apart.
+const MAYBE_CANNOT_RUN: [&str; 3] = ["42883", "42704", "42501"];
 
 /// Handles `messages` in the current transaction. Returns, for each, what happened.
 pub fn handle_all(
@@ -83,6 +93,12 @@ pub fn handle_all(
                     )?;
                 }
                 Outcome::Duplicate
+            }
+            Err(caught)
+                if MAYBE_CANNOT_RUN.contains(&caught.sqlstate.as_str())
+                    && queries::runs_as_problem(client, &sub.name)?.is_some() =>
+            {
+                Outcome::CannotRun
             }
             Err(caught) => {
                 let text = format!("{} (SQLSTATE {})", caught.message, caught.sqlstate);

@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 const NAPTIME: Duration = Duration::from_secs(1);
 /// How often the retention of consumption records is looked at.
 const ROTATE_EVERY: Duration = Duration::from_secs(60);
+/// How often subscriptions that cannot run (a handler or owner gone, a privilege revoked) are
+/// read again: what fixes them (CREATE FUNCTION, GRANT) tells the worker nothing.
+const RECHECK_PROBLEMS: Duration = Duration::from_secs(5);
 
 pub struct Inbox {
     handle: InboxHandle,
@@ -38,6 +41,8 @@ pub struct Inbox {
     rotated_at: Option<Instant>,
     retry_at: Option<Instant>,
     reconciler: Reconciler,
+    /// When the subscriptions were last read.
+    reloaded_at: Instant,
 }
 
 impl Inbox {
@@ -54,6 +59,7 @@ impl Inbox {
             rotated_at: None,
             retry_at: Some(Instant::now()),
             reconciler: Reconciler::default(),
+            reloaded_at: Instant::now(),
         }
     }
 
@@ -161,6 +167,9 @@ impl Inbox {
         let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
         let rotate_due = self.rotated_at.is_none_or(|t| t.elapsed() >= ROTATE_EVERY);
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
+        if !self.subs.problems.is_empty() && self.reloaded_at.elapsed() >= RECHECK_PROBLEMS {
+            self.need_reload = true;
+        }
         if self.pending.is_empty()
             && !self.need_reload
             && !rotate_due
@@ -204,6 +213,7 @@ impl Inbox {
                 }
                 if self.need_reload {
                     self.need_reload = false;
+                    self.reloaded_at = Instant::now();
                     // Handlers may have been replaced or dropped: plan their calls again.
                     outbox_queries::forget_plans();
                     if let Some(configs) = self.subs.reload(client, &self.settings)? {
@@ -235,8 +245,13 @@ impl Inbox {
                         &mut self.book,
                     )?;
                     for (m, o) in work.iter().zip(outcomes) {
+                        if matches!(o, Outcome::CannotRun) {
+                            // The next step reads the subscriptions again: this one stops,
+                            // its state saying why, and the broker keeps its messages.
+                            self.need_reload = true;
+                        }
                         if let (Some((epoch, tag)), false) =
-                            (m.delivery, matches!(o, Outcome::Dropped))
+                            (m.delivery, matches!(o, Outcome::Dropped | Outcome::CannotRun))
                         {
                             acks.entry((m.subscription.clone(), epoch))
                                 .or_default()

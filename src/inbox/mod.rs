@@ -25,11 +25,6 @@ use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
 #[pg_guard]
-extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
-    shmem::register_worker(shmem::WorkerKind::Inbox, None, 0);
-}
-
-#[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
@@ -43,16 +38,7 @@ pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     // A message is acknowledged once its transaction committed: that commit must be durable
     // (unlike the outbox worker's), whatever postgresql.conf says.
     pg::pin(c"synchronous_commit", c"on");
-    // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
-    // until it exits, and the callback registered here clears them from shared memory first.
-    unsafe {
-        shmem::register_worker(
-            shmem::WorkerKind::Inbox,
-            Some(pg_sys::MyLatch),
-            pg_sys::MyProcPid,
-        );
-        pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
-    }
+    crate::worker::announce(shmem::WorkerKind::Inbox, &database);
     log!("amqp_outbox: subscription worker started for database \"{database}\"");
     let handle = match amqp_outbox_broker::inbox::spawn() {
         Ok(h) => h,

@@ -8,20 +8,35 @@ use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 
+/// Why a subscription's handler cannot run as its owner (`NULL`: it can). The owner is checked
+/// before the function privilege, which would raise for a role that is gone; CASE keeps the
+/// order.
+const RUNS_AS_PROBLEM: &str = "CASE \
+    WHEN NOT EXISTS (SELECT FROM pg_proc p WHERE p.oid = s.handler::oid) \
+    THEN 'the handler function no longer exists: amqp.unsubscribe() it and subscribe again' \
+    WHEN NOT EXISTS (SELECT FROM pg_roles r WHERE r.oid = s.owner::oid) \
+    THEN format('its owner (role oid %s) no longer exists: amqp.unsubscribe() it and subscribe again', s.owner::oid) \
+    WHEN NOT has_function_privilege(s.owner::oid, s.handler::oid, 'EXECUTE') \
+    THEN format('its owner %s may not execute the handler %s', s.owner, s.handler) END";
+
 pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
     let rows = client.select(
-        "SELECT s.subscription, s.broker_id, s.queue, s.prefetch, s.max_attempts, \
-                s.dead_letter_exchange, s.owner::oid, \
-                (SELECT format('%I.%I', n.nspname, p.proname) \
-                   FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
-                  WHERE p.oid = s.handler::oid) \
-           FROM amqp.subscription s WHERE NOT s.paused ORDER BY s.subscription",
+        &format!(
+            "SELECT s.subscription, s.broker_id, s.queue, s.prefetch, s.max_attempts, \
+                    s.dead_letter_exchange, s.owner::oid, \
+                    (SELECT format('%I.%I', n.nspname, p.proname) \
+                       FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+                      WHERE p.oid = s.handler::oid), \
+                    {RUNS_AS_PROBLEM} \
+               FROM amqp.subscription s WHERE NOT s.paused ORDER BY s.subscription"
+        ),
         None,
         &[],
     )?;
     let mut out = Vec::new();
     for r in rows {
         let name = r.get::<String>(1)?.unwrap_or_default();
+        let problem = r.get::<String>(9)?;
         out.push(Sub {
             name,
             broker_id: r.get::<i32>(2)?.unwrap_or_default(),
@@ -30,15 +45,29 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
             max_attempts: r.get::<i32>(5)?.unwrap_or(10),
             dead_letter_exchange: r.get::<String>(6)?,
             owner: r.get::<pg_sys::Oid>(7)?.unwrap_or(pg_sys::InvalidOid),
-            call: r.get::<String>(8)?.map(|f| {
+            call: r.get::<String>(8)?.filter(|_| problem.is_none()).map(|f| {
                 format!(
                     "SELECT {f}(ROW($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
                      pg_catalog.to_timestamp($12), $13)::amqp.delivery)"
                 )
             }),
+            problem,
         });
     }
     Ok(out)
+}
+
+/// Why the subscription's handler cannot run as its owner now, if it cannot (it was dropped, or
+/// its owner was, or lost the right to execute it, since the subscription was last read).
+pub fn runs_as_problem(client: &SpiClient<'_>, subscription: &str) -> SpiResult<Option<String>> {
+    client
+        .select(
+            &format!("SELECT {RUNS_AS_PROBLEM} FROM amqp.subscription s WHERE s.subscription = $1"),
+            Some(1),
+            &[subscription.into()],
+        )?
+        .first()
+        .get::<String>(1)
 }
 
 /// `consume_once(subscription, message_id)`: false for a duplicate.

@@ -35,7 +35,9 @@ impl Subscriptions {
             match (broker, &sub.call) {
                 (_, None) => problems.push((
                     sub.name.clone(),
-                    "the handler function no longer exists: amqp.unsubscribe() it and subscribe again".to_string(),
+                    sub.problem
+                        .clone()
+                        .unwrap_or_else(|| "the handler cannot run".to_string()),
                 )),
                 (None, _) => problems.push((
                     sub.name.clone(),

@@ -16,8 +16,11 @@ pub struct Sub {
     /// The role the handler runs as.
     pub owner: pg_sys::Oid,
     /// `SELECT schema.function(ROW($1, …)::amqp.delivery)`, the names quoted by PostgreSQL;
-    /// `None` when the handler function no longer exists.
+    /// `None` when it cannot run (see `problem`).
     pub call: Option<String>,
+    /// Why the handler cannot run as its owner: the function or the owner is gone, or the owner
+    /// may not execute it. Its messages then stay in the queue.
+    pub problem: Option<String>,
 }
 
 /// A message to handle: a delivery from the broker, or a failed one retried from the table.

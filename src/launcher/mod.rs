@@ -27,6 +27,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 use workers::{Kind, Tracked};
 
+/// A launcher that stopped (terminated, failed) is started again by the postmaster after this.
+const LAUNCHER_RESTART: Duration = Duration::from_secs(1);
 /// How often the launcher looks at `pg_database` when nothing wakes it.
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
 /// A worker that stopped (terminated, failed) is started again after this.
@@ -47,7 +49,9 @@ pub fn register() {
         .enable_spi_access()
         // Not on a standby: its databases' workers would publish nothing there.
         .set_start_time(BgWorkerStartTime::RecoveryFinished)
-        .set_restart_time(Some(Duration::from_secs(5)))
+        // It exits non-zero whenever it stops (see amqp_outbox_launcher_main): the postmaster
+        // starts it again after this, except while the server shuts down.
+        .set_restart_time(Some(LAUNCHER_RESTART))
         .load();
 }
 
@@ -129,7 +133,14 @@ pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
     }
-    log!("amqp_outbox: launcher shutting down");
+    // A SIGTERM is either the server shutting down (the postmaster then restarts nothing) or
+    // pg_terminate_backend(): exit code 1 has the postmaster start the launcher again, as
+    // PostgreSQL's own logical replication launcher, while code 0 would unregister it for good
+    // and leave every database's stopped worker stopped until the server restarts.
+    log!("amqp_outbox: launcher stopping (terminated); the postmaster starts it again unless the server is shutting down");
+    // SAFETY: the launcher's main thread, between transactions; proc_exit runs the exit
+    // callbacks (ours included) and never returns.
+    unsafe { pg_sys::proc_exit(1) };
 }
 
 /// Whether a `CREATE EXTENSION` committed in `database` between the counts `since` and `now`
@@ -139,10 +150,16 @@ fn created_since(since: u64, now: u64, database: u32) -> bool {
 }
 
 impl Launcher {
-    /// Workers left running by a launcher that exited: tracked by their pid.
+    /// Workers left running by a launcher that exited: tracked by their pid. Databases that
+    /// launcher served are known to have the extension: their workers start again without a
+    /// probe first (a worker it started that has not announced itself yet is then a twin,
+    /// which finds the slot held and exits).
     fn adopt(&mut self) {
         for (i, entry) in self.served.iter_mut().enumerate() {
             let view = launch::slot_view(i);
+            if view.database != 0 && view.served && !view.absent {
+                self.known.insert(view.database);
+            }
             if view.database != 0 && (view.outbox_pid != 0 || view.inbox_pid != 0) {
                 *entry = Some(Served {
                     db: Database {

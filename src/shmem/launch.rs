@@ -32,7 +32,9 @@ pub struct Launcher {
     /// Grows with every committed `CREATE EXTENSION amqp_outbox`; entry `created % RING` of
     /// `created_in` is the database of the last one.
     created: AtomicU64,
-    created_in: [AtomicU32; CREATED_RING],
+    /// `(n + 1) << 32 | database` for the n-th `CREATE EXTENSION` (low 32 bits of n + 1): an
+    /// entry whose tag is not the one a reader expects was not written yet or was overwritten.
+    created_in: [AtomicU64; CREATED_RING],
     /// (database oid, reason) of the databases not served; `unserved_len` of them are valid.
     unserved: [(AtomicU32, AtomicU32); MAX_UNSERVED],
     unserved_len: AtomicUsize,
@@ -43,7 +45,7 @@ impl Default for Launcher {
             latch: AtomicUsize::new(0),
             pid: AtomicI32::new(0),
             created: AtomicU64::new(0),
-            created_in: std::array::from_fn(|_| AtomicU32::new(0)),
+            created_in: std::array::from_fn(|_| AtomicU64::new(0)),
             unserved: std::array::from_fn(|_| (AtomicU32::new(0), AtomicU32::new(0))),
             unserved_len: AtomicUsize::new(0),
         }
@@ -91,9 +93,10 @@ pub fn extension_created() {
     if let Some(l) = launcher() {
         // SAFETY: MyDatabaseId is a plain global of a connected backend.
         let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
-        let n = l.created.load(Ordering::Acquire);
-        l.created_in[(n as usize) % CREATED_RING].store(db, Ordering::Release);
-        l.created.fetch_add(1, Ordering::AcqRel);
+        // Each commit takes its own number, so two at once never write one entry; the reader
+        // checks the tag, since the count may be read before the entry is written.
+        let n = l.created.fetch_add(1, Ordering::AcqRel);
+        l.created_in[(n as usize) % CREATED_RING].store(ring_entry(n, db), Ordering::Release);
         set_latch(&l.latch);
     }
 }
@@ -104,17 +107,23 @@ pub fn extensions_created() -> u64 {
 }
 
 /// The databases of the `CREATE EXTENSION`s after the first `since`, up to `now`; `None` when
-/// too many came to tell (look at every database again).
+/// too many came to tell, or one is still being written (look at every database again).
 pub fn created_in(since: u64, now: u64) -> Option<Vec<u32>> {
     let l = launcher()?;
     if now.saturating_sub(since) > CREATED_RING as u64 {
         return None;
     }
-    Some(
-        (since..now)
-            .map(|n| l.created_in[(n as usize) % CREATED_RING].load(Ordering::Acquire))
-            .collect(),
-    )
+    (since..now)
+        .map(|n| {
+            let e = l.created_in[(n as usize) % CREATED_RING].load(Ordering::Acquire);
+            (e >> 32 == ring_entry(n, 0) >> 32).then_some(e as u32)
+        })
+        .collect()
+}
+
+/// The ring entry of the `n`-th `CREATE EXTENSION` (counted from 0), in `database`.
+fn ring_entry(n: u64, database: u32) -> u64 {
+    (n.wrapping_add(1) & 0xFFFF_FFFF) << 32 | u64::from(database)
 }
 
 pub fn set_unserved(list: &[(u32, Unserved)]) {
@@ -196,6 +205,8 @@ pub struct SlotView {
     pub inbox_pid: i32,
     pub absent: bool,
     pub paused: bool,
+    /// A launcher served the database here (both workers; not only a probe).
+    pub served: bool,
 }
 
 pub fn slot_view(i: usize) -> SlotView {
@@ -208,6 +219,7 @@ pub fn slot_view(i: usize) -> SlotView {
         inbox_pid: s.inbox_pid.load(Ordering::Acquire),
         absent: s.absent.load(Ordering::Acquire),
         paused: s.paused_until_ms.load(Ordering::Acquire) > now_ms(),
+        served: s.served.load(Ordering::Acquire),
     }
 }
 

@@ -343,16 +343,41 @@ pub enum WorkerKind {
     Inbox,
 }
 
-/// Called by a worker once it runs (after [`set_worker_slot`]), and with `None` when it exits.
-pub fn register_worker(kind: WorkerKind, latch: Option<*mut pg_sys::Latch>, pid: i32) {
-    let Some(s) = slot() else { return };
-    let latch = latch.map_or(0, |l| l as usize);
+/// A worker announces itself in its slot (after [`set_worker_slot`]): its pid and latch. `false`: another worker of the
+/// same kind holds the slot (a twin, started by a launcher that had not seen it yet), and this
+/// one must exit without touching anything. The pid is the hold: it is taken only when free
+/// and given back only by the process that took it (see [`unregister_worker`]), and a worker
+/// that dies without giving it back crashes the cluster, which clears shared memory.
+pub fn register_worker(kind: WorkerKind, latch: *mut pg_sys::Latch, pid: i32) -> bool {
+    let Some(s) = slot() else { return true };
     let (l, p) = match kind {
         WorkerKind::Outbox => (&s.latch, &s.pid),
         WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
     };
-    l.store(latch, Ordering::Release);
-    p.store(pid, Ordering::Release);
+    if p
+        .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return false;
+    }
+    l.store(latch as usize, Ordering::Release);
+    true
+}
+
+/// The worker `pid` leaves its slot (as it exits), if it holds it, and wakes the launcher so
+/// that a stopped worker is started again within seconds even when this launcher did not start
+/// it (and so gets no notice from the postmaster).
+pub fn unregister_worker(kind: WorkerKind, pid: i32) {
+    let Some(s) = slot() else { return };
+    let (l, p) = match kind {
+        WorkerKind::Outbox => (&s.latch, &s.pid),
+        WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
+    };
+    if p.load(Ordering::Acquire) == pid {
+        l.store(0, Ordering::Release);
+        p.store(0, Ordering::Release);
+    }
+    launch::wake_launcher();
 }
 
 pub fn counters() -> Option<&'static Counters> {

@@ -51,10 +51,42 @@ pub(crate) fn connect_to_slot_database(arg: pg_sys::Datum) -> String {
     BackgroundWorker::get_extra().to_string()
 }
 
-/// Run by PostgreSQL as the worker exits: SQL functions must stop setting a latch that is gone.
+/// Run by PostgreSQL as a worker exits: SQL functions must stop setting a latch that is gone,
+/// and the launcher learns that the worker stopped. `arg`: the kind (0 outbox, 1 subscriptions).
 #[pg_guard]
-extern "C-unwind" fn unregister_on_exit(_code: i32, _arg: pg_sys::Datum) {
-    shmem::register_worker(shmem::WorkerKind::Outbox, None, 0);
+extern "C-unwind" fn unregister_on_exit(_code: i32, arg: pg_sys::Datum) {
+    // SAFETY: reads this process's pid, a plain global.
+    let me = unsafe { pg_sys::MyProcPid };
+    shmem::unregister_worker(kind_of(arg.value()), me);
+}
+
+fn kind_of(n: usize) -> shmem::WorkerKind {
+    if n == 0 {
+        shmem::WorkerKind::Outbox
+    } else {
+        shmem::WorkerKind::Inbox
+    }
+}
+
+/// Takes the slot's hold for a worker of `kind` (see [`shmem::register_worker`]). Exits at once
+/// (code 0: the launcher decides about restarts) when another worker of the same kind holds it.
+pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
+    let n = usize::from(kind == shmem::WorkerKind::Inbox);
+    // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
+    // until it exits. The exit callback is registered first, so no path leaves a hold behind;
+    // it runs while shared memory is still attached, and frees only a hold this process took.
+    let taken = unsafe {
+        pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(n));
+        shmem::register_worker(kind, pg_sys::MyLatch, pg_sys::MyProcPid)
+    };
+    if !taken {
+        log!(
+            "amqp_outbox: another {} worker already serves database \"{database}\"; this one exits",
+            if n == 0 { "outbox" } else { "subscription" }
+        );
+        // SAFETY: the main thread, before any transaction; proc_exit never returns.
+        unsafe { pg_sys::proc_exit(0) };
+    }
 }
 
 #[pg_guard]
@@ -88,17 +120,7 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     // msg/s, after an ANALYZE of the empty table), and switches between the two as
     // statistics change.
     pg::pin(c"plan_cache_mode", c"force_generic_plan");
-    // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
-    // until it exits, and the callback registered here clears them from shared memory before
-    // that (before_shmem_exit runs while shared memory is still attached).
-    unsafe {
-        shmem::register_worker(
-            shmem::WorkerKind::Outbox,
-            Some(pg_sys::MyLatch),
-            pg_sys::MyProcPid,
-        );
-        pg_sys::before_shmem_exit(Some(unregister_on_exit), pg_sys::Datum::from(0));
-    }
+    announce(shmem::WorkerKind::Outbox, &database);
     if shmem::launch::probe_only() {
         debug1!("amqp_outbox: looking for the extension in database \"{database}\"");
     } else {

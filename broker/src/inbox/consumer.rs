@@ -7,7 +7,7 @@
 use super::acks::Outstanding;
 use super::bridge::{Delivery, InboxEvent, InboxSink, SubscriptionConfig};
 use super::depth;
-use super::headers::table_to_json;
+use super::headers::{table_to_json, without_nul};
 use crate::amqp_values::truncate;
 use crate::bridge::LogLevel;
 use crate::config::{BrokerConfig, Endpoint};
@@ -380,13 +380,13 @@ impl SubConsumer {
 
     fn delivery(&self, epoch: u64, d: lapin::message::Delivery) -> Delivery {
         let p = &d.properties;
-        let text = |s: &Option<ShortString>| s.as_ref().map(|s| s.as_str().to_string());
+        let text = |s: &Option<ShortString>| s.as_ref().map(|s| without_nul(s.as_str()));
         Delivery {
             subscription: self.name().to_string(),
             epoch,
             delivery_tag: d.delivery_tag,
-            exchange: d.exchange.as_str().to_string(),
-            routing_key: d.routing_key.as_str().to_string(),
+            exchange: without_nul(d.exchange.as_str()),
+            routing_key: without_nul(d.routing_key.as_str()),
             redelivered: d.redelivered,
             message_id: text(p.message_id()),
             content_type: text(p.content_type()),

@@ -8,12 +8,17 @@
 //! |                                                  | strings `"NaN"`, `"Infinity"`,        |
 //! |                                                  | `"-Infinity"`                         |
 //! | decimal (scale, value)                           | string, e.g. `"123.45"`               |
-//! | short string, long string (UTF-8)                | string                                |
-//! | long string that is not UTF-8, byte array        | `{"$bytes": "<base64, padded>"}`      |
+//! | short string, long string (UTF-8, no NUL)        | string                                |
+//! | string that is not UTF-8 or holds a NUL (U+0000, | `{"$bytes": "<base64, padded>"}`      |
+//! | which PostgreSQL text and jsonb cannot hold),    |                                       |
+//! | byte array                                       |                                       |
 //! | timestamp                                        | number (seconds since the Unix epoch) |
 //! | field array                                      | array                                 |
 //! | field table                                      | object                                |
 //! | void                                             | `null`                                |
+
+//!
+//! A header name with a NUL has each NUL replaced by U+FFFD (a name cannot be an object).
 
 use base64::Engine;
 use lapin::types::{AMQPValue, DecimalValue, FieldTable};
@@ -26,8 +31,27 @@ pub(crate) fn table_to_json(table: &FieldTable) -> Map<String, Value> {
     table
         .inner()
         .iter()
-        .map(|(k, v)| (k.as_str().to_string(), to_json(v)))
+        .map(|(k, v)| (without_nul(k.as_str()), to_json(v)))
         .collect()
+}
+
+/// `s` with each NUL (U+0000) replaced by U+FFFD: PostgreSQL text cannot hold a NUL. The same
+/// input always gives the same output, so an id made this way still recognises a redelivery.
+pub fn without_nul(s: &str) -> String {
+    if s.contains('\0') {
+        s.replace('\0', "\u{FFFD}")
+    } else {
+        s.to_string()
+    }
+}
+
+/// A string as JSON: bytes when PostgreSQL could not store it as text.
+fn string(s: &str) -> Value {
+    if s.contains('\0') {
+        bytes(s.as_bytes())
+    } else {
+        Value::String(s.to_string())
+    }
 }
 
 fn to_json(value: &AMQPValue) -> Value {
@@ -43,9 +67,9 @@ fn to_json(value: &AMQPValue) -> Value {
         AMQPValue::Float(f) => float(f64::from(*f)),
         AMQPValue::Double(f) => float(*f),
         AMQPValue::DecimalValue(d) => Value::String(decimal(d)),
-        AMQPValue::ShortString(s) => Value::String(s.as_str().to_string()),
+        AMQPValue::ShortString(s) => string(s.as_str()),
         AMQPValue::LongString(s) => match std::str::from_utf8(s.as_bytes()) {
-            Ok(text) => Value::String(text.to_string()),
+            Ok(text) => string(text),
             Err(_) => bytes(s.as_bytes()),
         },
         AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(to_json).collect()),
@@ -154,6 +178,28 @@ mod tests {
             one(AMQPValue::ByteArray(ByteArray::from(Vec::new()))),
             json!({"$bytes": ""})
         );
+    }
+
+    #[test]
+    fn nul_characters_never_reach_postgresql_text() {
+        // PostgreSQL's jsonb refuses \u0000: such strings keep their bytes instead.
+        assert_eq!(
+            one(AMQPValue::LongString(LongString::from("a\0b"))),
+            json!({"$bytes": "YQBi"})
+        );
+        assert_eq!(
+            one(AMQPValue::ShortString(ShortString::from("a\0b"))),
+            json!({"$bytes": "YQBi"})
+        );
+        let mut inner = FieldTable::default();
+        inner.insert("n".into(), AMQPValue::LongString(LongString::from("\0")));
+        let mut t = FieldTable::default();
+        t.insert("k\0ey".into(), AMQPValue::FieldTable(inner));
+        let json = Value::Object(table_to_json(&t));
+        assert_eq!(json, json!({"k\u{FFFD}ey": {"n": {"$bytes": "AA=="}}}));
+        assert!(!json.to_string().contains("\\u0000"), "{json}");
+        assert_eq!(without_nul("id\0x"), "id\u{FFFD}x");
+        assert_eq!(without_nul("plain"), "plain");
     }
 
     #[test]

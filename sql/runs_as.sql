@@ -1,0 +1,76 @@
+-- amqp_outbox: who code registered with the extension runs as. A subscription's handler and a
+-- compensation handler run as the row's owner, so an owner, a handler (or, for a subscription,
+-- what it consumes) may be set only by a role that may act as that owner, whatever the way:
+-- the API functions, or an INSERT or UPDATE by a role with rights on the table. Checked here,
+-- row by row, as the role that writes; and checked again by the subscription worker before it
+-- runs a handler.
+
+CREATE FUNCTION @extschema@._assert_may_run_as(owner regrole, handler regprocedure, what text)
+    RETURNS void LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $may_run_as$
+DECLARE
+    may_set boolean;
+BEGIN
+    IF owner IS NULL OR handler IS NULL THEN
+        RETURN;  -- the NOT NULL constraints say so
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid OPERATOR(pg_catalog.=) owner) THEN
+        RAISE EXCEPTION 'amqp_outbox: the owner of % is not an existing role', what
+            USING ERRCODE = 'undefined_object';
+    END IF;
+    -- Membership is what SET ROLE needs; from PostgreSQL 16 on a membership may withhold it.
+    may_set := pg_catalog.pg_has_role(CURRENT_USER, owner, 'MEMBER');
+    IF may_set AND pg_catalog.current_setting('server_version_num')::integer >= 160000 THEN
+        EXECUTE 'SELECT pg_catalog.pg_has_role($1, $2, ''SET'')' INTO may_set USING CURRENT_USER, owner;
+    END IF;
+    IF NOT may_set THEN
+        RAISE EXCEPTION 'amqp_outbox: permission denied to make % run as role %', what, owner
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Code registered with amqp_outbox runs as its owner: only that role, a role that may SET ROLE to it, or a superuser may register it.';
+    END IF;
+    IF NOT pg_catalog.has_function_privilege(owner, handler, 'EXECUTE') THEN
+        RAISE EXCEPTION 'amqp_outbox: role % may not execute %, the handler of %', owner, handler, what
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+END
+$may_run_as$;
+
+CREATE FUNCTION @extschema@._subscription_runs_as() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $subscription_runs_as$
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        IF (NEW.owner, NEW.handler, NEW.queue, NEW.broker_id)
+           IS NOT DISTINCT FROM (OLD.owner, OLD.handler, OLD.queue, OLD.broker_id) THEN
+            RETURN NEW;
+        END IF;
+    END IF;
+    PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler,
+                                           pg_catalog.format('subscription %I', NEW.subscription));
+    RETURN NEW;
+END
+$subscription_runs_as$;
+CREATE TRIGGER subscription_runs_as BEFORE INSERT OR UPDATE ON @extschema@.subscription
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._subscription_runs_as();
+
+CREATE FUNCTION @extschema@._compensation_handler_runs_as() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $compensation_runs_as$
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        IF (NEW.owner, NEW.handler, NEW.business_type)
+           IS NOT DISTINCT FROM (OLD.owner, OLD.handler, OLD.business_type) THEN
+            RETURN NEW;
+        END IF;
+    END IF;
+    PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler,
+                                           pg_catalog.format('the compensation of %I', NEW.business_type));
+    RETURN NEW;
+END
+$compensation_runs_as$;
+CREATE TRIGGER compensation_handler_runs_as BEFORE INSERT OR UPDATE ON @extschema@.compensation_handler
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._compensation_handler_runs_as();
+
+REVOKE ALL ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
+    @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as() FROM PUBLIC;
+-- The triggers call it as the role that writes the row.
+GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text) TO amqp_outbox_admin;
+-- amqp.on_failure() registers a compensation as its caller (an administrator), checked above.
+GRANT INSERT, UPDATE ON @extschema@.compensation_handler TO amqp_outbox_admin;
