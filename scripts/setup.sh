@@ -17,7 +17,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 MIN_RUST="1.88"
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang rabbitmq-server make gcc pkg-config dpkg-dev)
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang rabbitmq-server make gcc pkg-config dpkg-dev openssl)
 
 # --- 1. system packages -----------------------------------------------------------------------
 say "System packages"

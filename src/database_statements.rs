@@ -47,10 +47,17 @@ pub unsafe fn pause_for(pstmt: *mut pg_sys::PlannedStmt) -> Option<Paused> {
         crate::commit_wake::wake_launcher_at_commit();
     }
     // SAFETY: per the contract above.
-    let (name, dropped) = unsafe { exclusive_database(pstmt)? };
+    let (name, what) = unsafe { exclusive_database(pstmt)? };
     // SAFETY: a catalog lookup in a backend; missing_ok, so an unknown name gives InvalidOid.
     let oid = unsafe { pg_sys::get_database_oid(name.as_ptr(), true) }.to_u32();
     launch::slot_of(oid)?;
+    // The hook runs before PostgreSQL's own checks: a statement it will refuse for want of a
+    // right must not stop anyone's workers (any login role could keep a database's delivery
+    // down by trying in a loop).
+    if !may(oid, what) {
+        return None;
+    }
+    let dropped = what == Needs::Drop;
     let pids = launch::pause(oid, Some(PAUSE));
     for pid in &pids {
         // SAFETY: kill(2) of a worker of this cluster (same OS user), as pg_terminate_backend()
@@ -94,11 +101,47 @@ unsafe fn creates_database(pstmt: *mut pg_sys::PlannedStmt) -> bool {
     }
 }
 
-/// The database a statement needs to itself, and whether the statement drops it.
+/// What a statement does to the database it needs to itself, for the rights it takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Needs {
+    /// DROP DATABASE, ALTER DATABASE ... SET TABLESPACE: its owner.
+    Drop,
+    Tablespace,
+    /// ALTER DATABASE ... RENAME: its owner, with CREATEDB.
+    Rename,
+    /// CREATE DATABASE ... TEMPLATE: CREATEDB, and its owner unless it is a template.
+    Template,
+}
+
+/// Whether the current user has the rights PostgreSQL checks for `what` on database `oid`
+/// (ownership counts through role membership, a superuser has them all). A tablespace's own
+/// privilege is left to PostgreSQL: an owner may pause their own database's workers.
+fn may(oid: u32, what: Needs) -> bool {
+    let what = match what {
+        Needs::Drop | Needs::Tablespace => "owner",
+        Needs::Rename => "rename",
+        Needs::Template => "template",
+    };
+    Spi::get_one_with_args::<bool>(
+        "SELECT CASE $2 WHEN 'owner' THEN d.owner \
+                        WHEN 'rename' THEN d.owner AND d.createdb \
+                        ELSE d.createdb AND (d.datistemplate OR d.owner) END \
+           FROM (SELECT pg_catalog.pg_has_role(db.datdba, 'USAGE') AS owner, db.datistemplate, \
+                        (SELECT r.rolsuper OR r.rolcreatedb FROM pg_catalog.pg_roles r \
+                          WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER) AS createdb \
+                   FROM pg_catalog.pg_database db WHERE db.oid OPERATOR(pg_catalog.=) $1) d",
+        &[pg_sys::Oid::from(oid).into(), what.into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(false)
+}
+
+/// The database a statement needs to itself, and what the statement does to it.
 ///
 /// # Safety
 /// As [`pause_for`].
-unsafe fn exclusive_database(pstmt: *mut pg_sys::PlannedStmt) -> Option<(std::ffi::CString, bool)> {
+unsafe fn exclusive_database(pstmt: *mut pg_sys::PlannedStmt) -> Option<(std::ffi::CString, Needs)> {
     // SAFETY: per the contract; each node is cast to the type its tag names.
     unsafe {
         let stmt = (*pstmt).utilityStmt;
@@ -109,24 +152,24 @@ unsafe fn exclusive_database(pstmt: *mut pg_sys::PlannedStmt) -> Option<(std::ff
             |p: *const std::ffi::c_char| (!p.is_null()).then(|| CStr::from_ptr(p).to_owned());
         match (*stmt).type_ {
             pg_sys::NodeTag::T_DropdbStmt => {
-                owned((*stmt.cast::<pg_sys::DropdbStmt>()).dbname).map(|n| (n, true))
+                owned((*stmt.cast::<pg_sys::DropdbStmt>()).dbname).map(|n| (n, Needs::Drop))
             }
             pg_sys::NodeTag::T_RenameStmt => {
                 let r = stmt.cast::<pg_sys::RenameStmt>();
                 ((*r).renameType == pg_sys::ObjectType::OBJECT_DATABASE)
                     .then(|| owned((*r).subname))
                     .flatten()
-                    .map(|n| (n, false))
+                    .map(|n| (n, Needs::Rename))
             }
             pg_sys::NodeTag::T_AlterDatabaseStmt => {
                 let a = stmt.cast::<pg_sys::AlterDatabaseStmt>();
                 option((*a).options, "tablespace")?;
-                owned((*a).dbname).map(|n| (n, false))
+                owned((*a).dbname).map(|n| (n, Needs::Tablespace))
             }
             pg_sys::NodeTag::T_CreatedbStmt => {
                 let c = stmt.cast::<pg_sys::CreatedbStmt>();
                 let template = option((*c).options, "template")?;
-                Some((template, false))
+                Some((template, Needs::Template))
             }
             _ => None,
         }

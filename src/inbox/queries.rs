@@ -13,9 +13,9 @@ use pgrx::spi::{SpiClient, SpiResult};
 /// order.
 const RUNS_AS_PROBLEM: &str = "CASE \
     WHEN NOT EXISTS (SELECT FROM pg_proc p WHERE p.oid = s.handler::oid) \
-    THEN 'the handler function no longer exists: amqp.unsubscribe() it and subscribe again' \
+    THEN 'the handler function no longer exists: set another (UPDATE amqp.subscription SET handler = ...) or amqp.unsubscribe() it' \
     WHEN NOT EXISTS (SELECT FROM pg_roles r WHERE r.oid = s.owner::oid) \
-    THEN format('its owner (role oid %s) no longer exists: amqp.unsubscribe() it and subscribe again', s.owner::oid) \
+    THEN format('its owner (role oid %s) no longer exists: set another (UPDATE amqp.subscription SET owner = ...) or amqp.unsubscribe() it', s.owner::oid) \
     WHEN NOT has_function_privilege(s.owner::oid, s.handler::oid, 'EXECUTE') \
     THEN format('its owner %s may not execute the handler %s', s.owner, s.handler) END";
 

@@ -63,6 +63,17 @@ impl From<Delivery> for Message {
     }
 }
 
+/// Headers RabbitMQ sets or changes on a message after it was published: the delivery count
+/// of a quorum queue (grows at each redelivery), dead-lettering's history, and the source a
+/// shovel or federation link writes. Left out of a derived id.
+const BROKER_HEADERS: [&str; 3] = ["x-delivery-count", "x-death", "x-received-from"];
+
+fn is_broker_header(name: &str) -> bool {
+    BROKER_HEADERS.contains(&name)
+        || name.starts_with("x-first-death-")
+        || name.starts_with("x-last-death-")
+}
+
 /// The header a receipt carries (see amqp.send_receipt): no receipt answers a receipt.
 const HEADER_RECEIPT_FOR: &str = "x-amqp-outbox-receipt-for";
 const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
@@ -89,23 +100,68 @@ impl Message {
             .filter(|t| crate::headers::valid_traceparent(t))
     }
 
-    /// What identifies a message that came without a message_id: everything it carries, so a
-    /// redelivery of it is recognised. (Two messages equal in all of this are one message.)
+    /// What identifies a message that came without a message_id: everything it carries but
+    /// what RabbitMQ adds or changes on its way (see [`BROKER_HEADERS`]), so a redelivery of it
+    /// is recognised. (Two messages equal in all of this are one message.)
     pub fn digest_input(&self) -> Vec<u8> {
+        let mut headers = self.headers.clone();
+        headers.retain(|k, _| !is_broker_header(k));
         let mut v = Vec::with_capacity(self.body.len() + 128);
         for part in [
             self.exchange.as_bytes(),
             self.routing_key.as_bytes(),
             self.correlation_id.as_deref().unwrap_or("").as_bytes(),
             self.timestamp.unwrap_or(0).to_string().as_bytes(),
-            serde_json::Value::Object(self.headers.clone())
-                .to_string()
-                .as_bytes(),
+            serde_json::Value::Object(headers).to_string().as_bytes(),
         ] {
             v.extend_from_slice(&(part.len() as u64).to_be_bytes());
             v.extend_from_slice(part);
         }
         v.extend_from_slice(&self.body);
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn message(headers: serde_json::Value) -> Message {
+        Message {
+            subscription: "s".into(),
+            message_id: None,
+            exchange: "ex".into(),
+            routing_key: "rk".into(),
+            body: b"body".to_vec(),
+            headers: headers.as_object().cloned().unwrap_or_default(),
+            content_type: None,
+            correlation_id: None,
+            reply_to: None,
+            timestamp: Some(1),
+            redelivered: false,
+            delivery: Some((1, 1)),
+            attempt: 1,
+        }
+    }
+
+    #[test]
+    fn a_redelivery_with_broker_headers_keeps_its_derived_id() {
+        let first = message(json!({"tenant": "a"}));
+        let quorum_redelivery = message(json!({"tenant": "a", "x-delivery-count": 2}));
+        let dead_lettered = message(json!({
+            "tenant": "a",
+            "x-death": [{"count": 1, "queue": "q", "reason": "rejected"}],
+            "x-first-death-queue": "q",
+            "x-first-death-reason": "rejected",
+            "x-last-death-queue": "q",
+        }));
+        assert_eq!(first.digest_input(), quorum_redelivery.digest_input());
+        assert_eq!(first.digest_input(), dead_lettered.digest_input());
+        // What the publisher set still tells messages apart.
+        assert_ne!(
+            first.digest_input(),
+            message(json!({"tenant": "b"})).digest_input()
+        );
     }
 }

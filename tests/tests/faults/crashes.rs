@@ -80,6 +80,108 @@ fn case02_worker_killed_comes_back_and_loses_nothing() {
     );
 }
 
+/// Every process of the product terminated at once, again and again, under load, as a
+/// maintenance script that ends every backend named like ours would: the launcher, the outbox
+/// worker and the subscription worker all come back each time, nothing committed is lost, and
+/// the subscription (on a second queue bound to the same route) handles each message once.
+#[test]
+fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
+    let mut rig = Rig::new("2 all processes terminated", base_config());
+    let rabbit = rig.node.rabbit();
+    let sub_queue = rabbit.declare_queue("chaos-all-sub");
+    rabbit.bind_queue(&sub_queue.queue, &rig.route.exchange, &rig.route.routing_key);
+    rig.client
+        .batch_execute(
+            "CREATE TABLE public.handled (body text PRIMARY KEY, calls integer NOT NULL DEFAULT 1);
+             CREATE FUNCTION public.handle(d amqp.delivery) RETURNS void LANGUAGE sql AS
+             $$ INSERT INTO public.handled (body) VALUES (amqp.body_text(d))
+                ON CONFLICT (body) DO UPDATE SET calls = handled.calls + 1 $$;",
+        )
+        .unwrap();
+    rig.client
+        .execute(
+            "SELECT amqp.subscribe('chaos', $1, $2, 'public.handle(amqp.delivery)')",
+            &[&rig.outbox.broker_id, &sub_queue.queue],
+        )
+        .unwrap();
+    let producers = rig.producers("all", 3, u64::MAX, 10, 0.05);
+    let rounds = 5;
+    let mut terminated = Vec::new();
+    for round in 0..rounds {
+        let since = rig.collector.len();
+        rig.wait_more_deliveries(since, 100, &format!("deliveries before round {round}"));
+        let n: i64 = rig
+            .client
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                  WHERE backend_type LIKE 'amqp_outbox%'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        terminated.push(n);
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    eprintln!("processes terminated per round: {terminated:?}");
+    let back = Instant::now();
+    let client = &mut rig.client;
+    eventually(WORKER_UP, "launcher, outbox and subscription worker back", || {
+        let kinds: Vec<String> = client
+            .query(
+                "SELECT backend_type FROM pg_stat_activity \
+                  WHERE backend_type LIKE 'amqp_outbox%' ORDER BY 1",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let want = ["amqp_outbox", "amqp_outbox launcher", "amqp_outbox subscriptions"];
+        if kinds == want {
+            Ok(())
+        } else {
+            client.batch_execute("SELECT pg_stat_clear_snapshot()").map_err(|e| e.to_string())?;
+            Err(format!("{kinds:?}"))
+        }
+    });
+    let heal_at = Instant::now();
+    rig.wait_more_deliveries(rig.collector.len(), 200, "deliveries after the last round");
+    join_all(producers);
+    let report = rig.finish(
+        Some(heal_at),
+        (rounds + 1) * (MAX_IN_FLIGHT + CONSUMER_PREFETCH),
+        &[],
+        &format!(
+            "{rounds}x every amqp_outbox process terminated at once ({terminated:?}); all back {:.1}s after the last",
+            back.elapsed().as_secs_f64()
+        ),
+    );
+    assert!(terminated.iter().all(|n| *n >= 2), "{terminated:?}");
+    // The consuming side: every committed message handled, each once.
+    let committed = report.committed as i64;
+    let client = &mut rig.client;
+    let (handled, most_calls) = eventually(drain_timeout(), "every message handled", || {
+        let r = client
+            .query_one(
+                "SELECT count(*), coalesce(max(calls), 0) FROM public.handled \
+                  WHERE body NOT LIKE 'e2e.marker.%'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?;
+        let (n, calls): (i64, i32) = (r.get(0), r.get(1));
+        if n >= committed {
+            Ok((n, calls))
+        } else {
+            Err(format!("{n} of {committed} handled"))
+        }
+    });
+    assert_eq!(most_calls, 1, "a message was handled more than once");
+    assert!(
+        handled <= committed + report.unknown_delivered.len() as i64,
+        "{handled} handled, {committed} committed: {report}"
+    );
+}
+
 // ------------------------------------------------------------------------------------------
 // 3. PostgreSQL crash
 // ------------------------------------------------------------------------------------------
