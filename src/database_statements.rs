@@ -141,7 +141,9 @@ fn may(oid: u32, what: Needs) -> bool {
 ///
 /// # Safety
 /// As [`pause_for`].
-unsafe fn exclusive_database(pstmt: *mut pg_sys::PlannedStmt) -> Option<(std::ffi::CString, Needs)> {
+unsafe fn exclusive_database(
+    pstmt: *mut pg_sys::PlannedStmt,
+) -> Option<(std::ffi::CString, Needs)> {
     // SAFETY: per the contract; each node is cast to the type its tag names.
     unsafe {
         let stmt = (*pstmt).utilityStmt;

@@ -49,6 +49,11 @@ pub fn handle_all(
     book: &mut Book,
 ) -> SpiResult<Vec<Outcome>> {
     let mut out = Vec::with_capacity(messages.len());
+    // Deferred constraints and constraint triggers a handler queues are checked at the end of
+    // its statement, inside the message's subtransaction (as its owner): at the batch's
+    // COMMIT they could not fire (queued in a security-restricted operation), and one failing
+    // there would undo every message of the batch.
+    queries::constraints_immediate(client)?;
     // Handled messages leave amqp.inbox_failed; look there only for subscriptions that have
     // failed messages (and for retries, which come from it).
     let mut has_failed = queries::with_failed(client, subs.keys().cloned().collect())?;
@@ -83,14 +88,7 @@ pub fn handle_all(
                 // Answered again: a producer resends a message when it saw no receipt, and the
                 // receipt may be what was lost.
                 if rules.receipts && !m.is_receipt() {
-                    queries::receipt(
-                        client,
-                        sub.broker_id,
-                        &sub.name,
-                        &message_id,
-                        None,
-                        m.business_type(),
-                    )?;
+                    send_receipt(sub, m, &message_id, None);
                 }
                 Outcome::Duplicate
             }
@@ -159,14 +157,7 @@ fn handle_one(
                 queries::resolve_failed(client, &sub.name, message_id)?;
             }
             if rules.receipts && !m.is_receipt() {
-                queries::receipt(
-                    client,
-                    sub.broker_id,
-                    &sub.name,
-                    message_id,
-                    None,
-                    m.business_type(),
-                )?;
+                send_receipt(sub, m, message_id, None);
             }
             Ok(true)
         })
@@ -206,26 +197,56 @@ fn record_failed(
             caught.message
         );
         if let Some(dlx) = &sub.dead_letter_exchange {
-            queries::dead_letter(
-                client,
-                sub,
-                dlx,
-                m,
-                message_id,
-                &caught.message,
-                rec.attempts,
-            )?;
+            let refused = aside(|c| {
+                queries::dead_letter(c, sub, dlx, m, message_id, &caught.message, rec.attempts)
+            });
+            if let Some(why) = refused {
+                // It stays in amqp.inbox_failed, dead: nothing is lost, amqp.inbox_retry() or
+                // a DELETE decide about it.
+                warning!(
+                    "amqp_outbox: subscription \"{}\": message {message_id} could not be dead-lettered to \"{dlx}\" and stays in amqp.inbox_failed: {why}",
+                    sub.name
+                );
+                queries::note_dead_letter_refused(client, &sub.name, message_id, &why)?;
+            }
         }
         if rules.receipts && !m.is_receipt() {
-            queries::receipt(
-                client,
-                sub.broker_id,
-                &sub.name,
-                message_id,
-                Some(&caught.message),
-                m.business_type(),
-            )?;
+            send_receipt(sub, m, message_id, Some(&caught.message));
         }
     }
     Ok(rec.dead)
+}
+
+/// Runs `publish` (a receipt, a dead letter: an INSERT into the outbox) in a subtransaction of
+/// its own. A refusal there (the outbox full at `amqp_outbox.max_pending`, a body or headers
+/// over the limits, the broker row deleted) must neither undo the message's handling nor end
+/// the batch's transaction, which would restart the worker into the same message again.
+/// Returns why it was refused.
+fn aside(publish: impl FnOnce(&mut SpiClient<'_>) -> SpiResult<()>) -> Option<String> {
+    guarded::subtransaction(|| {
+        Spi::connect_mut(publish).unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
+    })
+    .err()
+    .map(|c| format!("{} (SQLSTATE {})", c.message, c.sqlstate))
+}
+
+/// A receipt, aside: one that cannot be sent is logged, and the producer's monitor, seeing no
+/// answer, resends the message, which is then answered again as a duplicate.
+fn send_receipt(sub: &Sub, m: &Message, message_id: &str, error: Option<&str>) {
+    let refused = aside(|c| {
+        queries::receipt(
+            c,
+            sub.broker_id,
+            &sub.name,
+            message_id,
+            error,
+            m.business_type(),
+        )
+    });
+    if let Some(why) = refused {
+        warning!(
+            "amqp_outbox: subscription \"{}\": no receipt for message {message_id}: {why}",
+            sub.name
+        );
+    }
 }

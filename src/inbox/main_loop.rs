@@ -4,6 +4,7 @@
 //! latch + socket otherwise.
 
 use super::book::{self, Book};
+use super::guarded;
 use super::handling::{self, Outcome, Rules};
 use super::queries;
 use super::reconcile::Reconciler;
@@ -23,6 +24,9 @@ use std::time::{Duration, Instant};
 const NAPTIME: Duration = Duration::from_secs(1);
 /// How often the retention of consumption records is looked at.
 const ROTATE_EVERY: Duration = Duration::from_secs(60);
+/// The longest the retention waits for a lock; then it is tried again after [`ROTATE_RETRY`].
+const ROTATE_LOCK_WAIT: Duration = Duration::from_millis(200);
+const ROTATE_RETRY: Duration = Duration::from_secs(5);
 /// How often subscriptions that cannot run (a handler or owner gone, a privilege revoked) are
 /// read again: what fixes them (CREATE FUNCTION, GRANT) tells the worker nothing.
 const RECHECK_PROBLEMS: Duration = Duration::from_secs(5);
@@ -159,6 +163,47 @@ impl Inbox {
         }
     }
 
+    /// The retention of consumption records, in a transaction of its own that waits for no
+    /// lock longer than [`ROTATE_LOCK_WAIT`]: a session that keeps the older table (an open
+    /// transaction that called `consume_once`, a `pg_dump`) only postpones it. In the batch's
+    /// transaction, its lock wait ran out after `lock_timeout` and took the batch and the
+    /// worker down, again at every restart while that session lived.
+    fn rotate(&mut self) {
+        let done = pg::transaction("amqp_outbox retention", || {
+            guarded::subtransaction(|| {
+                Spi::connect_mut(|client| {
+                    queries::set_local_lock_timeout(client, ROTATE_LOCK_WAIT)?;
+                    queries::rotate(client)
+                })
+                .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
+            })
+        });
+        match done {
+            Ok(done) => {
+                self.rotated_at = Some(Instant::now());
+                if let Some(done) = done.filter(|d| d.starts_with("rotated")) {
+                    log!("amqp_outbox: consumption records {done}");
+                }
+            }
+            Err(e) => {
+                // Tried again soon, not only at the next regular look.
+                self.rotated_at = Some(Instant::now() - ROTATE_EVERY + ROTATE_RETRY);
+                if e.sqlstate == "55P03" {
+                    debug1!(
+                        "amqp_outbox: retention of consumption records postponed: {}",
+                        e.message
+                    );
+                } else {
+                    warning!(
+                        "amqp_outbox: retention of consumption records failed (SQLSTATE {}): {}",
+                        e.sqlstate,
+                        e.message
+                    );
+                }
+            }
+        }
+    }
+
     /// One transaction: presence, configuration, a batch of deliveries or due retries, the
     /// counters. Then the acknowledgements of what it committed.
     fn step(&mut self) {
@@ -250,9 +295,10 @@ impl Inbox {
                             // its state saying why, and the broker keeps its messages.
                             self.need_reload = true;
                         }
-                        if let (Some((epoch, tag)), false) =
-                            (m.delivery, matches!(o, Outcome::Dropped | Outcome::CannotRun))
-                        {
+                        if let (Some((epoch, tag)), false) = (
+                            m.delivery,
+                            matches!(o, Outcome::Dropped | Outcome::CannotRun),
+                        ) {
                             acks.entry((m.subscription.clone(), epoch))
                                 .or_default()
                                 .push(tag);
@@ -264,18 +310,13 @@ impl Inbox {
                     self.retry_at = queries::next_retry_in(client, names)?
                         .map(|s| Instant::now() + Duration::from_secs_f64(s.clamp(0.0, 3600.0)));
                 }
-                if rotate_due {
-                    self.rotated_at = Some(Instant::now());
-                    if let Some(done) = queries::rotate(client)? {
-                        if done.starts_with("rotated") {
-                            log!("amqp_outbox: consumption records {done}");
-                        }
-                    }
-                }
                 self.book.flush(client)
             })
             .unwrap_or_else(|e| error!("amqp_outbox: subscription worker: {e}"));
         });
+        if rotate_due && self.present {
+            self.rotate();
+        }
         // Only now is the work committed: acknowledge it.
         for ((subscription, epoch), delivery_tags) in acks {
             self.handle.send(InboxCommand::Ack {

@@ -349,6 +349,45 @@ pub fn next_retry_in(client: &SpiClient<'_>, subs: Vec<String>) -> SpiResult<Opt
 }
 
 /// Retention of the consumption records (see amqp.rotate_consumption()).
+/// `SET CONSTRAINTS ALL IMMEDIATE` for the rest of the transaction.
+pub fn constraints_immediate(client: &mut SpiClient<'_>) -> SpiResult<()> {
+    client
+        .update("SET CONSTRAINTS ALL IMMEDIATE", None, &[])
+        .map(drop)
+}
+
+/// A dead message whose dead letter was refused says so in its last error.
+pub fn note_dead_letter_refused(
+    client: &mut SpiClient<'_>,
+    sub: &str,
+    message_id: &str,
+    why: &str,
+) -> SpiResult<()> {
+    client
+        .update(
+            "UPDATE amqp.inbox_failed \
+                SET last_error = last_error || ' [not dead-lettered: ' || left($3, 1000) || ']' \
+              WHERE subscription = $1 AND message_id = $2",
+            None,
+            &[sub.into(), message_id.into(), why.into()],
+        )
+        .map(drop)
+}
+
+/// `lock_timeout` for the rest of the current transaction.
+pub fn set_local_lock_timeout(
+    client: &mut SpiClient<'_>,
+    wait: std::time::Duration,
+) -> SpiResult<()> {
+    client
+        .update(
+            "SELECT pg_catalog.set_config('lock_timeout', $1, true)",
+            None,
+            &[format!("{}ms", wait.as_millis()).into()],
+        )
+        .map(drop)
+}
+
 pub fn rotate(client: &mut SpiClient<'_>) -> SpiResult<Option<String>> {
     client
         .update("SELECT amqp.rotate_consumption()", None, &[])?

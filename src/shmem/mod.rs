@@ -354,8 +354,7 @@ pub fn register_worker(kind: WorkerKind, latch: *mut pg_sys::Latch, pid: i32) ->
         WorkerKind::Outbox => (&s.latch, &s.pid),
         WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
     };
-    if p
-        .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
+    if p.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
         .is_err()
     {
         return false;

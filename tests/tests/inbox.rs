@@ -1867,10 +1867,34 @@ fn hostile_deliveries_and_handlers_that_cannot_run_stop_nothing() {
             INSERT INTO public.seen_headers VALUES (d.message_id, d.correlation_id, d.headers) $$;",
     )
     .expect("handlers");
-    subscribe(c, "nul", broker, &nul.queue, "public.apply_nul(amqp.delivery)", 3, None);
-    subscribe(c, "dropped", broker, &dropped.queue, "public.apply_dropped(amqp.delivery)", 3, None);
+    subscribe(
+        c,
+        "nul",
+        broker,
+        &nul.queue,
+        "public.apply_nul(amqp.delivery)",
+        3,
+        None,
+    );
+    subscribe(
+        c,
+        "dropped",
+        broker,
+        &dropped.queue,
+        "public.apply_dropped(amqp.delivery)",
+        3,
+        None,
+    );
     c.batch_execute("SET ROLE e2e_owner").expect("SET ROLE");
-    subscribe(c, "owned", broker, &owned.queue, "public.apply_owned(amqp.delivery)", 3, None);
+    subscribe(
+        c,
+        "owned",
+        broker,
+        &owned.queue,
+        "public.apply_owned(amqp.delivery)",
+        3,
+        None,
+    );
     c.batch_execute("RESET ROLE").expect("RESET ROLE");
     for s in ["nul", "dropped", "owned"] {
         wait_state(&mut pair, s, "consuming");
@@ -1968,12 +1992,17 @@ fn hostile_deliveries_and_handlers_that_cannot_run_stop_nothing() {
         .expect("REVOKE");
     let bodies: Vec<String> = (0..3).map(|i| format!("owned-{i}")).collect();
     pair.publish_bodies("", &owned.queue, &bodies);
-    let (s, _) = wait_status(&mut pair, "owned", "said its owner may not run the handler", |s| {
-        s.state == "error"
-            && s.last_error
-                .as_deref()
-                .is_some_and(|e| e.contains("may not execute"))
-    });
+    let (s, _) = wait_status(
+        &mut pair,
+        "owned",
+        "said its owner may not run the handler",
+        |s| {
+            s.state == "error"
+                && s.last_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("may not execute"))
+        },
+    );
     assert_eq!(s.failed, 0, "{s:?}");
     pair.consumer
         .batch_execute("GRANT EXECUTE ON FUNCTION public.apply_owned(amqp.delivery) TO e2e_owner")
@@ -1984,4 +2013,137 @@ fn hostile_deliveries_and_handlers_that_cannot_run_stop_nothing() {
         3,
     );
     assert_eq!(pair.wait_sub_worker(None), worker, "the worker restarted");
+}
+
+/// FAULTS.md case 25: what used to fail outside a message's subtransaction, rolling back the
+/// whole batch and restarting the worker into the same work (a loop in which no subscription
+/// of the database handled anything): a dead letter the outbox refuses (its body over
+/// `amqp_outbox.max_message_size`), a handler whose deferred foreign key fails at COMMIT (and
+/// valid rows under the same deferred key, which could not commit at all), and the retention
+/// of consumption records waiting for a session that holds the older table. Now each message
+/// is judged alone, the retention waits its turn, and the worker never restarts.
+#[test]
+fn no_dead_letter_constraint_or_lock_restarts_the_subscription_worker() {
+    let rabbit = Rabbit::shared();
+    let q_dl = rabbit.declare_queue("inbox-dl");
+    let q_fk = rabbit.declare_queue("inbox-fk");
+    let dlx = rabbit.declare_route("inbox-dlx");
+    let mut pair = Pair::new(
+        rabbit.endpoint(),
+        &[
+            ("amqp_outbox.retry_backoff_min", "100".into()),
+            ("amqp_outbox.retry_backoff_max", "1000".into()),
+            ("amqp_outbox.max_message_size", "1000".into()),
+        ],
+    );
+    let broker = pair.consumer_broker;
+    let c = &mut pair.consumer;
+    c.batch_execute(APPLIED_SCHEMA).expect("applied schema");
+    c.batch_execute(
+        "CREATE TABLE public.parent (id integer PRIMARY KEY);
+         INSERT INTO public.parent VALUES (1);
+         CREATE TABLE public.child (
+             body text NOT NULL,
+             parent integer REFERENCES public.parent DEFERRABLE INITIALLY DEFERRED);
+         CREATE FUNCTION public.apply_child(d amqp.delivery) RETURNS void LANGUAGE sql AS
+         $$ INSERT INTO public.child VALUES (amqp.body_text(d),
+                CASE WHEN amqp.body_text(d) LIKE 'orphan%' THEN 999 ELSE 1 END) $$;",
+    )
+    .expect("handlers");
+    subscribe(
+        c,
+        "dl",
+        broker,
+        &q_dl.queue,
+        "public.apply_text(amqp.delivery)",
+        1,
+        Some(&dlx.exchange),
+    );
+    subscribe(
+        c,
+        "fk",
+        broker,
+        &q_fk.queue,
+        "public.apply_child(amqp.delivery)",
+        1,
+        None,
+    );
+    for s in ["dl", "fk"] {
+        wait_state(&mut pair, s, "consuming");
+    }
+    let worker = pair.wait_sub_worker(None);
+    let admin = AmqpAdmin::connect(&rabbit.endpoint().uri()).expect("AMQP client");
+    let send = |queue: &str, body: &[u8]| {
+        admin
+            .publish(
+                "",
+                queue,
+                body,
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .unwrap_or_else(|e| panic!("publishing to {queue}: {e}"));
+    };
+
+    // A poison message whose dead letter is refused, among good ones.
+    let big = format!("bad:{}", "x".repeat(2000));
+    send(&q_dl.queue, b"good-1");
+    send(&q_dl.queue, big.as_bytes());
+    send(&q_dl.queue, b"good-2");
+    // Valid and invalid rows under a deferred foreign key.
+    for body in ["child-1", "orphan-1", "child-2"] {
+        send(&q_fk.queue, body.as_bytes());
+    }
+    wait_count(
+        &mut pair.consumer,
+        "SELECT count(*) FROM public.applied WHERE body LIKE 'good-%'",
+        2,
+    );
+    wait_count(&mut pair.consumer, "SELECT count(*) FROM public.child", 2);
+    let c = &mut pair.consumer;
+    let dead: String = c
+        .query_one(
+            "SELECT last_error FROM amqp.inbox_failed \
+              WHERE subscription = 'dl' AND dead_lettered_at IS NOT NULL",
+            &[],
+        )
+        .map(|r| r.get(0))
+        .expect("the refused dead letter stays in inbox_failed");
+    assert!(dead.contains("not dead-lettered"), "{dead}");
+    let orphan: String = c
+        .query_one(
+            "SELECT last_sqlstate FROM amqp.inbox_failed WHERE subscription = 'fk'",
+            &[],
+        )
+        .map(|r| r.get(0))
+        .expect("the orphan row's failure");
+    assert_eq!(
+        orphan, "23503",
+        "a foreign key violation, judged for that message alone"
+    );
+    assert_eq!(pair.wait_sub_worker(None), worker, "the worker restarted");
+
+    // Retention due while a session holds the older hot table: the worker (started again, so
+    // that the retention runs at once) keeps handling.
+    let c = &mut pair.consumer;
+    c.batch_execute("UPDATE amqp._consumed_since SET since = since - interval '2 days'")
+        .expect("retention due");
+    let mut holder = pair.cluster.client_db(CONSUMER);
+    holder
+        .batch_execute("BEGIN; SELECT amqp.consume_once('holder', 'hold-1')")
+        .expect("holding the hot tables");
+    pair.consumer
+        .execute("SELECT pg_terminate_backend($1)", &[&worker])
+        .expect("terminating the subscription worker");
+    let worker = pair.wait_sub_worker(Some(worker));
+    for i in 3..13 {
+        send(&q_dl.queue, format!("good-{i}").as_bytes());
+    }
+    wait_count(
+        &mut pair.consumer,
+        "SELECT count(*) FROM public.applied WHERE body LIKE 'good-%'",
+        12,
+    );
+    holder.batch_execute("COMMIT").expect("COMMIT");
+    assert_eq!(pair.wait_sub_worker(None), worker, "the worker restarted");
+    drop(dlx);
 }

@@ -489,7 +489,10 @@ fn a_terminated_launcher_comes_back_and_restarts_the_workers_it_did_not_start() 
         assert!(killed, "round {round}");
         let back = Instant::now();
         let new = wait_launcher(&cluster, Some(launcher));
-        eprintln!("round {round}: launcher {launcher} -> {new} in {:?}", back.elapsed());
+        eprintln!(
+            "round {round}: launcher {launcher} -> {new} in {:?}",
+            back.elapsed()
+        );
         // Its workers were not touched: the new launcher adopts them.
         assert_eq!(wait_running(&mut e2e.client, "e2e"), (outbox, inbox));
         launcher = new;
@@ -512,7 +515,10 @@ fn a_terminated_launcher_comes_back_and_restarts_the_workers_it_did_not_start() 
             other => Err(format!("{other:?}")),
         }
     });
-    eprintln!("workers {outbox}/{inbox} -> {new_outbox}/{new_inbox} in {:?}", stopped.elapsed());
+    eprintln!(
+        "workers {outbox}/{inbox} -> {new_outbox}/{new_inbox} in {:?}",
+        stopped.elapsed()
+    );
     e2e.publish(20);
     e2e.wait_all_arrived();
     for c in ["worker", "subscription worker", "launcher"] {

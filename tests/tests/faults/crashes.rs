@@ -89,7 +89,11 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
     let mut rig = Rig::new("2 all processes terminated", base_config());
     let rabbit = rig.node.rabbit();
     let sub_queue = rabbit.declare_queue("chaos-all-sub");
-    rabbit.bind_queue(&sub_queue.queue, &rig.route.exchange, &rig.route.routing_key);
+    rabbit.bind_queue(
+        &sub_queue.queue,
+        &rig.route.exchange,
+        &rig.route.routing_key,
+    );
     rig.client
         .batch_execute(
             "CREATE TABLE public.handled (body text PRIMARY KEY, calls integer NOT NULL DEFAULT 1);
@@ -125,25 +129,35 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
     eprintln!("processes terminated per round: {terminated:?}");
     let back = Instant::now();
     let client = &mut rig.client;
-    eventually(WORKER_UP, "launcher, outbox and subscription worker back", || {
-        let kinds: Vec<String> = client
-            .query(
-                "SELECT backend_type FROM pg_stat_activity \
+    eventually(
+        WORKER_UP,
+        "launcher, outbox and subscription worker back",
+        || {
+            let kinds: Vec<String> = client
+                .query(
+                    "SELECT backend_type FROM pg_stat_activity \
                   WHERE backend_type LIKE 'amqp_outbox%' ORDER BY 1",
-                &[],
-            )
-            .map_err(|e| e.to_string())?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let want = ["amqp_outbox", "amqp_outbox launcher", "amqp_outbox subscriptions"];
-        if kinds == want {
-            Ok(())
-        } else {
-            client.batch_execute("SELECT pg_stat_clear_snapshot()").map_err(|e| e.to_string())?;
-            Err(format!("{kinds:?}"))
-        }
-    });
+                    &[],
+                )
+                .map_err(|e| e.to_string())?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let want = [
+                "amqp_outbox",
+                "amqp_outbox launcher",
+                "amqp_outbox subscriptions",
+            ];
+            if kinds == want {
+                Ok(())
+            } else {
+                client
+                    .batch_execute("SELECT pg_stat_clear_snapshot()")
+                    .map_err(|e| e.to_string())?;
+                Err(format!("{kinds:?}"))
+            }
+        },
+    );
     let heal_at = Instant::now();
     rig.wait_more_deliveries(rig.collector.len(), 200, "deliveries after the last round");
     join_all(producers);
