@@ -51,4 +51,5 @@ pub use config::{
     AckQueueConfig, BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl,
     TlsOptions,
 };
+pub use runtime_thread::spawn_without_signals;
 pub use thread::{spawn, BrokerHandle};

@@ -20,10 +20,18 @@ where
     F: FnOnce(EventSink<E>) -> Fut + Send + 'static,
     Fut: Future<Output = ()>,
 {
+    spawn_without_signals(name, move || thread_main(sink, main))
+}
+
+/// Starts thread `name` running `f` with every signal blocked from its first instruction on
+/// (the mask is inherited, not set by the thread), so that signals sent to the process always
+/// reach PostgreSQL's main thread.
+pub fn spawn_without_signals(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> io::Result<std::thread::JoinHandle<()>> {
     let old_mask = block_all_signals()?;
-    let spawned = std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || thread_main(sink, main));
+    let spawned = std::thread::Builder::new().name(name.into()).spawn(f);
     // Restore the caller's mask whatever happened: only the new thread keeps signals blocked.
     restore_signals(&old_mask);
     spawned

@@ -8,6 +8,8 @@ use super::book::Book;
 use super::guarded::{self, Caught};
 use super::queries;
 use super::types::{Message, Sub};
+use super::watchdog;
+use crate::shmem::handler_trap::Ended;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -41,12 +43,15 @@ pub enum Outcome {
 const MAYBE_CANNOT_RUN: [&str; 3] = ["42883", "42704", "42501"];
 
 /// Handles `messages` in the current transaction. Returns, for each, what happened.
+/// `left`: the message whose handler ended the previous worker (see [`watchdog`]), if any: it
+/// is recorded as failed when it comes, without running its handler again.
 pub fn handle_all(
     client: &mut SpiClient<'_>,
     subs: &std::collections::BTreeMap<String, Sub>,
     messages: &[Message],
     rules: &Rules,
     book: &mut Book,
+    left: &mut Option<(Ended, String, String)>,
 ) -> SpiResult<Vec<Outcome>> {
     let mut out = Vec::with_capacity(messages.len());
     // Deferred constraints and constraint triggers a handler queues are checked at the end of
@@ -58,6 +63,11 @@ pub fn handle_all(
     // failed messages (and for retries, which come from it).
     let mut has_failed = queries::with_failed(client, subs.keys().cloned().collect())?;
     for m in messages {
+        // Asked to stop: the rest go back to the broker (or stay in amqp.inbox_failed).
+        if watchdog::stopping() {
+            out.push(Outcome::Dropped);
+            continue;
+        }
         let Some(sub) = subs.get(&m.subscription).filter(|s| s.call.is_some()) else {
             out.push(Outcome::Dropped);
             continue;
@@ -71,7 +81,16 @@ pub fn handle_all(
             None => queries::derived_message_id(client, m.digest_input())?,
         };
         let resolve = m.delivery.is_none() || has_failed.contains(&sub.name);
-        let outcome = handle_one(sub, m, &message_id, rules, resolve);
+        let ended_worker = left
+            .as_ref()
+            .is_some_and(|(_, s, id)| *s == sub.name && *id == message_id);
+        let outcome = match left.take_if(|_| ended_worker) {
+            Some((ended, _, _)) => Err(Caught {
+                sqlstate: "57014".into(),
+                message: watchdog::reason(ended).into(),
+            }),
+            None => handle_one(sub, m, &message_id, rules, resolve),
+        };
         let outcome = match outcome {
             Ok(true) => {
                 let e = book.entry(&sub.name);
@@ -147,6 +166,7 @@ fn handle_one(
                 m.attempt.into(),
             ];
             let traceparent = m.traceparent();
+            let _running = watchdog::Running::new(&sub.name, message_id, rules.handler_timeout);
             guarded::as_owner(sub.owner, rules.handler_timeout, || {
                 if let Some(t) = traceparent {
                     queries::set_traceparent(client, t)?;

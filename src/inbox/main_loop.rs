@@ -12,6 +12,7 @@ use super::subscriptions::Subscriptions;
 use super::types::Message;
 use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
+use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
 use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
@@ -47,6 +48,8 @@ pub struct Inbox {
     reconciler: Reconciler,
     /// When the subscriptions were last read.
     reloaded_at: Instant,
+    /// The message whose handler ended the previous worker of this database, if one did.
+    left_behind: Option<(Ended, String, String)>,
 }
 
 impl Inbox {
@@ -64,6 +67,7 @@ impl Inbox {
             retry_at: Some(Instant::now()),
             reconciler: Reconciler::default(),
             reloaded_at: Instant::now(),
+            left_behind: handler_trap::take(),
         }
     }
 
@@ -288,6 +292,7 @@ impl Inbox {
                         &work,
                         &rules,
                         &mut self.book,
+                        &mut self.left_behind,
                     )?;
                     for (m, o) in work.iter().zip(outcomes) {
                         if matches!(o, Outcome::CannotRun) {

@@ -262,6 +262,7 @@ pub fn assign_slot(i: usize, database: u32, probe_only: bool) {
     BROKER_STATES.exclusive().0[i] = BrokerStates::default();
     IN_FLIGHT.exclusive().0[i] = InFlightTable::default();
     REQUESTS.exclusive().0[i] = Requests::default();
+    super::handler_trap::clear(i);
 }
 
 /// The outbox worker found its database without the extension and is exiting.

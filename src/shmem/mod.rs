@@ -3,6 +3,7 @@
 //! the library is in `shared_preload_libraries`. The launcher's part, and how it hands out
 //! slots, is in [`launch`].
 
+pub mod handler_trap;
 pub mod launch;
 
 use pgrx::prelude::*;
@@ -280,6 +281,7 @@ unsafe impl PGRXSharedMemory for Requests {}
 
 pub fn init() {
     launch::init();
+    handler_trap::init();
     pg_shmem_init!(SLOTS);
     pg_shmem_init!(REQUESTS);
     pg_shmem_init!(BROKER_STATES);

@@ -2147,3 +2147,114 @@ fn no_dead_letter_constraint_or_lock_restarts_the_subscription_worker() {
     assert_eq!(pair.wait_sub_worker(None), worker, "the worker restarted");
     drop(dlx);
 }
+
+/// A handler that catches the cancel of `amqp_outbox.handler_timeout` (`EXCEPTION WHEN
+/// query_canceled`) and goes on is ended at twice the timeout, and `pg_terminate_backend()`
+/// of the worker ends a handler that never returns within a second or so: the worker exits, the
+/// next one records that message as failed instead of running it again, and the others are
+/// handled. Before, such a handler held the database's subscriptions until it chose to return
+/// (with an endless loop, until the server restarted).
+#[test]
+fn a_handler_that_traps_the_cancel_is_ended_and_its_message_recorded_as_failed() {
+    let rabbit = Rabbit::shared();
+    let q = rabbit.declare_queue("inbox-stubborn");
+    let mut pair = Pair::new(
+        rabbit.endpoint(),
+        &[
+            ("amqp_outbox.handler_timeout", "500".into()),
+            ("amqp_outbox.retry_backoff_min", "100".into()),
+            ("amqp_outbox.retry_backoff_max", "1000".into()),
+        ],
+    );
+    let broker = pair.consumer_broker;
+    let c = &mut pair.consumer;
+    c.batch_execute(APPLIED_SCHEMA).expect("applied schema");
+    c.batch_execute(
+        "CREATE FUNCTION public.stubborn(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $fn$
+         BEGIN
+             IF amqp.body_text(d) LIKE 'stubborn%' THEN
+                 LOOP
+                     BEGIN
+                         PERFORM pg_sleep(0.05);
+                     EXCEPTION WHEN query_canceled THEN NULL;
+                     END;
+                 END LOOP;
+             END IF;
+             INSERT INTO public.applied VALUES (d.subscription, d.message_id, amqp.body_text(d), d.attempt);
+         END
+         $fn$;",
+    )
+    .expect("handler");
+    subscribe(
+        c,
+        "stub",
+        broker,
+        &q.queue,
+        "public.stubborn(amqp.delivery)",
+        1,
+        None,
+    );
+    wait_state(&mut pair, "stub", "consuming");
+    let first = pair.wait_sub_worker(None);
+    let bodies: Vec<String> = ["good-1", "stubborn-1", "good-2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    pair.publish_bodies("", &q.queue, &bodies);
+    wait_count(
+        &mut pair.consumer,
+        "SELECT count(*) FROM public.applied WHERE body LIKE 'good-%'",
+        2,
+    );
+    let failed = |c: &mut Client, body: &str| -> Result<String, String> {
+        c.query_opt(
+            "SELECT last_error FROM amqp.inbox_failed \
+              WHERE subscription = 'stub' AND convert_from(body, 'UTF8') = $1 \
+                AND dead_lettered_at IS NOT NULL",
+            &[&body],
+        )
+        .map_err(|e| e.to_string())?
+        .map(|r| r.get(0))
+        .ok_or_else(|| format!("{body} not dead in amqp.inbox_failed"))
+    };
+    let error = eventually(ARRIVAL, "stubborn-1 recorded as failed", || {
+        failed(&mut pair.consumer, "stubborn-1")
+    });
+    assert!(error.contains("handler_timeout"), "{error}");
+    let second = pair.wait_sub_worker(None);
+    assert_ne!(second, first, "the worker was not ended");
+
+    // No timeout at all: pg_terminate_backend() still ends the handler.
+    pair.cluster.set_setting("amqp_outbox.handler_timeout", "0");
+    pair.cluster.reload();
+    pair.publish_bodies("", &q.queue, &["stubborn-2".to_string()]);
+    let c = &mut pair.consumer;
+    eventually(ARRIVAL, "the handler of stubborn-2 running", || {
+        let n = scalar_i64(
+            c,
+            "SELECT count(*) FROM pg_stat_activity \
+              WHERE backend_type = 'amqp_outbox subscriptions' AND wait_event = 'PgSleep'",
+        )?;
+        c.batch_execute("SELECT pg_stat_clear_snapshot()")
+            .map_err(|e| e.to_string())?;
+        if n == 1 {
+            Ok(())
+        } else {
+            Err("not sleeping in the handler".into())
+        }
+    });
+    c.execute("SELECT pg_terminate_backend($1)", &[&second])
+        .expect("pg_terminate_backend");
+    let third = pair.wait_sub_worker(Some(second));
+    let error = eventually(ARRIVAL, "stubborn-2 recorded as failed", || {
+        failed(&mut pair.consumer, "stubborn-2")
+    });
+    assert!(error.contains("terminated"), "{error}");
+    pair.publish_bodies("", &q.queue, &["good-3".to_string()]);
+    wait_count(
+        &mut pair.consumer,
+        "SELECT count(*) FROM public.applied WHERE body LIKE 'good-%'",
+        3,
+    );
+    assert_eq!(pair.wait_sub_worker(None), third);
+}

@@ -1,0 +1,212 @@
+//! Keeping control of a handler that does not return. `amqp_outbox.handler_timeout` cancels a
+//! handler like a statement timeout (SQLSTATE 57014), which PL/pgSQL code can catch (`EXCEPTION
+//! WHEN query_canceled`) and go on. So a watchdog thread watches every handler call:
+//!
+//! - at its hard deadline, twice the timeout (at least one second past it), or one second
+//!   after a SIGTERM (`pg_terminate_backend()`, server shutdown) if the handler has not
+//!   returned by then, it has the worker end as a backend ends when terminated: a FATAL error
+//!   at the handler's next interrupt check, which no handler can catch. A handler that returns
+//!   in time lets the worker stop cleanly between transactions, as before;
+//! - the worker ended that way leaves the message in shared memory
+//!   ([`crate::shmem::handler_trap`]); the next worker records it as failed (its attempts
+//!   count, then it is dead-lettered) instead of running its handler again in a loop.
+//!
+//! The thread calls nothing of PostgreSQL: it only sends a signal to its own process, and
+//! blocks every signal itself.
+
+use crate::shmem::handler_trap::{self, Ended};
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// A handler runs now (read by the signal handler).
+static IN_HANDLER: AtomicBool = AtomicBool::new(false);
+/// A SIGTERM arrived (set by the signal handler, read by the watchdog).
+static TERM_REQUESTED: AtomicBool = AtomicBool::new(false);
+/// The watchdog decided: the next SIGTERM ends the handler (set before it sends it).
+static END_HANDLER: AtomicBool = AtomicBool::new(false);
+/// The watchdog sent the SIGTERM because the hard deadline passed.
+static HARD_TIMEOUT: AtomicBool = AtomicBool::new(false);
+/// How long a handler still has to return after a SIGTERM.
+const TERM_GRACE: Duration = Duration::from_secs(1);
+/// How often the watchdog looks while a handler runs.
+const TICK: Duration = Duration::from_millis(100);
+/// The subscription and message whose handler runs now.
+static CURRENT: Mutex<Option<(String, String)>> = Mutex::new(None);
+
+/// Installs the worker's SIGTERM handler and its exit callback; once, at the worker's start.
+pub fn install() {
+    // SAFETY: the worker's main thread at its start; the handler only touches sig_atomic_t
+    // flags, an atomic and the process's latch, as PostgreSQL's own `die` does. The exit
+    // callback runs while shared memory is attached.
+    unsafe {
+        pg_sys::pqsignal(libc::SIGTERM, Some(on_sigterm));
+        pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(0));
+    }
+}
+
+unsafe extern "C-unwind" fn on_sigterm(_signal: i32) {
+    // SAFETY: in a signal handler: volatile writes of sig_atomic_t flags and SetLatch, which
+    // PostgreSQL documents as safe there.
+    unsafe {
+        (&raw mut pg_sys::ShutdownRequestPending).write_volatile(1);
+        TERM_REQUESTED.store(true, Ordering::SeqCst);
+        if IN_HANDLER.load(Ordering::SeqCst) && END_HANDLER.load(Ordering::SeqCst) {
+            // As `die` does: the next CHECK_FOR_INTERRUPTS raises FATAL, which ends the
+            // process whatever the handler's exception blocks say.
+            (&raw mut pg_sys::InterruptPending).write_volatile(1);
+            (&raw mut pg_sys::ProcDiePending).write_volatile(1);
+        }
+        pg_sys::SetLatch(pg_sys::MyLatch);
+    }
+}
+
+#[pg_guard]
+extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
+    if !IN_HANDLER.load(Ordering::SeqCst) {
+        return;
+    }
+    let Some((subscription, message_id)) = CURRENT.lock().ok().and_then(|c| c.clone()) else {
+        return;
+    };
+    let ended = if HARD_TIMEOUT.load(Ordering::SeqCst) {
+        Ended::Timeout
+    } else {
+        Ended::Terminated
+    };
+    log!(
+        "amqp_outbox: subscription \"{subscription}\": the worker ended while the handler of message {message_id} ran ({}); the next worker records the message as failed",
+        reason(ended)
+    );
+    handler_trap::set(ended, &subscription, &message_id);
+}
+
+/// The error a message left by [`on_exit`] is recorded with.
+pub fn reason(ended: Ended) -> &'static str {
+    match ended {
+        Ended::Timeout => {
+            "the handler did not return within twice amqp_outbox.handler_timeout (it caught the cancel); the worker was ended"
+        }
+        Ended::Terminated => {
+            "the worker was terminated and the handler did not return within a second"
+        }
+    }
+}
+
+/// Whether the worker was asked to stop: a batch starts no further handler then.
+pub fn stopping() -> bool {
+    TERM_REQUESTED.load(Ordering::SeqCst)
+}
+
+/// While alive, a handler runs for `message_id` of `subscription`; `timeout` (zero: none)
+/// sets its hard deadline.
+pub struct Running;
+
+impl Running {
+    pub fn new(subscription: &str, message_id: &str, timeout: Duration) -> Running {
+        if let Ok(mut c) = CURRENT.lock() {
+            *c = Some((subscription.to_string(), message_id.to_string()));
+        }
+        IN_HANDLER.store(true, Ordering::SeqCst);
+        let hard = (!timeout.is_zero())
+            .then(|| Instant::now() + timeout + timeout.max(Duration::from_secs(1)));
+        watchdog().arm(hard);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        IN_HANDLER.store(false, Ordering::SeqCst);
+        watchdog().disarm();
+        if let Ok(mut c) = CURRENT.lock() {
+            *c = None;
+        }
+    }
+}
+
+/// What the watchdog watches: nothing, or a handler call with its hard deadline (if any).
+#[derive(Clone, Copy)]
+enum Watch {
+    Idle,
+    Handler(Option<Instant>),
+}
+
+struct Watchdog {
+    watch: Mutex<Watch>,
+    /// Only waited on with a timeout: a tick.
+    changed: Condvar,
+}
+
+impl Watchdog {
+    /// No wake-up of the thread: it looks every [`TICK`] (a notification per handler call
+    /// would cost a context switch per message).
+    fn arm(&self, hard: Option<Instant>) {
+        if let Ok(mut w) = self.watch.lock() {
+            *w = Watch::Handler(hard);
+        }
+    }
+
+    fn disarm(&self) {
+        if let Ok(mut w) = self.watch.lock() {
+            *w = Watch::Idle;
+        }
+    }
+
+    fn run(&self) {
+        let Ok(mut w) = self.watch.lock() else {
+            return;
+        };
+        // When the watchdog first saw a SIGTERM during a handler call.
+        let mut term_seen: Option<Instant> = None;
+        loop {
+            let hard = match *w {
+                Watch::Idle => {
+                    term_seen = None;
+                    w = match self.changed.wait_timeout(w, TICK) {
+                        Ok((w, _)) => w,
+                        Err(_) => return,
+                    };
+                    continue;
+                }
+                Watch::Handler(hard) => hard,
+            };
+            let now = Instant::now();
+            if TERM_REQUESTED.load(Ordering::SeqCst) {
+                term_seen.get_or_insert(now);
+            }
+            let hard_passed = hard.is_some_and(|at| now >= at);
+            let grace_over = term_seen.is_some_and(|t| now.duration_since(t) >= TERM_GRACE);
+            if hard_passed || grace_over {
+                *w = Watch::Idle;
+                HARD_TIMEOUT.store(hard_passed, Ordering::SeqCst);
+                END_HANDLER.store(true, Ordering::SeqCst);
+                // SAFETY: kill(2) of this very process; the signal reaches the main thread
+                // (this thread blocks every signal), whose handler is `on_sigterm`.
+                unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+                continue;
+            }
+            w = match self.changed.wait_timeout(w, TICK) {
+                Ok((w, _)) => w,
+                Err(_) => return,
+            };
+        }
+    }
+}
+
+fn watchdog() -> &'static Watchdog {
+    static W: OnceLock<&'static Watchdog> = OnceLock::new();
+    W.get_or_init(|| {
+        let w: &'static Watchdog = Box::leak(Box::new(Watchdog {
+            watch: Mutex::new(Watch::Idle),
+            changed: Condvar::new(),
+        }));
+        let spawned = amqp_outbox_broker::spawn_without_signals("amqp_outbox watchdog", move || w.run());
+        if spawned.is_err() {
+            warning!("amqp_outbox: could not start the handler watchdog thread; handler_timeout is only a cancel");
+        }
+        w
+    })
+}
