@@ -99,56 +99,6 @@ CREATE FUNCTION @extschema@._uuid7_time(message_id text) RETURNS timestamptz
             OPERATOR(pg_catalog./) 1000) END
 $uuid7$;
 
-CREATE FUNCTION @extschema@.consume_once(consumer text, message_id text, business_key text DEFAULT NULL)
-    RETURNS boolean LANGUAGE plpgsql VOLATILE AS $consume_once$
-DECLARE
-    n_a integer;
-    n_b integer;
-    born timestamptz;
-BEGIN
-    IF consumer IS NULL OR message_id IS NULL THEN
-        RAISE EXCEPTION 'amqp_outbox: % must not be NULL', CASE WHEN consumer IS NULL THEN 'consumer' ELSE 'message_id' END
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF consumer OPERATOR(pg_catalog.=) '' OR message_id OPERATOR(pg_catalog.=) '' OR business_key OPERATOR(pg_catalog.=) '' THEN
-        RAISE EXCEPTION 'amqp_outbox: % must not be empty',
-                        CASE WHEN consumer OPERATOR(pg_catalog.=) '' THEN 'consumer'
-                             WHEN message_id OPERATOR(pg_catalog.=) '' THEN 'message_id'
-                             ELSE 'business_key' END
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF pg_catalog.octet_length(consumer) OPERATOR(pg_catalog.>) 255
-       OR pg_catalog.octet_length(message_id) OPERATOR(pg_catalog.>) 255
-       OR pg_catalog.octet_length(business_key) OPERATOR(pg_catalog.>) 1000 THEN
-        RAISE EXCEPTION 'amqp_outbox: consumer and message_id are limited to 255 bytes, business_key to 1000'
-            USING ERRCODE = 'string_data_right_truncation';
-    END IF;
-    -- Always a before b: two racing sessions wait on each other in the same order.
-    INSERT INTO @extschema@._consumed_a (consumer, message_id, business_key)
-        VALUES (consumer, message_id, business_key) ON CONFLICT DO NOTHING;
-    GET DIAGNOSTICS n_a = ROW_COUNT;
-    INSERT INTO @extschema@._consumed_b (consumer, message_id, business_key)
-        VALUES (consumer, message_id, business_key) ON CONFLICT DO NOTHING;
-    GET DIAGNOSTICS n_b = ROW_COUNT;
-    IF n_a OPERATOR(pg_catalog.=) 0 OR n_b OPERATOR(pg_catalog.=) 0 THEN
-        RETURN false;
-    END IF;
-    -- A message older than what the hot tables cover may have been consumed before: its record
-    -- is then in the archive. Only UUIDv7 ids say how old a message is.
-    born := @extschema@._uuid7_time(message_id);
-    IF born OPERATOR(pg_catalog.<) (SELECT pg_catalog.min(since) FROM @extschema@._consumed_since) THEN
-        RETURN NOT EXISTS (
-            SELECT FROM @extschema@.consumption_archive c
-             WHERE c.consumer OPERATOR(pg_catalog.=) consume_once.consumer
-               AND c.message_id OPERATOR(pg_catalog.=) consume_once.message_id
-               AND c.consumed_at OPERATOR(pg_catalog.>=) born);
-    END IF;
-    RETURN true;
-END
-$consume_once$;
-COMMENT ON FUNCTION @extschema@.consume_once(text, text, text) IS
-    'Records that consumer handles message_id in this transaction: true the first time (and when business_key is given, the first time for it too), false for a duplicate. Commits and rolls back with the caller''s transaction.';
-
 -- Moves the older hot table's own records to the archive and empties it, once the younger one
 -- covers the whole window; drops archive days past the retention. Run by the subscription
 -- worker about once a minute; callable by hand. Returns what it did.
@@ -502,7 +452,7 @@ END
 $roles$;
 GRANT amqp_outbox_publisher TO amqp_outbox_consumer;
 GRANT amqp_outbox_consumer TO amqp_outbox_admin;
-REVOKE ALL ON FUNCTION @extschema@.consume_once(text, text, text), @extschema@.body_text(@extschema@.delivery),
+REVOKE ALL ON FUNCTION @extschema@.body_text(@extschema@.delivery),
     @extschema@._uuid7_time(text), @extschema@.send_receipt(integer, text, text, boolean, text),
     @extschema@.subscribe(text, integer, text, regprocedure, integer, integer, text),
     @extschema@.unsubscribe(text), @extschema@.pause_subscription(text),
@@ -511,10 +461,11 @@ REVOKE ALL ON FUNCTION @extschema@.consume_once(text, text, text), @extschema@.b
     @extschema@._subscription_or_raise(text) FROM PUBLIC;
 -- In this order, so that a new install and an updated one list the schema's grantees alike.
 GRANT USAGE ON SCHEMA @extschema@ TO pg_monitor, amqp_outbox_publisher, amqp_outbox_admin, amqp_outbox_consumer;
-GRANT EXECUTE ON FUNCTION @extschema@.consume_once(text, text, text), @extschema@._uuid7_time(text),
+GRANT EXECUTE ON FUNCTION @extschema@._uuid7_time(text),
     @extschema@.body_text(@extschema@.delivery), @extschema@.send_receipt(integer, text, text, boolean, text)
     TO amqp_outbox_consumer;
-GRANT SELECT, INSERT ON @extschema@._consumed_a, @extschema@._consumed_b TO amqp_outbox_consumer;
+-- Read only: consumption is recorded through consume_once() (see consume_once.sql).
+GRANT SELECT ON @extschema@._consumed_a, @extschema@._consumed_b TO amqp_outbox_consumer;
 GRANT SELECT ON @extschema@._consumed_since, @extschema@.consumption_archive, @extschema@.consumption
     TO amqp_outbox_consumer;
 GRANT EXECUTE ON FUNCTION

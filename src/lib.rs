@@ -17,6 +17,7 @@ mod launcher;
 mod message_table;
 mod shmem;
 mod subtransaction;
+mod watchdog;
 mod worker;
 
 pgrx::pg_module_magic!();
@@ -24,9 +25,14 @@ pgrx::pg_module_magic!();
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
 extension_sql_file!(
+    "../sql/consume_once.sql",
+    name = "consume_once",
+    requires = ["inbox"]
+);
+extension_sql_file!(
     "../sql/reconcile.sql",
     name = "reconcile",
-    requires = ["inbox"]
+    requires = ["consume_once"]
 );
 extension_sql_file!(
     "../sql/runs_as.sql",

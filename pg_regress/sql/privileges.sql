@@ -71,6 +71,11 @@ RESET ROLE;
 SET LOCAL ROLE regress_amqp_consumer;
 SELECT amqp.consume_once('billing', 'm-1');
 SELECT amqp.consume_once('billing', 'm-1');
+-- ... but not under a subscription's name (a real message would then be taken for a
+-- duplicate), not by writing the records directly, and not through the worker's function.
+SELECT amqp.consume_once('subscription:s_dba', 'm-2');
+INSERT INTO amqp._consumed_a (consumer, message_id) VALUES ('subscription:s_dba', 'm-3');
+SELECT amqp._consume('subscription:s_dba', 'm-4');
 SELECT amqp.subscribe('s_consumer', 8, 'q', 'public.regress_handler(amqp.delivery)');
 RESET ROLE;
 -- The administrator subscribes with a handler it may execute (the subscription is its own, the

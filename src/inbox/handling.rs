@@ -8,7 +8,7 @@ use super::book::Book;
 use super::guarded::{self, Caught};
 use super::queries;
 use super::types::{Message, Sub};
-use super::watchdog;
+use crate::watchdog;
 use crate::shmem::handler_trap::Ended;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
@@ -166,7 +166,7 @@ fn handle_one(
                 m.attempt.into(),
             ];
             let traceparent = m.traceparent();
-            let _running = watchdog::Running::new(&sub.name, message_id, rules.handler_timeout);
+            let _watched = watchdog::Watched::handler(&sub.name, message_id, rules.handler_timeout);
             guarded::as_owner(sub.owner, rules.handler_timeout, || {
                 if let Some(t) = traceparent {
                     queries::set_traceparent(client, t)?;

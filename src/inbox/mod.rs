@@ -18,7 +18,6 @@ mod queries;
 mod reconcile;
 mod subscriptions;
 mod types;
-mod watchdog;
 
 use crate::shmem;
 use crate::worker::pg;
@@ -30,7 +29,7 @@ use pgrx::prelude::*;
 pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     // Its own SIGTERM handler: one that ends a handler which does not return.
-    watchdog::install();
+    crate::watchdog::install();
     let database = crate::worker::connect_to_slot_database(arg);
     // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with the
     // search_path the database would give a session (postgresql.conf, ALTER DATABASE ... SET),

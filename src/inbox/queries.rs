@@ -72,10 +72,12 @@ pub fn runs_as_problem(client: &SpiClient<'_>, subscription: &str) -> SpiResult<
 
 /// `consume_once(subscription, message_id)`: false for a duplicate.
 pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> SpiResult<bool> {
-    let args: [DatumWithOid; 2] = [sub.into(), message_id.into()];
+    // The subscriptions' own names, which consume_once() refuses to applications.
+    let consumer = format!("subscription:{sub}");
+    let args: [DatumWithOid; 2] = [consumer.as_str().into(), message_id.into()];
     run_kept(
         client,
-        "SELECT amqp.consume_once($1, $2)",
+        "SELECT amqp._consume($1, $2)",
         &args,
         true,
         |t| Ok(t.first().get_one::<bool>()?.unwrap_or(false)),

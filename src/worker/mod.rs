@@ -93,6 +93,8 @@ pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // Its own SIGTERM handler: a statement that does not end cannot keep the worker.
+    crate::watchdog::install();
     let database = connect_to_slot_database(arg);
     // Pinned before the first query, for the worker's whole life (see pg::pin): its statements
     // resolve functions and operators in pg_catalog only, whatever a user creates elsewhere.

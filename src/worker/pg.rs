@@ -29,6 +29,8 @@ pub fn pin(name: &CStr, value: &CStr) {
 /// launcher): the worker never sits idle in transaction.
 pub fn transaction<R>(what: &str, body: impl FnOnce() -> R) -> R {
     report_activity(Some(what));
+    // A SIGTERM ends it within a second even when a statement in it does not end.
+    let watched = crate::watchdog::Watched::work();
     // SAFETY: the main thread, outside any transaction (the loop never nests them): start one,
     // give it a snapshot, run the body, then pop exactly the snapshot pushed here and commit.
     // An ERROR in between never comes back here: it ends the worker, and PostgreSQL's exit
@@ -46,6 +48,7 @@ pub fn transaction<R>(what: &str, body: impl FnOnce() -> R) -> R {
         pg_sys::pgstat_report_stat(false);
         r
     };
+    drop(watched);
     report_activity(None);
     result
 }

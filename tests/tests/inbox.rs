@@ -602,7 +602,7 @@ fn effects_are_exactly_once_with_duplicates() {
     assert_eq!(
         scalar_i64(
             &mut pair.consumer,
-            "SELECT count(*) FROM amqp.consumption WHERE consumer = 'eo'"
+            "SELECT count(*) FROM amqp.consumption WHERE consumer = 'subscription:eo'"
         )
         .unwrap(),
         count

@@ -1121,3 +1121,41 @@ fn refused_message_retries_keep_to_the_backoff_without_waiting_for_the_naptime()
         );
     }
 }
+
+/// `pg_terminate_backend()` of the worker ends it within a second or so even while one of its
+/// statements does not end (here: waiting for a lock a session holds on `amqp.message`; a bad
+/// plan did the same once); a new worker takes over. Before, the worker only noticed between
+/// transactions: here after its 10 s `lock_timeout`, with a slow statement not at all.
+#[test]
+fn a_terminated_worker_ends_even_inside_a_statement_that_does_not() {
+    let rabbit = Rabbit::shared();
+    let mut f = World::new("term-stmt", PgConfig::default(), &rabbit);
+    let pid = f.cluster.wait_for_worker(&mut f.client, WORKER_UP);
+    let mut holder = f.cluster.client();
+    holder
+        .batch_execute("BEGIN; LOCK TABLE amqp.message IN ACCESS EXCLUSIVE MODE")
+        .expect("LOCK");
+    // The worker's next transaction (once a second at the latest) waits for the lock.
+    wait_for_lock_wait(&mut f.client, pid, "amqp.message", Duration::from_secs(10));
+    let ok: bool = f
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .expect("pg_terminate_backend")
+        .get(0);
+    assert!(ok);
+    let cluster = &f.cluster;
+    let client = &mut f.client;
+    // Well within the worker's lock_timeout (10 s), the lock still held.
+    eventually(Duration::from_secs(5), "the terminated worker gone", || {
+        match cluster.worker_pid(client)? {
+            Some(p) if p == pid => Err("still there".to_string()),
+            _ => Ok(()),
+        }
+    });
+    holder.batch_execute("COMMIT").expect("COMMIT");
+    let new = f.cluster.wait_for_worker(&mut f.client, WORKER_UP);
+    assert_ne!(new, pid);
+    f.outbox
+        .publish(&mut f.client, &f.route.exchange, &f.route.routing_key, "after");
+    f.collector.wait_for_body("after", ARRIVAL);
+}

@@ -1,13 +1,15 @@
-//! Keeping control of a handler that does not return. `amqp_outbox.handler_timeout` cancels a
-//! handler like a statement timeout (SQLSTATE 57014), which PL/pgSQL code can catch (`EXCEPTION
-//! WHEN query_canceled`) and go on. So a watchdog thread watches every handler call:
+//! Keeping control of work that does not end: a subscription handler (user code), or any
+//! statement of a worker that runs long (a lock wait, a bad plan). A worker stops on SIGTERM
+//! between transactions; inside one, a SIGTERM alone would wait until it ends, and a handler's
+//! cancel (`amqp_outbox.handler_timeout`, SQLSTATE 57014) can be caught by PL/pgSQL code
+//! (`EXCEPTION WHEN query_canceled`), which then goes on. So a watchdog thread watches every
+//! transaction of the workers and every handler call:
 //!
-//! - at its hard deadline, twice the timeout (at least one second past it), or one second
-//!   after a SIGTERM (`pg_terminate_backend()`, server shutdown) if the handler has not
-//!   returned by then, it has the worker end as a backend ends when terminated: a FATAL error
-//!   at the handler's next interrupt check, which no handler can catch. A handler that returns
-//!   in time lets the worker stop cleanly between transactions, as before;
-//! - the worker ended that way leaves the message in shared memory
+//! - one second after a SIGTERM (`pg_terminate_backend()`, server shutdown), if the work has
+//!   not ended, and at a handler's hard deadline (twice the timeout, at least one second past
+//!   it), it has the worker end as a backend ends when terminated: a FATAL error at the next
+//!   interrupt check, which nothing can catch;
+//! - a worker ended that way inside a handler leaves the message in shared memory
 //!   ([`crate::shmem::handler_trap`]); the next worker records it as failed (its attempts
 //!   count, then it is dead-lettered) instead of running its handler again in a loop.
 //!
@@ -21,22 +23,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// A handler runs now (read by the signal handler).
-static IN_HANDLER: AtomicBool = AtomicBool::new(false);
+/// Watched work runs now (read by the signal handler).
+static WATCHED: AtomicBool = AtomicBool::new(false);
 /// A SIGTERM arrived (set by the signal handler, read by the watchdog).
 static TERM_REQUESTED: AtomicBool = AtomicBool::new(false);
-/// The watchdog decided: the next SIGTERM ends the handler (set before it sends it).
-static END_HANDLER: AtomicBool = AtomicBool::new(false);
+/// The watchdog decided: the next SIGTERM ends the work (set before it sends it).
+static END_WORK: AtomicBool = AtomicBool::new(false);
 /// The watchdog sent the SIGTERM because the hard deadline passed.
 static HARD_TIMEOUT: AtomicBool = AtomicBool::new(false);
-/// How long a handler still has to return after a SIGTERM.
+/// How long watched work still has to end after a SIGTERM.
 const TERM_GRACE: Duration = Duration::from_secs(1);
-/// How often the watchdog looks while a handler runs.
+/// How often the watchdog looks.
 const TICK: Duration = Duration::from_millis(100);
 /// The subscription and message whose handler runs now.
 static CURRENT: Mutex<Option<(String, String)>> = Mutex::new(None);
 
-/// Installs the worker's SIGTERM handler and its exit callback; once, at the worker's start.
+/// Installs a worker's SIGTERM handler (instead of pgrx's, which only sets the flag) and its
+/// exit callback; once, at the worker's start.
 pub fn install() {
     // SAFETY: the worker's main thread at its start; the handler only touches sig_atomic_t
     // flags, an atomic and the process's latch, as PostgreSQL's own `die` does. The exit
@@ -53,7 +56,7 @@ unsafe extern "C-unwind" fn on_sigterm(_signal: i32) {
     unsafe {
         (&raw mut pg_sys::ShutdownRequestPending).write_volatile(1);
         TERM_REQUESTED.store(true, Ordering::SeqCst);
-        if IN_HANDLER.load(Ordering::SeqCst) && END_HANDLER.load(Ordering::SeqCst) {
+        if WATCHED.load(Ordering::SeqCst) && END_WORK.load(Ordering::SeqCst) {
             // As `die` does: the next CHECK_FOR_INTERRUPTS raises FATAL, which ends the
             // process whatever the handler's exception blocks say.
             (&raw mut pg_sys::InterruptPending).write_volatile(1);
@@ -65,7 +68,7 @@ unsafe extern "C-unwind" fn on_sigterm(_signal: i32) {
 
 #[pg_guard]
 extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
-    if !IN_HANDLER.load(Ordering::SeqCst) {
+    if !WATCHED.load(Ordering::SeqCst) {
         return;
     }
     let Some((subscription, message_id)) = CURRENT.lock().ok().and_then(|c| c.clone()) else {
@@ -100,38 +103,59 @@ pub fn stopping() -> bool {
     TERM_REQUESTED.load(Ordering::SeqCst)
 }
 
-/// While alive, a handler runs for `message_id` of `subscription`; `timeout` (zero: none)
-/// sets its hard deadline.
-pub struct Running;
+/// While alive, the work is watched: a transaction of a worker ([`Watched::work`]) or, inside
+/// one, a handler call ([`Watched::handler`]). Dropping it restores what was watched before.
+pub struct Watched {
+    before: Watch,
+    handler: bool,
+}
 
-impl Running {
-    pub fn new(subscription: &str, message_id: &str, timeout: Duration) -> Running {
+impl Watched {
+    /// Work that a SIGTERM ends after [`TERM_GRACE`].
+    pub fn work() -> Watched {
+        Watched::start(None)
+    }
+
+    /// The handler for `message_id` of `subscription`; `timeout` (zero: none) sets its hard
+    /// deadline.
+    pub fn handler(subscription: &str, message_id: &str, timeout: Duration) -> Watched {
         if let Ok(mut c) = CURRENT.lock() {
             *c = Some((subscription.to_string(), message_id.to_string()));
         }
-        IN_HANDLER.store(true, Ordering::SeqCst);
         let hard = (!timeout.is_zero())
             .then(|| Instant::now() + timeout + timeout.max(Duration::from_secs(1)));
-        watchdog().arm(hard);
-        Running
+        let mut w = Watched::start(hard);
+        w.handler = true;
+        w
     }
-}
 
-impl Drop for Running {
-    fn drop(&mut self) {
-        IN_HANDLER.store(false, Ordering::SeqCst);
-        watchdog().disarm();
-        if let Ok(mut c) = CURRENT.lock() {
-            *c = None;
+    fn start(hard: Option<Instant>) -> Watched {
+        let before = watchdog().set(Watch::Work(hard));
+        WATCHED.store(true, Ordering::SeqCst);
+        Watched {
+            before,
+            handler: false,
         }
     }
 }
 
-/// What the watchdog watches: nothing, or a handler call with its hard deadline (if any).
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if self.handler {
+            if let Ok(mut c) = CURRENT.lock() {
+                *c = None;
+            }
+        }
+        WATCHED.store(matches!(self.before, Watch::Work(_)), Ordering::SeqCst);
+        watchdog().set(self.before);
+    }
+}
+
+/// What the watchdog watches: nothing, or work with its hard deadline (if any).
 #[derive(Clone, Copy)]
 enum Watch {
     Idle,
-    Handler(Option<Instant>),
+    Work(Option<Instant>),
 }
 
 struct Watchdog {
@@ -141,17 +165,12 @@ struct Watchdog {
 }
 
 impl Watchdog {
-    /// No wake-up of the thread: it looks every [`TICK`] (a notification per handler call
-    /// would cost a context switch per message).
-    fn arm(&self, hard: Option<Instant>) {
-        if let Ok(mut w) = self.watch.lock() {
-            *w = Watch::Handler(hard);
-        }
-    }
-
-    fn disarm(&self) {
-        if let Ok(mut w) = self.watch.lock() {
-            *w = Watch::Idle;
+    /// Watches `now`; returns what it watched before. No wake-up of the thread: it looks every
+    /// [`TICK`] (a notification per transaction or handler call would cost a context switch).
+    fn set(&self, now: Watch) -> Watch {
+        match self.watch.lock() {
+            Ok(mut w) => std::mem::replace(&mut *w, now),
+            Err(_) => Watch::Idle,
         }
     }
 
@@ -171,7 +190,7 @@ impl Watchdog {
                     };
                     continue;
                 }
-                Watch::Handler(hard) => hard,
+                Watch::Work(hard) => hard,
             };
             let now = Instant::now();
             if TERM_REQUESTED.load(Ordering::SeqCst) {
@@ -182,7 +201,7 @@ impl Watchdog {
             if hard_passed || grace_over {
                 *w = Watch::Idle;
                 HARD_TIMEOUT.store(hard_passed, Ordering::SeqCst);
-                END_HANDLER.store(true, Ordering::SeqCst);
+                END_WORK.store(true, Ordering::SeqCst);
                 // SAFETY: kill(2) of this very process; the signal reaches the main thread
                 // (this thread blocks every signal), whose handler is `on_sigterm`.
                 unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
