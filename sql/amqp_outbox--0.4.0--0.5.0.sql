@@ -83,6 +83,14 @@ BEGIN
         RAISE EXCEPTION 'amqp_outbox: consumer and message_id are limited to 255 bytes, business_key to 1000'
             USING ERRCODE = 'string_data_right_truncation';
     END IF;
+    -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate a rotation, whose
+    -- TRUNCATE is not MVCC-safe: the emptied table would look empty, and the records it moved
+    -- to the archive invisible. Locking the rotation's bookkeeping rows raises a serialization
+    -- failure (40001) if a rotation committed after the snapshot, and makes the next rotation
+    -- wait for this transaction.
+    IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
+        PERFORM FROM @extschema@._consumed_since FOR KEY SHARE;
+    END IF;
     -- Always a before b: two racing sessions wait on each other in the same order.
     INSERT INTO @extschema@._consumed_a (consumer, message_id, business_key)
         VALUES (consumer, message_id, business_key) ON CONFLICT DO NOTHING;
@@ -199,8 +207,11 @@ CREATE TRIGGER compensation_handler_runs_as BEFORE INSERT OR UPDATE ON @extschem
 
 REVOKE ALL ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
     @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as() FROM PUBLIC;
--- The triggers call it as the role that writes the row.
-GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text) TO amqp_outbox_admin;
+-- The triggers call it as the role that writes the row (the administrator, through the API
+-- functions or not). Trigger functions cannot be called otherwise: granted as every function.
+GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
+    @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as()
+    TO amqp_outbox_admin;
 -- amqp.on_failure() registers a compensation as its caller (an administrator), checked above.
 GRANT INSERT, UPDATE ON @extschema@.compensation_handler TO amqp_outbox_admin;
 -- amqp_outbox: amqp.health(), for probes and exporters: one row per check. CREATE OR REPLACE,

@@ -29,6 +29,14 @@ BEGIN
         RAISE EXCEPTION 'amqp_outbox: consumer and message_id are limited to 255 bytes, business_key to 1000'
             USING ERRCODE = 'string_data_right_truncation';
     END IF;
+    -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate a rotation, whose
+    -- TRUNCATE is not MVCC-safe: the emptied table would look empty, and the records it moved
+    -- to the archive invisible. Locking the rotation's bookkeeping rows raises a serialization
+    -- failure (40001) if a rotation committed after the snapshot, and makes the next rotation
+    -- wait for this transaction.
+    IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
+        PERFORM FROM @extschema@._consumed_since FOR KEY SHARE;
+    END IF;
     -- Always a before b: two racing sessions wait on each other in the same order.
     INSERT INTO @extschema@._consumed_a (consumer, message_id, business_key)
         VALUES (consumer, message_id, business_key) ON CONFLICT DO NOTHING;

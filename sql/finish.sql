@@ -143,6 +143,8 @@ GRANT EXECUTE ON FUNCTION
     TO amqp_outbox_publisher;
 
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA @extschema@ TO amqp_outbox_admin;
+-- Not the subscription worker's own recording of consumption (see consume_once.sql).
+REVOKE EXECUTE ON FUNCTION @extschema@._consume(text, text, text) FROM amqp_outbox_admin;
 GRANT SELECT, INSERT, UPDATE, DELETE ON @extschema@.broker, @extschema@.exchange,
     @extschema@.queue, @extschema@.binding TO amqp_outbox_admin;
 GRANT SELECT, UPDATE, DELETE ON @extschema@.message TO amqp_outbox_admin;

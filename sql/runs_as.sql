@@ -70,7 +70,10 @@ CREATE TRIGGER compensation_handler_runs_as BEFORE INSERT OR UPDATE ON @extschem
 
 REVOKE ALL ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
     @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as() FROM PUBLIC;
--- The triggers call it as the role that writes the row.
-GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text) TO amqp_outbox_admin;
+-- The triggers call it as the role that writes the row (the administrator, through the API
+-- functions or not). Trigger functions cannot be called otherwise: granted as every function.
+GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
+    @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as()
+    TO amqp_outbox_admin;
 -- amqp.on_failure() registers a compensation as its caller (an administrator), checked above.
 GRANT INSERT, UPDATE ON @extschema@.compensation_handler TO amqp_outbox_admin;

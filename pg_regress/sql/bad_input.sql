@@ -105,6 +105,10 @@ SELECT amqp.publish(1, 'ex', 'rk', repeat('x', 1025));
 SELECT amqp.publish_message(1, 'ex', 'rk', 'body', '{"f": 1e400}');
 SELECT amqp.publish_message(1, 'ex', 'rk', 'body', ('{"n": 1' || repeat('0', 400) || '}')::jsonb);
 SELECT amqp.publish_message(1, 'ex', 'rk', 'body', ('{"d": ' || repeat('[', 200) || repeat(']', 200) || '}')::jsonb);
+-- Numbers AMQP would get as another value: 0 for 1e-400, an inexact double for an integer
+-- beyond 64 bits.
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', '{"t": 1e-400}');
+SELECT amqp.publish_message(1, 'ex', 'rk', 'body', '{"w": 12345678901234567890123}');
 SELECT amqp.publish_bytes(1, 'ex', 'rk', '\x00'::bytea, jsonb_build_object(repeat('n', 256), 1));
 SELECT amqp.publish_message(1, 'ex', 'rk', 'body', jsonb_build_object('big', repeat('x', 200000)));
 SELECT amqp.publish_message(1, 'ex', 'rk', 'body', jsonb_build_object('big', repeat('x', 60000))) > 0 AS fits;

@@ -75,13 +75,9 @@ pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> 
     // The subscriptions' own names, which consume_once() refuses to applications.
     let consumer = format!("subscription:{sub}");
     let args: [DatumWithOid; 2] = [consumer.as_str().into(), message_id.into()];
-    run_kept(
-        client,
-        "SELECT amqp._consume($1, $2)",
-        &args,
-        true,
-        |t| Ok(t.first().get_one::<bool>()?.unwrap_or(false)),
-    )
+    run_kept(client, "SELECT amqp._consume($1, $2)", &args, true, |t| {
+        Ok(t.first().get_one::<bool>()?.unwrap_or(false))
+    })
 }
 
 /// The key of a message that came without a message_id: a digest of what it carries.

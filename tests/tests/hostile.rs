@@ -103,6 +103,16 @@ fn headers_the_worker_cannot_send_are_parked_at_once_beside_good_traffic() {
             "number out of range",
         ),
         (
+            "1e-400",
+            insert_with_headers(&mut w, "p-tiny", "'{\"t\": 1e-400}'"),
+            "too small for a double",
+        ),
+        (
+            "23 digits",
+            insert_with_headers(&mut w, "p-wide", "'{\"w\": 12345678901234567890123}'"),
+            "beyond 64 bits",
+        ),
+        (
             "200-deep",
             insert_with_headers(
                 &mut w,

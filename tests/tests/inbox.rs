@@ -2258,3 +2258,58 @@ fn a_handler_that_traps_the_cancel_is_ended_and_its_message_recorded_as_failed()
     );
     assert_eq!(pair.wait_sub_worker(None), third);
 }
+
+/// `consume_once()` in a REPEATABLE READ transaction whose snapshot predates a rotation: the
+/// rotation's TRUNCATE is not MVCC-safe, so the emptied table looked empty and the records it
+/// archived invisible, and a message consumed long before was reported new (true). Now the
+/// caller gets a serialization failure (40001), as for any conflict in that isolation level.
+#[test]
+fn consume_once_under_repeatable_read_never_reports_a_rotated_record_new() {
+    let cluster = PgCluster::with_defaults();
+    // A database no worker serves: rotations happen only when the test runs them.
+    cluster
+        .client_db("postgres")
+        .batch_execute("CREATE DATABASE rr")
+        .expect("CREATE DATABASE rr");
+    let mut c = cluster.client_db("rr");
+    create_extension(&mut c);
+    let old_id: String = c
+        .query_one("SELECT amqp._new_message_id()", &[])
+        .expect("_new_message_id")
+        .get(0);
+    assert!(consume_once(&mut c, "rr", &old_id).expect("first consume_once"));
+    // A rotation that empties a: the record then lives in b only.
+    c.batch_execute(
+        "UPDATE amqp._consumed_since SET since = now() - interval '40 days' WHERE hot = 'a';
+         UPDATE amqp._consumed_since SET since = now() - interval '30 days' WHERE hot = 'b';
+         SELECT amqp.rotate_consumption();",
+    )
+    .expect("first rotation");
+    let mut reader = cluster.client_db("rr");
+    reader
+        .batch_execute(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM amqp.consumption",
+        )
+        .expect("a snapshot");
+    // Another rotation, after the snapshot, moves the record to the archive and empties b.
+    c.batch_execute(
+        "UPDATE amqp._consumed_since SET since = now() - interval '40 days' WHERE hot = 'b';
+         UPDATE amqp._consumed_since SET since = now() - interval '20 days' WHERE hot = 'a';
+         SELECT amqp.rotate_consumption();",
+    )
+    .expect("second rotation");
+    let archived: i64 = c
+        .query_one(
+            "SELECT count(*) FROM amqp.consumption_archive WHERE consumer = 'rr'",
+            &[],
+        )
+        .expect("archive")
+        .get(0);
+    assert_eq!(archived, 1, "the setup did not archive the record");
+    match consume_once(&mut reader, "rr", &old_id) {
+        Ok(new) => panic!("consume_once returned {new} for a record the snapshot cannot see"),
+        Err(e) => assert_eq!(e.code(), Some(&SqlState::T_R_SERIALIZATION_FAILURE), "{e}"),
+    }
+    reader.batch_execute("ROLLBACK").expect("ROLLBACK");
+    assert!(!consume_once(&mut reader, "rr", &old_id).expect("after a retry"));
+}

@@ -1146,16 +1146,22 @@ fn a_terminated_worker_ends_even_inside_a_statement_that_does_not() {
     let cluster = &f.cluster;
     let client = &mut f.client;
     // Well within the worker's lock_timeout (10 s), the lock still held.
-    eventually(Duration::from_secs(5), "the terminated worker gone", || {
-        match cluster.worker_pid(client)? {
+    eventually(
+        Duration::from_secs(5),
+        "the terminated worker gone",
+        || match cluster.worker_pid(client)? {
             Some(p) if p == pid => Err("still there".to_string()),
             _ => Ok(()),
-        }
-    });
+        },
+    );
     holder.batch_execute("COMMIT").expect("COMMIT");
     let new = f.cluster.wait_for_worker(&mut f.client, WORKER_UP);
     assert_ne!(new, pid);
-    f.outbox
-        .publish(&mut f.client, &f.route.exchange, &f.route.routing_key, "after");
+    f.outbox.publish(
+        &mut f.client,
+        &f.route.exchange,
+        &f.route.routing_key,
+        "after",
+    );
     f.collector.wait_for_body("after", ARRIVAL);
 }
