@@ -497,49 +497,6 @@ COMMENT ON VIEW @extschema@.reconciliation_summary IS
 
 -- Receipts, producer side. A subscription (made by amqp.collect_receipts()) hands each receipt
 -- to this handler: the receipt is recorded once (the subscription's consume_once) and counted.
-CREATE FUNCTION @extschema@.record_receipt(d @extschema@.delivery) RETURNS void
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $record$
-DECLARE
-    b jsonb;
-    mid text;
-    at_ timestamptz;
-    kind text;
-    status_ text;
-    answered timestamptz;
-BEGIN
-    BEGIN
-        b := pg_catalog.convert_from(d.body, 'UTF8')::jsonb;
-    EXCEPTION WHEN OTHERS THEN
-        RAISE EXCEPTION 'amqp_outbox: receipt % is not JSON: %', d.message_id, SQLERRM
-            USING ERRCODE = 'invalid_text_representation';
-    END;
-    IF pg_catalog.jsonb_typeof(b) IS DISTINCT FROM 'object' OR pg_catalog.jsonb_typeof(b -> 'message_id') IS DISTINCT FROM 'string'
-       OR pg_catalog.jsonb_typeof(b -> 'consumer') IS DISTINCT FROM 'string'
-       OR (b ->> 'status') IS NULL OR (b ->> 'status') NOT IN ('ok', 'failed') THEN
-        RAISE EXCEPTION 'amqp_outbox: message % is not a receipt (expected {"message_id", "consumer", "status": "ok"|"failed"})', d.message_id
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    mid := b ->> 'message_id';
-    status_ := b ->> 'status';
-    IF mid = '' OR pg_catalog.octet_length(mid) > 255 OR (b ->> 'consumer') = '' OR pg_catalog.octet_length(b ->> 'consumer') > 255 THEN
-        RAISE EXCEPTION 'amqp_outbox: receipt % names an empty or too long message_id or consumer', d.message_id
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    at_ := coalesce(@extschema@._uuid7_time(mid), pg_catalog.now());
-    kind := pg_catalog.left(b ->> 'business_type', 255);
-    BEGIN
-        answered := (b ->> 'at')::timestamptz;
-    EXCEPTION WHEN OTHERS THEN
-        answered := NULL;  -- the consumer's clock reading is informative only
-    END;
-    INSERT INTO @extschema@.receipt (message_id, message_at, consumer, status, error, business_type, answered_at)
-    VALUES (mid, at_, b ->> 'consumer', status_, pg_catalog.left(b ->> 'error', 10000), nullif(kind, ''),
-            answered);
-END
-$record$;
-COMMENT ON FUNCTION @extschema@.record_receipt(@extschema@.delivery) IS
-    'Subscription handler that records a consumer''s receipt in amqp.receipt (set up by amqp.collect_receipts()); the monitor counts it.';
-
 -- Sets up the producer's side of receipts: the exchange consumers send them to (a topic
 -- exchange, routing key the consumer), a durable queue bound to all of it, and a subscription
 -- that records them.
@@ -701,8 +658,7 @@ REVOKE ALL ON @extschema@.produced, @extschema@.produced_default, @extschema@.re
 REVOKE ALL ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date, text, text, bigint),
     @extschema@._history_day(text, date), @extschema@._setting_interval(text),
     @extschema@._reconcile_upkeep(), @extschema@._answers(text, timestamptz, text[]),
-    @extschema@._monitor(), @extschema@.record_receipt(@extschema@.delivery),
-    @extschema@.collect_receipts(integer, text, text),
+    @extschema@._monitor(), @extschema@.collect_receipts(integer, text, text),
     @extschema@.send_receipt(integer, text, text, boolean, text, text),
     @extschema@.on_failure(text, regprocedure), @extschema@.trace(text)
     FROM PUBLIC;
@@ -718,8 +674,7 @@ GRANT EXECUTE ON FUNCTION @extschema@._uuid7_time(text) TO amqp_outbox_admin;
 GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date, text, text, bigint),
     @extschema@._history_day(text, date), @extschema@._setting_interval(text),
     @extschema@._reconcile_upkeep(), @extschema@._answers(text, timestamptz, text[]),
-    @extschema@._monitor(), @extschema@.record_receipt(@extschema@.delivery),
-    @extschema@.collect_receipts(integer, text, text),
+    @extschema@._monitor(), @extschema@.collect_receipts(integer, text, text),
     @extschema@.send_receipt(integer, text, text, boolean, text, text),
     @extschema@.on_failure(text, regprocedure), @extschema@.trace(text)
     TO amqp_outbox_admin;

@@ -238,7 +238,7 @@ pub fn init(preloading: bool) {
     GucRegistry::define_int_guc(
         c"amqp_outbox.handler_timeout",
         c"Longest time a subscription handler may run for one message (0 = no limit).",
-        c"A handler still running then is cancelled like a statement_timeout (SQLSTATE 57014): its message fails and is retried.",
+        c"A handler still running then is cancelled like a statement_timeout (SQLSTATE 57014): its message fails and is retried. One that catches the cancel is ended at twice the timeout (the worker restarts, the message is recorded as failed).",
         &HANDLER_TIMEOUT,
         0,
         i32::MAX,

@@ -35,9 +35,14 @@ extension_sql_file!(
     requires = ["consume_once"]
 );
 extension_sql_file!(
+    "../sql/receipts.sql",
+    name = "receipts",
+    requires = ["reconcile"]
+);
+extension_sql_file!(
     "../sql/runs_as.sql",
     name = "runs_as",
-    requires = ["reconcile"]
+    requires = ["receipts"]
 );
 extension_sql_file!("../sql/health.sql", name = "health", requires = ["runs_as"]);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);

@@ -18,24 +18,37 @@ pub(crate) fn short(value: &str, what: &str) -> Result<ShortString, String> {
 /// Bytes of a message's content header frame: frame header and end (8); class, weight, body
 /// size and property flags (14); delivery mode, timestamp, message_id and headers (always
 /// present); the optional short strings.
-fn header_frame_size(m: &OutboundMessage, headers: &lapin::types::FieldTable) -> usize {
+fn header_frame_size(
+    m: &OutboundMessage,
+    headers: &lapin::types::FieldTable,
+    user: Option<&ShortString>,
+) -> usize {
     let optional = [&m.content_type, &m.reply_to, &m.correlation_id]
         .iter()
         .filter_map(|v| v.as_ref().map(|s| 1 + s.len()))
-        .sum::<usize>();
+        .sum::<usize>()
+        + user.map_or(0, |u| 1 + u.as_str().len());
     8 + 14 + 1 + 8 + 1 + m.message_id.len() + table_size(headers) + optional
 }
 
+/// The header that makes a message a receipt (see amqp.send_receipt()).
+const RECEIPT_FOR: &str = "x-amqp-outbox-receipt-for";
+
 /// The message as lapin publishes it, or why it cannot be published on a connection whose
 /// frames are at most `frame_max` bytes (AMQP does not split a content header across frames).
+/// A receipt carries `user` (the connection's user) as its user_id: RabbitMQ refuses a
+/// user_id that is not the publishing connection's, so the producer that collects receipts
+/// can tell who sent each one.
 pub(crate) fn build(
     m: &OutboundMessage,
     frame_max: usize,
+    user: Option<&ShortString>,
 ) -> Result<(ShortString, ShortString, BasicProperties), String> {
     let exchange = short(&m.exchange, "exchange name")?;
     let routing_key = short(&m.routing_key, "routing key")?;
     let headers = to_field_table(&m.headers)?;
-    let size = header_frame_size(m, &headers);
+    let user = user.filter(|_| m.headers.contains_key(RECEIPT_FOR));
+    let size = header_frame_size(m, &headers, user);
     if size > frame_max {
         return Err(format!(
             "its properties and headers take {size} bytes, more than the broker's frame size \
@@ -55,6 +68,9 @@ pub(crate) fn build(
     }
     if let Some(v) = &m.correlation_id {
         props = props.with_correlation_id(short(v, "correlation_id")?);
+    }
+    if let Some(u) = user {
+        props = props.with_user_id(u.clone());
     }
     Ok((exchange, routing_key, props))
 }
@@ -79,7 +95,7 @@ mod tests {
 
     #[test]
     fn build_sets_properties() {
-        let (ex, rk, p) = build(&msg(), 131_072).unwrap();
+        let (ex, rk, p) = build(&msg(), 131_072, None).unwrap();
         assert_eq!(ex.as_str(), "x");
         assert_eq!(rk.as_str(), "rk");
         assert_eq!(*p.delivery_mode(), Some(2));
@@ -90,13 +106,28 @@ mod tests {
     }
 
     #[test]
+    fn receipts_and_only_receipts_carry_the_connections_user() {
+        let user = ShortString::from("billing");
+        let (_, _, p) = build(&msg(), 131_072, Some(&user)).unwrap();
+        assert!(p.user_id().is_none());
+        let mut receipt = msg();
+        receipt
+            .headers
+            .insert(RECEIPT_FOR.into(), serde_json::Value::String("m-0".into()));
+        let (_, _, p) = build(&receipt, 131_072, Some(&user)).unwrap();
+        assert_eq!(p.user_id().as_ref().map(|u| u.as_str()), Some("billing"));
+    }
+
+    #[test]
     fn build_rejects_overlong_names_without_panicking() {
         let mut m = msg();
         m.routing_key = "r".repeat(256);
-        assert!(build(&m, 131_072).unwrap_err().contains("routing key"));
+        assert!(build(&m, 131_072, None)
+            .unwrap_err()
+            .contains("routing key"));
         let mut m = msg();
         m.exchange = "e".repeat(300);
-        assert!(build(&m, 131_072).unwrap_err().contains("exchange"));
+        assert!(build(&m, 131_072, None).unwrap_err().contains("exchange"));
     }
 
     #[test]
@@ -104,7 +135,7 @@ mod tests {
         let mut m = msg();
         m.headers
             .insert("big".into(), serde_json::Value::String("x".repeat(200_000)));
-        let e = build(&m, 131_072).unwrap_err();
+        let e = build(&m, 131_072, None).unwrap_err();
         assert!(e.contains("frame size (131072 bytes)"), "{e}");
         // The computed size is the frame's: 8 + 14 + delivery mode, timestamp, message_id,
         // headers (4 + 1 + 3 + 1 + 4 + 200,000) and content_type, correlation_id.
@@ -112,6 +143,6 @@ mod tests {
         assert!(e.contains(&format!("take {expected} bytes")), "{e}");
         m.headers
             .insert("big".into(), serde_json::Value::String("x".repeat(100_000)));
-        assert!(build(&m, 131_072).is_ok());
+        assert!(build(&m, 131_072, None).is_ok());
     }
 }

@@ -87,6 +87,8 @@ pub(crate) struct ChannelCtx {
     pub(crate) confirm_timeout: Duration,
     /// The connection's negotiated frame size: a content header must fit in one frame.
     pub(crate) frame_max: usize,
+    /// The connection's user, set as the user_id of receipts (RabbitMQ validates it).
+    pub(crate) user: Option<ShortString>,
     /// True while the broker blocks the connection (resource alarm): lapin then writes nothing,
     /// so missing confirms are not a hang.
     pub(crate) blocked: watch::Receiver<bool>,
@@ -364,7 +366,7 @@ impl Publisher {
                     );
                 }
             } else {
-                match build(&msg, self.ctx.frame_max) {
+                match build(&msg, self.ctx.frame_max, self.ctx.user.as_ref()) {
                     // Nothing about the broker can change what is wrong with the message itself.
                     Err(e) => self.fail(msg.id, Failure::Unsendable, &e),
                     Ok((exchange, routing_key, properties)) => {

@@ -146,7 +146,10 @@ impl Client for BrokerTask {
     }
 
     fn serve(&mut self, ep: Endpoint, session: Session) -> impl Future<Output = End> + Send {
-        self.publish_on(ep.display_name(), session)
+        // RabbitMQ checks a user_id property against the connection's user: receipts carry it,
+        // so that a producer can tell who sent them (see outbound::build).
+        let user = ShortString::try_new(ep.username.as_str()).ok();
+        self.publish_on(ep.display_name(), user, session)
     }
 
     fn unreachable(&mut self, errors: Vec<String>) {
@@ -229,7 +232,12 @@ impl BrokerTask {
 
     /// Connected: run publishing channels (a new one, with a new epoch, after a channel error)
     /// until the connection goes away or a command ends it.
-    async fn publish_on(&mut self, host: String, session: Session) -> End {
+    async fn publish_on(
+        &mut self,
+        host: String,
+        user: Option<ShortString>,
+        session: Session,
+    ) -> End {
         let Session { conn, mut declared } = session;
         let mut conn_events: Pin<Box<dyn Stream<Item = lapin::Event> + Send>> =
             Box::pin(conn.events_listener());
@@ -286,6 +294,7 @@ impl BrokerTask {
                 redactor: self.redactor.clone(),
                 confirm_timeout: self.cfg.confirm_timeout,
                 frame_max: frame_limit(conn.configuration().frame_max()),
+                user: user.clone(),
                 blocked: blocked_rx.clone(),
                 ack: self.ack_ctx(),
             };

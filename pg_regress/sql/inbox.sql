@@ -99,10 +99,10 @@ SELECT count(*) AS subscriptions, (SELECT count(*) FROM amqp.inbox_failed) AS fa
 
 -- body_text: UTF-8 or 22021 with a clear message.
 SELECT amqp.body_text(ROW('s', 'm1', 'x', 'k', convert_to('grüße', 'UTF8'), NULL, NULL, NULL, NULL,
-                          false, 1, NULL, 1)::amqp.delivery);
+                          false, 1, NULL, 1, NULL)::amqp.delivery);
 \set VERBOSITY sqlstate
 SELECT amqp.body_text(ROW('s', 'm1', 'x', 'k', '\xff00'::bytea, NULL, NULL, NULL, NULL,
-                          false, 1, NULL, 1)::amqp.delivery);
+                          false, 1, NULL, 1, NULL)::amqp.delivery);
 \set VERBOSITY terse
 
 -- Receipts: none without amqp_outbox.receipts_exchange.

@@ -94,7 +94,7 @@ CREATE FUNCTION receipt_for(key text, consumer text, status text) RETURNS amqp.d
                                              'consumer', consumer, 'status', status,
                                              'error', CASE WHEN status = 'failed' THEN 'coupon service down' END,
                                              'at', '2026-01-01T00:00:00Z', 'business_type', 'registration')::text, 'UTF8'),
-               '{}'::jsonb, 'application/json', NULL, NULL, false, 1, NULL, 1)::amqp.delivery $$;
+               '{}'::jsonb, 'application/json', NULL, NULL, false, 1, NULL, 1, NULL)::amqp.delivery $$;
 SELECT amqp.record_receipt(receipt_for('slow', 'coupon', 'ok'));
 SELECT amqp.record_receipt(receipt_for('failing', 'coupon', 'failed'));
 SELECT amqp.record_receipt(receipt_for('failing', 'mail', 'ok'));
@@ -102,9 +102,28 @@ SELECT amqp.record_receipt(receipt_for('done', 'coupon', 'ok'));
 SELECT amqp.record_receipt(receipt_for('done', 'mail', 'ok'));
 \set VERBOSITY sqlstate
 -- What is not a receipt fails the receipt's handling (22P02, 22023), and records nothing.
-SELECT amqp.record_receipt(ROW('s', 'bad-1', 'e', 'k', 'not json'::bytea, '{}', NULL, NULL, NULL, false, 1, NULL, 1)::amqp.delivery);
-SELECT amqp.record_receipt(ROW('s', 'bad-2', 'e', 'k', convert_to('{"message_id": 5}', 'UTF8'), '{}', NULL, NULL, NULL, false, 1, NULL, 1)::amqp.delivery);
-SELECT amqp.record_receipt(ROW('s', 'bad-3', 'e', 'k', convert_to('{"message_id": "m", "consumer": "c", "status": "maybe"}', 'UTF8'), '{}', NULL, NULL, NULL, false, 1, NULL, 1)::amqp.delivery);
+SELECT amqp.record_receipt(ROW('s', 'bad-1', 'e', 'k', 'not json'::bytea, '{}', NULL, NULL, NULL, false, 1, NULL, 1, NULL)::amqp.delivery);
+SELECT amqp.record_receipt(ROW('s', 'bad-2', 'e', 'k', convert_to('{"message_id": 5}', 'UTF8'), '{}', NULL, NULL, NULL, false, 1, NULL, 1, NULL)::amqp.delivery);
+SELECT amqp.record_receipt(ROW('s', 'bad-3', 'e', 'k', convert_to('{"message_id": "m", "consumer": "c", "status": "maybe"}', 'UTF8'), '{}', NULL, NULL, NULL, false, 1, NULL, 1, NULL)::amqp.delivery);
+-- A message_id of ours from the future (it would make history partitions retention never
+-- drops): 22023.
+SELECT amqp.record_receipt(ROW('s', 'bad-4', 'e', 'k', convert_to('{"message_id": "ffffffff-ffff-7fff-bfff-ffffffffffff", "consumer": "c", "status": "ok"}', 'UTF8'), '{}', NULL, NULL, NULL, false, 1, NULL, 1, NULL)::amqp.delivery);
+-- Once amqp.receipt_sender lists a consumer's RabbitMQ user, a receipt counts only when its
+-- user_id (RabbitMQ checks it against the publishing connection) is that user: a forged
+-- receipt (another user, none, or a consumer not listed) fails with 42501 and records nothing.
+INSERT INTO amqp.receipt_sender VALUES ('coupon', 'coupon_svc');
+CREATE FUNCTION receipt_from(key text, consumer text, sender text) RETURNS amqp.delivery LANGUAGE sql AS $$
+    SELECT ROW(d.subscription, d.message_id || '-from', d.exchange, d.routing_key, d.body, d.headers,
+               d.content_type, d.correlation_id, d.reply_to, d.redelivered, d.delivery_tag,
+               d."timestamp", d.attempt, sender)::amqp.delivery
+      FROM receipt_for(key, consumer, 'ok') d $$;
+SELECT amqp.record_receipt(receipt_from('silent', 'coupon', 'mallory'));
+SELECT amqp.record_receipt(receipt_from('silent', 'coupon', NULL));
+SELECT amqp.record_receipt(receipt_from('silent', 'mail', 'coupon_svc'));
+SELECT count(*) AS forged_recorded FROM amqp.receipt r JOIN ids i USING (message_id) WHERE i.key = 'silent';
+SELECT amqp.record_receipt(receipt_from('fresh', 'coupon', 'coupon_svc'));
+DELETE FROM amqp.receipt r USING ids i WHERE r.message_id = i.message_id AND i.key = 'fresh';
+DELETE FROM amqp.receipt_sender;
 \set VERBOSITY terse
 SELECT i.key, r.consumer, r.status, r.error, r.business_type, r.answered_at
   FROM amqp.receipt r JOIN ids i USING (message_id) ORDER BY 1, 2;

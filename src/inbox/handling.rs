@@ -150,7 +150,7 @@ fn handle_one(
                 return Ok(false);
             }
             let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
-            let args: [DatumWithOid; 13] = [
+            let args: [DatumWithOid; 14] = [
                 sub.name.as_str().into(),
                 message_id.into(),
                 m.exchange.as_str().into(),
@@ -164,6 +164,7 @@ fn handle_one(
                 m.delivery.map(|(_, tag)| tag as i64).into(),
                 m.timestamp.map(|t| t as f64).into(),
                 m.attempt.into(),
+                m.user_id.as_deref().into(),
             ];
             let traceparent = m.traceparent();
             let _watched = watchdog::Watched::handler(&sub.name, message_id, rules.handler_timeout);

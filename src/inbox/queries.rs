@@ -48,7 +48,7 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
             call: r.get::<String>(8)?.filter(|_| problem.is_none()).map(|f| {
                 format!(
                     "SELECT {f}(ROW($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
-                     pg_catalog.to_timestamp($12), $13)::amqp.delivery)"
+                     pg_catalog.to_timestamp($12), $13, $14)::amqp.delivery)"
                 )
             }),
             problem,
@@ -156,7 +156,7 @@ pub fn record_failure(
     delays: Vec<i64>,
 ) -> SpiResult<FailedRecord> {
     let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
-    let args: [DatumWithOid; 15] = [
+    let args: [DatumWithOid; 16] = [
         m.subscription.as_str().into(),
         message_id.into(),
         m.exchange.as_str().into(),
@@ -172,15 +172,16 @@ pub fn record_failure(
         max_attempts.into(),
         delays.into(),
         m.attempt.into(),
+        m.user_id.as_deref().into(),
     ];
     let table = client.update(
         "INSERT INTO amqp.inbox_failed AS f \
              (subscription, message_id, exchange, routing_key, body, headers, content_type, \
               correlation_id, reply_to, \"timestamp\", last_error, last_sqlstate, attempts, \
-              next_attempt_at, dead_lettered_at) \
+              next_attempt_at, dead_lettered_at, user_id) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, to_timestamp($10), $11, $12, $15, \
                  clock_timestamp() + $14[least($15, cardinality($14))] * interval '1 microsecond', \
-                 CASE WHEN $15 >= $13 THEN clock_timestamp() END) \
+                 CASE WHEN $15 >= $13 THEN clock_timestamp() END, $16) \
          ON CONFLICT (subscription, message_id) DO UPDATE \
             SET attempts = f.attempts + 1, \
                 last_failed_at = clock_timestamp(), \
@@ -292,7 +293,7 @@ pub fn due_retries(
     let rows = client.select(
         "SELECT subscription, message_id, exchange, routing_key, body, headers::text, \
                 content_type, correlation_id, reply_to, extract(epoch FROM \"timestamp\")::float8, \
-                attempts \
+                attempts, user_id \
            FROM amqp.inbox_failed \
           WHERE dead_lettered_at IS NULL AND next_attempt_at <= clock_timestamp() \
             AND subscription = ANY($1) \
@@ -320,6 +321,7 @@ pub fn due_retries(
             content_type: r.get::<String>(7)?,
             correlation_id: r.get::<String>(8)?,
             reply_to: r.get::<String>(9)?,
+            user_id: r.get::<String>(12)?,
             timestamp: r.get::<f64>(10)?.map(|t| t.max(0.0) as u64),
             redelivered: true,
             delivery: None,

@@ -35,6 +35,8 @@ pub struct Message {
     pub content_type: Option<String>,
     pub correlation_id: Option<String>,
     pub reply_to: Option<String>,
+    /// The AMQP user_id property (validated by RabbitMQ against the publisher's user).
+    pub user_id: Option<String>,
     pub timestamp: Option<u64>,
     pub redelivered: bool,
     /// From the broker: (channel epoch, delivery tag), acknowledged after commit.
@@ -55,6 +57,7 @@ impl From<Delivery> for Message {
             content_type: d.content_type,
             correlation_id: d.correlation_id,
             reply_to: d.reply_to,
+            user_id: d.user_id,
             timestamp: d.timestamp,
             redelivered: d.redelivered,
             delivery: Some((d.epoch, d.delivery_tag)),
@@ -138,6 +141,7 @@ mod tests {
             content_type: None,
             correlation_id: None,
             reply_to: None,
+            user_id: None,
             timestamp: Some(1),
             redelivered: false,
             delivery: Some((1, 1)),

@@ -227,6 +227,8 @@ pub struct Received {
     pub reply_to: Option<String>,
     pub correlation_id: Option<String>,
     pub timestamp: Option<u64>,
+    /// The AMQP user_id property (RabbitMQ checks it against the publisher's user).
+    pub user_id: Option<String>,
     /// The AMQP headers, converted to JSON (strings, numbers, booleans, arrays, objects).
     pub headers: serde_json::Map<String, serde_json::Value>,
     /// Which consumer connection of the collector received it (0, 1, … after reconnects).
@@ -524,6 +526,7 @@ async fn consume_once(
                                 .as_ref()
                                 .map(|s| s.as_str().to_string()),
                             timestamp: *p.timestamp(),
+                            user_id: p.user_id().as_ref().map(|s| s.as_str().to_string()),
                             headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
                             connection_no,
                             received_at: Instant::now(),

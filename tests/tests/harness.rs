@@ -190,6 +190,7 @@ fn checker_reports_lost_phantom_duplicates_and_order() {
         reply_to: None,
         correlation_id: None,
         timestamp: None,
+        user_id: None,
         headers: Default::default(),
         connection_no: 0,
         received_at: Instant::now(),

@@ -1757,6 +1757,13 @@ fn receipts_are_sent_only_for_committed_work() {
             Err(format!("{} receipts so far", receipts.len()))
         }
     });
+    // Every receipt names its sender as RabbitMQ checked it: the broker row's user.
+    let senders: BTreeSet<Option<String>> = receipts
+        .deliveries()
+        .iter()
+        .map(|d| d.user_id.clone())
+        .collect();
+    assert_eq!(senders, BTreeSet::from([Some("guest".to_string())]));
     let mut ok = BTreeMap::<String, usize>::new();
     let mut failed = BTreeMap::<String, usize>::new();
     let mut manual = Vec::new();

@@ -56,6 +56,9 @@ pub struct Delivery {
     pub content_type: Option<String>,
     pub correlation_id: Option<String>,
     pub reply_to: Option<String>,
+    /// The AMQP `user_id` property, which RabbitMQ checks against the publishing connection's
+    /// user (receipts carry it).
+    pub user_id: Option<String>,
     /// The AMQP `timestamp` property: seconds since the Unix epoch, by convention.
     pub timestamp: Option<u64>,
     /// The AMQP headers as JSON (mapping documented in `inbox::headers`).

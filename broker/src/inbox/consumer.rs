@@ -392,6 +392,7 @@ impl SubConsumer {
             content_type: text(p.content_type()),
             correlation_id: text(p.correlation_id()),
             reply_to: text(p.reply_to()),
+            user_id: text(p.user_id()),
             timestamp: *p.timestamp(),
             headers: p.headers().as_ref().map(table_to_json).unwrap_or_default(),
             body: d.data,
