@@ -9,7 +9,9 @@
 #              its thread must never call PostgreSQL (README, "How it works")
 #   sql        update scripts assembled from install-script files (`make sql`) are current
 #   pg_guard   every `extern "C"`/`extern "C-unwind"` fn under src/ carries #[pg_guard], so a
-#              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames
+#              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames;
+#              except a signal handler, marked by a `// SIGNAL HANDLER:` comment saying why it
+#              cannot fail (it must not raise an ERROR, which #[pg_guard] would turn a panic into)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -89,6 +91,7 @@ check_pg_guard() {
     local missing
     missing=$(find src -name '*.rs' -print0 | sort -z | xargs -0 awk '
         FNR == 1 { guarded = 0 }
+        /^[[:space:]]*\/\/ SIGNAL HANDLER:/ { guarded = 1; next }
         /^[[:space:]]*\/\// { next }
         /^[[:space:]]*#\[(::)?(pgrx::)?pg_guard[\](]/ { guarded = 1; next }
         /extern[[:space:]]+"C(-unwind)?"[[:space:]]+fn[[:space:]]+[A-Za-z_]/ {

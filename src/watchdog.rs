@@ -50,6 +50,8 @@ pub fn install() {
     }
 }
 
+// SIGNAL HANDLER: only flag writes, an atomic load and SetLatch, none of which can fail or
+// panic; an ERROR (what #[pg_guard] makes of a panic) must never be raised in a signal handler.
 unsafe extern "C-unwind" fn on_sigterm(_signal: i32) {
     // SAFETY: in a signal handler: volatile writes of sig_atomic_t flags and SetLatch, which
     // PostgreSQL documents as safe there.

@@ -579,8 +579,7 @@ fn refused_database_statements_stop_no_worker_and_take_no_lock() {
     let mut in_a = as_intruder("shop_a");
     let e = in_a
         .batch_execute("SET lock_timeout = '5s'; DROP EXTENSION amqp_outbox")
-        .err()
-        .expect("DROP EXTENSION as intruder succeeded");
+        .expect_err("DROP EXTENSION as intruder succeeded");
     assert_eq!(
         e.code(),
         Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
