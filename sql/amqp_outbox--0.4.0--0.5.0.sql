@@ -267,47 +267,40 @@ BEGIN
 END
 $may_run_as$;
 
-CREATE FUNCTION @extschema@._subscription_runs_as() RETURNS trigger
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $subscription_runs_as$
+-- One trigger function for both tables. Its arguments: the column that names the row (for the
+-- error), then the columns besides owner and handler whose change is checked too.
+CREATE FUNCTION @extschema@._check_runs_as() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $check_runs_as$
+DECLARE
+    now_ jsonb := pg_catalog.to_jsonb(NEW);
+    was jsonb;
+    column_ text;
+    changed boolean := TG_OP = 'INSERT';
 BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        IF (NEW.owner, NEW.handler, NEW.queue, NEW.broker_id)
-           IS NOT DISTINCT FROM (OLD.owner, OLD.handler, OLD.queue, OLD.broker_id) THEN
-            RETURN NEW;
-        END IF;
+    IF NOT changed THEN
+        was := pg_catalog.to_jsonb(OLD);
+        FOREACH column_ IN ARRAY ARRAY['owner', 'handler'] OPERATOR(pg_catalog.||) TG_ARGV[1:] LOOP
+            changed := changed OR (now_ -> column_) IS DISTINCT FROM (was -> column_);
+        END LOOP;
     END IF;
-    PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler,
-                                           pg_catalog.format('subscription %I', NEW.subscription));
+    IF changed THEN
+        PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler,
+            pg_catalog.format('%s %I', TG_TABLE_NAME, now_ ->> TG_ARGV[0]));
+    END IF;
     RETURN NEW;
 END
-$subscription_runs_as$;
+$check_runs_as$;
 CREATE TRIGGER subscription_runs_as BEFORE INSERT OR UPDATE ON @extschema@.subscription
-    FOR EACH ROW EXECUTE FUNCTION @extschema@._subscription_runs_as();
-
-CREATE FUNCTION @extschema@._compensation_handler_runs_as() RETURNS trigger
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $compensation_runs_as$
-BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        IF (NEW.owner, NEW.handler, NEW.business_type)
-           IS NOT DISTINCT FROM (OLD.owner, OLD.handler, OLD.business_type) THEN
-            RETURN NEW;
-        END IF;
-    END IF;
-    PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler,
-                                           pg_catalog.format('the compensation of %I', NEW.business_type));
-    RETURN NEW;
-END
-$compensation_runs_as$;
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._check_runs_as('subscription', 'queue', 'broker_id');
 CREATE TRIGGER compensation_handler_runs_as BEFORE INSERT OR UPDATE ON @extschema@.compensation_handler
-    FOR EACH ROW EXECUTE FUNCTION @extschema@._compensation_handler_runs_as();
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._check_runs_as('business_type', 'business_type');
 
 REVOKE ALL ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
-    @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as() FROM PUBLIC;
+    @extschema@._check_runs_as() FROM PUBLIC;
 -- The triggers call it as the role that writes the row (the administrator, through the API
 -- functions or not). Trigger functions cannot be called otherwise: granted as every function.
 GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
-    @extschema@._subscription_runs_as(), @extschema@._compensation_handler_runs_as()
-    TO amqp_outbox_admin;
+    @extschema@._check_runs_as() TO amqp_outbox_admin;
 -- amqp.on_failure() registers a compensation as its caller (an administrator), checked above.
 GRANT INSERT, UPDATE ON @extschema@.compensation_handler TO amqp_outbox_admin;
 -- amqp_outbox: amqp.health(), for probes and exporters: one row per check. CREATE OR REPLACE,

@@ -54,16 +54,64 @@ impl Decls {
             && self.bindings.is_empty()
             && self.ack_queue.is_none()
     }
+
+    /// Adds what `other` has (without repeating what `self` has).
+    fn merge(&mut self, other: Decls) {
+        fn add<T: PartialEq>(to: &mut Vec<T>, from: Vec<T>) {
+            for d in from {
+                if !to.contains(&d) {
+                    to.push(d);
+                }
+            }
+        }
+        add(&mut self.exchanges, other.exchanges);
+        add(&mut self.queues, other.queues);
+        add(&mut self.bindings, other.bindings);
+        if other.ack_queue.is_some() {
+            self.ack_queue = other.ack_queue;
+        }
+    }
+}
+
+/// The declarations made on a live connection as configurations change: one batch at a time,
+/// in the order the configurations came (a `queue_bind()` committed right after its
+/// `queue_declare()` must not overtake it), and what the broker refused, to be tried again.
+#[derive(Clone, Default)]
+pub(crate) struct Changes(Arc<ChangesInner>);
+
+#[derive(Default)]
+struct ChangesInner {
+    turn: tokio::sync::Mutex<()>,
+    failed: std::sync::Mutex<Decls>,
+}
+
+impl Changes {
+    /// What was refused since the last call (the caller declares it again later).
+    pub(crate) fn take_failed(&self) -> Decls {
+        self.0
+            .failed
+            .lock()
+            .map(|mut f| std::mem::take(&mut *f))
+            .unwrap_or_default()
+    }
+
+    fn failed(&self, decls: Decls) {
+        if let Ok(mut f) = self.0.failed.lock() {
+            f.merge(decls);
+        }
+    }
 }
 
 /// Declares, in a guarded task bounded by the connect timeout, what `all` has that `declared`
-/// has not, on the live connection; `declared` becomes `all`.
+/// has not, on the live connection, after the batches `changes` started before; `declared`
+/// becomes `all`, and what the broker refuses goes to `changes` (see [`Changes::take_failed`]).
 pub(crate) fn declare_changes(
     conn: &Arc<Connection>,
     cfg: &BrokerConfig,
     declared: &mut Decls,
     sink: &EventSink,
     redactor: &Redactor,
+    changes: &Changes,
 ) {
     let all = Decls::of(cfg);
     let new = all.minus(declared);
@@ -78,30 +126,38 @@ pub(crate) fn declare_changes(
         redactor.clone(),
         sink.clone(),
     );
-    spawn_guarded(
-        sink.clone(),
-        format!("broker {id}: declarations"),
+    spawn_guarded(sink.clone(), format!("broker {id}: declarations"), {
+        let changes = changes.clone();
         async move {
+            let _turn = changes.0.turn.lock().await;
             let work = declare(&conn, &new, id, &task_sink, &redactor);
-            if tokio::time::timeout(limit, work).await.is_err() {
-                task_sink.send(Event::Log {
-                    level: LogLevel::Warning,
-                    message: format!("broker {id}: declaring exchanges and queues timed out"),
-                });
+            match tokio::time::timeout(limit, work).await {
+                Ok(failed) => changes.failed(failed),
+                Err(_) => {
+                    // Not known to be declared: all of it is tried again.
+                    changes.failed(new.clone());
+                    task_sink.send(Event::Log {
+                        level: LogLevel::Warning,
+                        message: format!("broker {id}: declaring exchanges and queues timed out"),
+                    });
+                }
             }
-        },
-    );
+        }
+    });
 }
 
 /// Declares on a channel of their own, so a failed declaration (which closes its channel) never
 /// touches the publishing channel. A failure is a warning; the others are still declared.
+/// Returns what the broker refused (or what could not be tried: no channel), which can succeed
+/// later (a binding whose queue someone declares after it); not what can never be sent.
 pub(crate) async fn declare(
     conn: &Connection,
     decls: &Decls,
     broker_id: i32,
     sink: &EventSink,
     redactor: &Redactor,
-) {
+) -> Decls {
+    let mut failed = Decls::default();
     let warn = |message: String| {
         sink.send(Event::Log {
             level: LogLevel::Warning,
@@ -132,8 +188,9 @@ pub(crate) async fn declare(
                 "cannot declare exchange \"{}\" ({}): {e}",
                 d.name, d.kind
             ));
+            failed.exchanges.push(d.clone());
         } else if done.is_none() {
-            return;
+            return untried(decls, failed);
         }
     }
     let ack_queue = decls.ack_queue.as_ref().map(|q| QueueDecl {
@@ -167,8 +224,13 @@ pub(crate) async fn declare(
         .await;
         if let Some(Err(e)) = done {
             warn(format!("cannot declare {what} \"{}\": {e}", d.name));
+            if decls.queues.contains(d) {
+                failed.queues.push(d.clone());
+            } else {
+                failed.ack_queue = decls.ack_queue.clone();
+            }
         } else if done.is_none() {
-            return;
+            return untried(decls, failed);
         }
     }
     for b in &decls.bindings {
@@ -197,13 +259,21 @@ pub(crate) async fn declare(
                 "cannot bind queue \"{}\" to exchange \"{}\" with key \"{}\": {e}",
                 b.queue, b.exchange, b.routing_key
             ));
+            failed.bindings.push(b.clone());
         } else if done.is_none() {
-            return;
+            return untried(decls, failed);
         }
     }
     if let Some(ch) = channel.take() {
         let _ = ch.close(200, "declared".into()).await;
     }
+    failed
+}
+
+/// No channel could be opened: everything not known to be declared is to be tried again.
+fn untried(decls: &Decls, mut failed: Decls) -> Decls {
+    failed.merge(decls.clone());
+    failed
 }
 
 /// Runs one declaration on the declaration channel: `None` when no channel can be opened

@@ -25,7 +25,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -37,6 +37,9 @@ const STOP_WAIT: Duration = Duration::from_secs(5);
 /// How often a connected broker task checks that its connection is still up, in case the
 /// connection died without an event.
 const CONNECTION_CHECK: Duration = Duration::from_secs(1);
+/// A declaration the broker refused (a binding to a queue not declared yet) is tried again
+/// after this, on the live connection.
+const DECLARE_RETRY: Duration = Duration::from_secs(10);
 
 /// What the supervisor asks of a broker's task.
 pub(crate) enum BrokerCmd {
@@ -81,6 +84,7 @@ pub(crate) fn start(
         listener: None,
         ack_invalid_warned: false,
         unrecorded: Vec::new(),
+        changes: declare::Changes::default(),
     };
     let handle = spawn_guarded(sink, format!("broker {broker_id}: task"), task.run());
     (tx, handle)
@@ -108,6 +112,8 @@ struct BrokerTask {
     /// Confirmed ids whose acknowledgement record the last publishing channel could not
     /// deliver: the next channel (on this connection or the next) records them first.
     unrecorded: Vec<i64>,
+    /// Declarations on the live connection: in order, and what was refused.
+    changes: declare::Changes,
 }
 
 impl Client for BrokerTask {
@@ -250,6 +256,8 @@ impl BrokerTask {
             );
         }
         let mut check = tokio::time::interval(CONNECTION_CHECK);
+        // When declarations the broker refused are tried again.
+        let mut declare_retry: Option<Instant> = None;
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
         loop {
@@ -431,6 +439,15 @@ impl BrokerTask {
                         }
                     }
                     _ = check.tick() => {
+                        let refused = self.changes.take_failed();
+                        if !refused.is_empty() {
+                            declared = declared.minus(&refused);
+                            declare_retry.get_or_insert(Instant::now() + DECLARE_RETRY);
+                        }
+                        if declare_retry.is_some_and(|at| at <= Instant::now()) {
+                            declare_retry = None;
+                            self.declare_changes(&conn, &mut declared);
+                        }
                         if !conn.status().connected() {
                             let why = "connection lost: connection is no longer open".to_string();
                             self.unrecorded = running.stop(&mut pub_task, &why).await;
@@ -458,7 +475,14 @@ impl BrokerTask {
 
     /// Declares on the live connection what was configured since its declarations.
     fn declare_changes(&self, conn: &Arc<Connection>, declared: &mut Decls) {
-        declare::declare_changes(conn, &self.cfg, declared, &self.sink, &self.redactor);
+        declare::declare_changes(
+            conn,
+            &self.cfg,
+            declared,
+            &self.sink,
+            &self.redactor,
+            &self.changes,
+        );
     }
 
     /// Ends a session interrupted while it had no publishing channel.
@@ -548,15 +572,16 @@ async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Ses
         declare(&conn, &decls, cfg.broker_id, &sink, &redactor),
     )
     .await;
-    if declared.is_err() {
+    let Ok(failed) = declared else {
         close_connection(&conn).await;
         return Err(format!(
             "declaring exchanges and queues timed out after {limit:?}"
         ));
-    }
+    };
+    // What the broker refused is not declared: the session tries it again.
     Ok(Session {
         conn,
-        declared: decls,
+        declared: decls.minus(&failed),
     })
 }
 

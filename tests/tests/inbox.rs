@@ -1823,6 +1823,21 @@ fn receipts_are_sent_only_for_committed_work() {
 // Hostile deliveries, and handlers that can no longer run
 // ------------------------------------------------------------------------------------------
 
+/// A pair whose failed messages come back quickly (backoff 100 ms to 1 s), with `extra`
+/// settings, and the `applied` table and handler in the consumer database.
+fn applied_pair(rabbit: &Rabbit, extra: &[(&str, String)]) -> Pair {
+    let mut settings = vec![
+        ("amqp_outbox.retry_backoff_min", "100".to_string()),
+        ("amqp_outbox.retry_backoff_max", "1000".to_string()),
+    ];
+    settings.extend(extra.iter().cloned());
+    let mut pair = Pair::new(rabbit.endpoint(), &settings);
+    pair.consumer
+        .batch_execute(APPLIED_SCHEMA)
+        .expect("applied schema");
+    pair
+}
+
 fn count(c: &mut Client, sql: &str) -> i64 {
     scalar_i64(c, sql).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -1850,16 +1865,9 @@ fn hostile_deliveries_and_handlers_that_cannot_run_stop_nothing() {
     let nul = rabbit.declare_queue("inbox-nul");
     let dropped = rabbit.declare_queue("inbox-dropped");
     let owned = rabbit.declare_queue("inbox-owned");
-    let mut pair = Pair::new(
-        rabbit.endpoint(),
-        &[
-            ("amqp_outbox.retry_backoff_min", "100".into()),
-            ("amqp_outbox.retry_backoff_max", "1000".into()),
-        ],
-    );
+    let mut pair = applied_pair(&rabbit, &[]);
     let broker = pair.consumer_broker;
     let c = &mut pair.consumer;
-    c.batch_execute(APPLIED_SCHEMA).expect("applied schema");
     c.batch_execute(
         "CREATE FUNCTION public.apply_dropped(d amqp.delivery) RETURNS void LANGUAGE sql AS
          $$ INSERT INTO public.applied VALUES (d.subscription, d.message_id, amqp.body_text(d), d.attempt) $$;
@@ -2035,17 +2043,9 @@ fn no_dead_letter_constraint_or_lock_restarts_the_subscription_worker() {
     let q_dl = rabbit.declare_queue("inbox-dl");
     let q_fk = rabbit.declare_queue("inbox-fk");
     let dlx = rabbit.declare_route("inbox-dlx");
-    let mut pair = Pair::new(
-        rabbit.endpoint(),
-        &[
-            ("amqp_outbox.retry_backoff_min", "100".into()),
-            ("amqp_outbox.retry_backoff_max", "1000".into()),
-            ("amqp_outbox.max_message_size", "1000".into()),
-        ],
-    );
+    let mut pair = applied_pair(&rabbit, &[("amqp_outbox.max_message_size", "1000".into())]);
     let broker = pair.consumer_broker;
     let c = &mut pair.consumer;
-    c.batch_execute(APPLIED_SCHEMA).expect("applied schema");
     c.batch_execute(
         "CREATE TABLE public.parent (id integer PRIMARY KEY);
          INSERT INTO public.parent VALUES (1);
@@ -2165,17 +2165,9 @@ fn no_dead_letter_constraint_or_lock_restarts_the_subscription_worker() {
 fn a_handler_that_traps_the_cancel_is_ended_and_its_message_recorded_as_failed() {
     let rabbit = Rabbit::shared();
     let q = rabbit.declare_queue("inbox-stubborn");
-    let mut pair = Pair::new(
-        rabbit.endpoint(),
-        &[
-            ("amqp_outbox.handler_timeout", "500".into()),
-            ("amqp_outbox.retry_backoff_min", "100".into()),
-            ("amqp_outbox.retry_backoff_max", "1000".into()),
-        ],
-    );
+    let mut pair = applied_pair(&rabbit, &[("amqp_outbox.handler_timeout", "500".into())]);
     let broker = pair.consumer_broker;
     let c = &mut pair.consumer;
-    c.batch_execute(APPLIED_SCHEMA).expect("applied schema");
     c.batch_execute(
         "CREATE FUNCTION public.stubborn(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $fn$
          BEGIN

@@ -1165,3 +1165,60 @@ fn a_terminated_worker_ends_even_inside_a_statement_that_does_not() {
     );
     f.collector.wait_for_body("after", ARRIVAL);
 }
+
+/// `amqp.queue_declare()` and then `amqp.queue_bind()` in the next transaction: each commit
+/// sends the worker a new configuration, and the binding must not be declared before its queue.
+/// Before, the two batches ran side by side: now and then the binding came first (404, no
+/// queue yet), was never tried again, and the messages for it were parked as unroutable. Now
+/// the batches go one after another, and a refused declaration is tried again.
+#[test]
+fn declarations_of_consecutive_transactions_are_made_in_order() {
+    const N: usize = 40;
+    let rabbit = Rabbit::shared();
+    let mut f = World::new("decl-order", PgConfig::default(), &rabbit);
+    let broker = f.outbox.broker_id;
+    let exchange = f.route.exchange.clone();
+    let prefix = unique_name("decl-order");
+    let queues: Vec<String> = (0..N).map(|i| format!("{prefix}.q{i}")).collect();
+    for q in &queues {
+        f.client
+            // Left behind by a failed run, the broker removes them after two idle minutes.
+            .execute(
+                "SELECT amqp.queue_declare($1, $2, arguments => '{\"x-expires\": 120000}')",
+                &[&broker, q],
+            )
+            .expect("queue_declare");
+        f.client
+            .execute(
+                "SELECT amqp.queue_bind($1, $2, $3, $2)",
+                &[&broker, q, &exchange],
+            )
+            .expect("queue_bind");
+    }
+    for q in &queues {
+        f.outbox.publish(&mut f.client, &exchange, q, "routed");
+    }
+    eventually(Duration::from_secs(60), "a message in every queue", || {
+        let empty: Vec<&String> = queues
+            .iter()
+            .filter(|q| {
+                rabbit
+                    .queue_counts(q)
+                    .ok()
+                    .flatten()
+                    .is_none_or(|c| c.messages == 0)
+            })
+            .collect();
+        if empty.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} of {N} queues still empty: {empty:?}",
+                empty.len()
+            ))
+        }
+    });
+    for q in &queues {
+        let _ = rabbit.delete_queue(q);
+    }
+}

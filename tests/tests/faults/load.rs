@@ -15,6 +15,23 @@ use super::harness::*;
 
 /// `Ok` once every backlog message (producers `bl*`, `n` in all) has arrived at least once.
 /// Counts distinct keys without cloning the deliveries' headers (1M deliveries).
+/// `n` backlog messages (producers `bl0`, `bl1`), committed by two sessions in 5,000-message
+/// transactions.
+fn backlog_publish(rig: &Rig, n: u64) {
+    let (route, conninfo) = rig.publish_target();
+    let threads: Vec<_> = (0..2u64)
+        .map(|p| {
+            let (conninfo, route, ledger) = (conninfo.clone(), route.clone(), rig.ledger.clone());
+            std::thread::spawn(move || {
+                bulk_publish(conninfo, route, format!("bl{p}"), 0, n / 2, 5000, ledger)
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().expect("bulk producer");
+    }
+}
+
 fn backlog_arrived(ledger: &Ledger, collector: &Collector, n: u64) -> Result<(), String> {
     let got = collector.len();
     if (got as u64) < n {
@@ -109,19 +126,8 @@ fn case10_backlog_after_empty_statistics_drains() {
              ANALYZE amqp.message;"
         ))
         .expect("a drained outbox, analyzed");
-    let (route, conninfo) = rig.publish_target();
     rig.node.stop_app();
-    let threads: Vec<_> = (0..2u64)
-        .map(|p| {
-            let (conninfo, route, ledger) = (conninfo.clone(), route.clone(), rig.ledger.clone());
-            std::thread::spawn(move || {
-                bulk_publish(conninfo, route, format!("bl{p}"), 0, N / 2, 5000, ledger)
-            })
-        })
-        .collect();
-    for th in threads {
-        th.join().expect("bulk producer");
-    }
+    backlog_publish(&rig, N);
     // The outage goes on past the worker's periodic checks (every 10 s), which then meet the
     // whole backlog.
     std::thread::sleep(Duration::from_secs(15));
@@ -167,17 +173,7 @@ fn case10_outage_backlog_drains_with_bounded_memory() {
 
     rig.node.stop_app();
     let t = Instant::now();
-    let threads: Vec<_> = (0..2u64)
-        .map(|p| {
-            let (conninfo, route, ledger) = (conninfo.clone(), route.clone(), rig.ledger.clone());
-            std::thread::spawn(move || {
-                bulk_publish(conninfo, route, format!("bl{p}"), 0, n / 2, 5000, ledger)
-            })
-        })
-        .collect();
-    for th in threads {
-        th.join().expect("bulk producer");
-    }
+    backlog_publish(&rig, n);
     let insert_secs = t.elapsed().as_secs_f64();
     let size_peak: i64 = rig
         .client
