@@ -14,6 +14,7 @@ use pgrx::spi::{SpiClient, SpiResult};
 use std::time::{Duration, Instant};
 
 const UPKEEP_EVERY: Duration = Duration::from_secs(10);
+const UPKEEP_LOCK_WAIT: Duration = Duration::from_millis(200);
 const MONITOR_EVERY: Duration = Duration::from_secs(1);
 /// Compensations run per wake-up at most, and the time after which no further one starts: the
 /// subscriptions of this worker wait meanwhile (a slow function is bounded by
@@ -51,14 +52,18 @@ impl Reconciler {
         let now = Instant::now();
         if self.upkeep_at.is_none_or(|t| now >= t) {
             self.upkeep_at = Some(now + UPKEEP_EVERY);
+            // Its partition DDL waits at most UPKEEP_LOCK_WAIT for its locks: the outbox
+            // worker's writes to the production log queue behind a waiting ALTER or DROP (a
+            // pg_dump holds every table), and would wait with it up to their lock_timeout.
             guarded_statement(
                 "amqp_outbox reconciliation upkeep",
                 "SELECT amqp._reconcile_upkeep()",
+                Some(UPKEEP_LOCK_WAIT),
             );
         }
         if self.monitor_at.is_none_or(|t| now >= t) {
             self.monitor_at = Some(now + MONITOR_EVERY);
-            guarded_statement("amqp_outbox monitor", "SELECT amqp._monitor()::text");
+            guarded_statement("amqp_outbox monitor", "SELECT amqp._monitor()::text", None);
             let started = Instant::now();
             for _ in 0..COMPENSATIONS_PER_TICK {
                 if started.elapsed() >= COMPENSATION_BUDGET
@@ -71,11 +76,15 @@ impl Reconciler {
     }
 }
 
-/// One statement in its own transaction, its error logged instead of raised.
-fn guarded_statement(what: &str, sql: &'static str) {
+/// One statement in its own transaction, its error logged instead of raised; `lock_wait`: the
+/// longest it waits for a lock (then it is left for its next turn, with a debug line).
+fn guarded_statement(what: &str, sql: &'static str, lock_wait: Option<Duration>) {
     pg::transaction(what, || {
         let outcome = guarded::subtransaction(|| {
             Spi::connect_mut(|client| -> SpiResult<Option<String>> {
+                if let Some(wait) = lock_wait {
+                    super::queries::set_local_lock_timeout(client, wait)?;
+                }
                 client.update(sql, None, &[])?.first().get_one::<String>()
             })
             .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
@@ -85,6 +94,9 @@ fn guarded_statement(what: &str, sql: &'static str) {
                 log!("amqp_outbox: production log: {done}")
             }
             Ok(_) => {}
+            Err(e) if lock_wait.is_some() && e.sqlstate == "55P03" => {
+                debug1!("amqp_outbox: {what} postponed: {}", e.message)
+            }
             Err(e) => warning!(
                 "amqp_outbox: {what} failed: {} (SQLSTATE {})",
                 e.message,

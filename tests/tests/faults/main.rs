@@ -1,4 +1,5 @@
-//! The fault-injection suite: one test per case of FAULTS.md (1 to 16).
+//! The fault-injection suite: one test per case of FAULTS.md (1 to 17), case 2 also with every
+//! process of the product terminated at once, case 10 also after empty statistics.
 //!
 //! Every test runs its own PostgreSQL cluster and its own RabbitMQ node (never the shared ones),
 //! injects its fault on this machine, heals it, drains, and checks with the ledger: lost = 0,
