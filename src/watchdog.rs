@@ -33,8 +33,10 @@ static END_WORK: AtomicBool = AtomicBool::new(false);
 static HARD_TIMEOUT: AtomicBool = AtomicBool::new(false);
 /// How long watched work still has to end after a SIGTERM.
 const TERM_GRACE: Duration = Duration::from_secs(1);
-/// How often the watchdog looks.
+/// How often the watchdog looks while work is watched, and while none is (a watch it finds
+/// late starts late by at most this: a hard deadline is seconds away, the grace a second).
 const TICK: Duration = Duration::from_millis(100);
+const IDLE_TICK: Duration = Duration::from_secs(1);
 /// The subscription and message whose handler runs now.
 static CURRENT: Mutex<Option<(String, String)>> = Mutex::new(None);
 
@@ -186,7 +188,7 @@ impl Watchdog {
             let hard = match *w {
                 Watch::Idle => {
                     term_seen = None;
-                    w = match self.changed.wait_timeout(w, TICK) {
+                    w = match self.changed.wait_timeout(w, IDLE_TICK) {
                         Ok((w, _)) => w,
                         Err(_) => return,
                     };

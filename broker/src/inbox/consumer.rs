@@ -315,6 +315,18 @@ impl SubConsumer {
     /// after a delay that grows while it repeats; anything else is a loss.
     fn channel_error(&self, conn: &Connection, e: &lapin::Error) -> Outcome {
         let text = self.redactor.clean_secrets(&describe_error(e));
+        if matches!(e.kind(), ErrorKind::ParsingError(_)) {
+            // A frame the client library cannot parse ends the connection, and the same
+            // message comes first again on the next one: no quick reconnects. (Short-string
+            // properties that are not UTF-8 do that; RabbitMQ passes them on.)
+            return Outcome::Lost(
+                format!(
+                    "a delivery cannot be parsed ({text}): a property that is not valid UTF-8? \
+                     Remove that message from the queue; reconnecting with a growing delay"
+                ),
+                End::Refused,
+            );
+        }
         let refused = matches!(e.kind(), ErrorKind::ProtocolError(a) if matches!(a.kind(), AMQPErrorKind::Soft(_)));
         if refused && conn.status().connected() {
             Outcome::Lost(format!("consumer channel closed: {text}"), End::Refused)

@@ -20,6 +20,7 @@ mod harness;
 
 mod bad_input;
 mod broker;
+mod consuming;
 mod crashes;
 mod lifecycle;
 mod load;
