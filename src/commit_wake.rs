@@ -13,6 +13,9 @@ static WAKE_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static RELOAD_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static CREATED_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static LAUNCHER_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+/// This backend wrote `amqp.subscription` since the flag was last taken (read by the
+/// subscription worker, whose handlers may call `amqp.unsubscribe()`).
+static SUBSCRIPTIONS_WRITTEN: AtomicBool = AtomicBool::new(false);
 
 fn register() {
     if !REGISTERED.swap(true, Ordering::Relaxed) {
@@ -33,6 +36,16 @@ pub fn wake_worker_at_commit() {
 pub fn reload_worker_at_commit() {
     register();
     RELOAD_AT_COMMIT.store(true, Ordering::Relaxed);
+}
+
+/// A statement of this backend wrote `amqp.subscription`.
+pub fn subscriptions_written() {
+    SUBSCRIPTIONS_WRITTEN.store(true, Ordering::Relaxed);
+}
+
+/// Whether a statement of this backend wrote `amqp.subscription` since the last call.
+pub fn take_subscriptions_written() -> bool {
+    SUBSCRIPTIONS_WRITTEN.swap(false, Ordering::Relaxed)
 }
 
 /// The transaction creates the extension: once it commits, the launcher starts this

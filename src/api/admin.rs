@@ -42,6 +42,9 @@ fn _config_changed<'a>(
     if let Ok(table) = trigger.relation() {
         super::known_brokers::invalidate(table.oid());
     }
+    if trigger.table_name().is_ok_and(|t| t == "subscription") {
+        commit_wake::subscriptions_written();
+    }
     Ok(None)
 }
 

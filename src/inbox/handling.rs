@@ -62,13 +62,25 @@ pub fn handle_all(
     // Handled messages leave amqp.inbox_failed; look there only for subscriptions that have
     // failed messages (and for retries, which come from it).
     let mut has_failed = queries::with_failed(client, subs.keys().cloned().collect())?;
+    // Subscriptions removed by a handler of this batch (amqp.unsubscribe() on itself): their
+    // other messages go back to the broker instead of being handled for a subscription that
+    // is gone once the batch commits.
+    let mut gone: Vec<String> = Vec::new();
+    crate::commit_wake::take_subscriptions_written();
     for m in messages {
         // Asked to stop: the rest go back to the broker (or stay in amqp.inbox_failed).
         if watchdog::stopping() {
             out.push(Outcome::Dropped);
             continue;
         }
-        let Some(sub) = subs.get(&m.subscription).filter(|s| s.call.is_some()) else {
+        if crate::commit_wake::take_subscriptions_written() {
+            let now = queries::subscription_names(client)?;
+            gone = subs.keys().filter(|s| !now.contains(*s)).cloned().collect();
+        }
+        let Some(sub) = subs
+            .get(&m.subscription)
+            .filter(|s| s.call.is_some() && !gone.contains(&s.name))
+        else {
             out.push(Outcome::Dropped);
             continue;
         };

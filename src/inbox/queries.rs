@@ -57,6 +57,14 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
     Ok(out)
 }
 
+/// The names of the subscriptions that exist now (paused ones included).
+pub fn subscription_names(client: &SpiClient<'_>) -> SpiResult<Vec<String>> {
+    client
+        .select("SELECT subscription FROM amqp.subscription", None, &[])?
+        .map(|r| r.get::<String>(1).map(Option::unwrap_or_default))
+        .collect()
+}
+
 /// Why the subscription's handler cannot run as its owner now, if it cannot (it was dropped, or
 /// its owner was, or lost the right to execute it, since the subscription was last read).
 pub fn runs_as_problem(client: &SpiClient<'_>, subscription: &str) -> SpiResult<Option<String>> {

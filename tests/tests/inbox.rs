@@ -2310,3 +2310,76 @@ fn consume_once_under_repeatable_read_never_reports_a_rotated_record_new() {
     }
     reader.batch_execute("ROLLBACK").expect("ROLLBACK");
 }
+
+/// A handler that calls `amqp.unsubscribe()` on its own subscription: its message is handled,
+/// and the other messages of its batch go back to the queue instead of being handled (and
+/// acknowledged, or recorded as failed) for a subscription that is gone once the batch commits.
+#[test]
+fn a_handler_that_unsubscribes_its_subscription_leaves_the_rest_in_the_queue() {
+    let rabbit = Rabbit::shared();
+    let q = rabbit.declare_queue("inbox-selfstop");
+    let mut pair = applied_pair(&rabbit, &[]);
+    let broker = pair.consumer_broker;
+    let c = &mut pair.consumer;
+    c.batch_execute(
+        "CREATE FUNCTION public.selfstop(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $fn$
+         BEGIN
+             IF amqp.body_text(d) = 'stop' THEN
+                 PERFORM amqp.unsubscribe(d.subscription);
+             END IF;
+             INSERT INTO public.applied VALUES (d.subscription, d.message_id, amqp.body_text(d), d.attempt);
+         END
+         $fn$;",
+    )
+    .expect("handler");
+    // All in the queue before the subscription starts: they come in one batch.
+    let bodies: Vec<String> = ["a", "b", "stop", "c", "d", "e"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    pair.publish_bodies("", &q.queue, &bodies);
+    eventually(ARRIVAL, "the six messages in the queue", || {
+        match rabbit.queue_counts(&q.queue)?.map(|c| c.messages) {
+            Some(6) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let c = &mut pair.consumer;
+    subscribe(
+        c,
+        "selfstop",
+        broker,
+        &q.queue,
+        "public.selfstop(amqp.delivery)",
+        3,
+        None,
+    );
+    eventually(
+        ARRIVAL,
+        "the subscription gone and the rest back in the queue",
+        || {
+            let subs = scalar_i64(&mut pair.consumer, "SELECT count(*) FROM amqp.subscription")?;
+            let ready = rabbit.queue_counts(&q.queue)?.map(|c| c.messages);
+            if subs == 0 && ready == Some(3) {
+                Ok(())
+            } else {
+                Err(format!("{subs} subscription(s), {ready:?} ready"))
+            }
+        },
+    );
+    let applied: BTreeSet<String> = pair
+        .consumer
+        .query("SELECT body FROM public.applied", &[])
+        .expect("applied")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        applied,
+        ["a", "b", "stop"].iter().map(|s| s.to_string()).collect()
+    );
+    assert_eq!(
+        count(&mut pair.consumer, "SELECT count(*) FROM amqp.inbox_failed"),
+        0
+    );
+}
