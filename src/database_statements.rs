@@ -117,24 +117,23 @@ enum Needs {
 /// (ownership counts through role membership, a superuser has them all). A tablespace's own
 /// privilege is left to PostgreSQL: an owner may pause their own database's workers.
 fn may(oid: u32, what: Needs) -> bool {
-    let what = match what {
-        Needs::Drop | Needs::Tablespace => "owner",
-        Needs::Rename => "rename",
-        Needs::Template => "template",
+    // (owner, CREATEDB or superuser, a template); nothing when the database is gone.
+    let rights = Spi::get_three_with_args::<bool, bool, bool>(
+        "SELECT pg_catalog.pg_has_role(db.datdba, 'USAGE'), \
+                (SELECT r.rolsuper OR r.rolcreatedb FROM pg_catalog.pg_roles r \
+                  WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER), \
+                db.datistemplate \
+           FROM pg_catalog.pg_database db WHERE db.oid OPERATOR(pg_catalog.=) $1",
+        &[pg_sys::Oid::from(oid).into()],
+    );
+    let Ok((Some(owner), Some(createdb), Some(template))) = rights else {
+        return false;
     };
-    Spi::get_one_with_args::<bool>(
-        "SELECT CASE $2 WHEN 'owner' THEN d.owner \
-                        WHEN 'rename' THEN d.owner AND d.createdb \
-                        ELSE d.createdb AND (d.datistemplate OR d.owner) END \
-           FROM (SELECT pg_catalog.pg_has_role(db.datdba, 'USAGE') AS owner, db.datistemplate, \
-                        (SELECT r.rolsuper OR r.rolcreatedb FROM pg_catalog.pg_roles r \
-                          WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER) AS createdb \
-                   FROM pg_catalog.pg_database db WHERE db.oid OPERATOR(pg_catalog.=) $1) d",
-        &[pg_sys::Oid::from(oid).into(), what.into()],
-    )
-    .ok()
-    .flatten()
-    .unwrap_or(false)
+    match what {
+        Needs::Drop | Needs::Tablespace => owner,
+        Needs::Rename => owner && createdb,
+        Needs::Template => createdb && (template || owner),
+    }
 }
 
 /// The database a statement needs to itself, and what the statement does to it.

@@ -102,11 +102,6 @@ pub fn reason(ended: Ended) -> &'static str {
     }
 }
 
-/// Whether the worker was asked to stop: a batch starts no further handler then.
-pub fn stopping() -> bool {
-    TERM_REQUESTED.load(Ordering::SeqCst)
-}
-
 /// While alive, the work is watched: a transaction of a worker ([`Watched::work`]) or, inside
 /// one, a handler call ([`Watched::handler`]). Dropping it restores what was watched before.
 pub struct Watched {

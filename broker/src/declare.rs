@@ -190,7 +190,8 @@ pub(crate) async fn declare(
             ));
             failed.exchanges.push(d.clone());
         } else if done.is_none() {
-            return untried(decls, failed);
+            // No channel: none of it is known to be declared.
+            return decls.clone();
         }
     }
     let ack_queue = decls.ack_queue.as_ref().map(|q| QueueDecl {
@@ -224,13 +225,14 @@ pub(crate) async fn declare(
         .await;
         if let Some(Err(e)) = done {
             warn(format!("cannot declare {what} \"{}\": {e}", d.name));
-            if decls.queues.contains(d) {
+            if what == "queue" {
                 failed.queues.push(d.clone());
             } else {
                 failed.ack_queue = decls.ack_queue.clone();
             }
         } else if done.is_none() {
-            return untried(decls, failed);
+            // No channel: none of it is known to be declared.
+            return decls.clone();
         }
     }
     for b in &decls.bindings {
@@ -261,18 +263,13 @@ pub(crate) async fn declare(
             ));
             failed.bindings.push(b.clone());
         } else if done.is_none() {
-            return untried(decls, failed);
+            // No channel: none of it is known to be declared.
+            return decls.clone();
         }
     }
     if let Some(ch) = channel.take() {
         let _ = ch.close(200, "declared".into()).await;
     }
-    failed
-}
-
-/// No channel could be opened: everything not known to be declared is to be tried again.
-fn untried(decls: &Decls, mut failed: Decls) -> Decls {
-    failed.merge(decls.clone());
     failed
 }
 

@@ -38,6 +38,31 @@ pub fn remember_handler_search_path() {
 
 pub use crate::subtransaction::{subtransaction, Caught};
 
+/// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
+pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// `sql` (one statement returning at most one text value) in a transaction of its own, in a
+/// subtransaction: its error is returned instead of ending the worker. `lock_wait`: the longest
+/// it waits for a lock, after which it fails with [`LOCK_NOT_AVAILABLE`] (left for its next
+/// turn by the caller) instead of holding every session queued behind it.
+pub fn statement_alone(
+    what: &str,
+    sql: &'static str,
+    lock_wait: Option<Duration>,
+) -> Result<Option<String>, Caught> {
+    crate::worker::pg::transaction(what, || {
+        subtransaction(|| {
+            pgrx::Spi::connect_mut(|client| -> pgrx::spi::SpiResult<Option<String>> {
+                if let Some(wait) = lock_wait {
+                    super::queries::set_local_lock_timeout(client, wait)?;
+                }
+                client.update(sql, None, &[])?.first().get_one::<String>()
+            })
+            .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
+        })
+    })
+}
+
 /// Runs the handler call `call` as `owner`, bounded by `timeout` (zero: none), with the
 /// database's search_path, and any setting it changes (SET LOCAL, set_config) undone
 /// afterwards, as for a function with a SET clause: one handler cannot change the next one's

@@ -69,7 +69,7 @@ pub fn handle_all(
     crate::commit_wake::take_subscriptions_written();
     for m in messages {
         // Asked to stop: the rest go back to the broker (or stay in amqp.inbox_failed).
-        if watchdog::stopping() {
+        if crate::worker::pg::shutdown_requested() {
             out.push(Outcome::Dropped);
             continue;
         }
@@ -93,10 +93,7 @@ pub fn handle_all(
             None => queries::derived_message_id(client, m.digest_input())?,
         };
         let resolve = m.delivery.is_none() || has_failed.contains(&sub.name);
-        let ended_worker = left
-            .as_ref()
-            .is_some_and(|(_, s, id)| *s == sub.name && *id == message_id);
-        let outcome = match left.take_if(|_| ended_worker) {
+        let outcome = match left.take_if(|(_, s, id)| *s == sub.name && *id == message_id) {
             Some((ended, _, _)) => Err(Caught {
                 sqlstate: "57014".into(),
                 message: watchdog::reason(ended).into(),

@@ -43,7 +43,8 @@ pub struct Inbox {
     /// The extension is not installed: the worker exits (the launcher starts it again after
     /// CREATE EXTENSION).
     missing: bool,
-    rotated_at: Option<Instant>,
+    /// When the retention of consumption records is due (`None`: now).
+    rotate_at: Option<Instant>,
     retry_at: Option<Instant>,
     reconciler: Reconciler,
     /// When the subscriptions were last read.
@@ -63,7 +64,7 @@ impl Inbox {
             need_reload: true,
             present: false,
             missing: false,
-            rotated_at: None,
+            rotate_at: None,
             retry_at: Some(Instant::now()),
             reconciler: Reconciler::default(),
             reloaded_at: Instant::now(),
@@ -173,26 +174,22 @@ impl Inbox {
     /// transaction, its lock wait ran out after `lock_timeout` and took the batch and the
     /// worker down, again at every restart while that session lived.
     fn rotate(&mut self) {
-        let done = pg::transaction("amqp_outbox retention", || {
-            guarded::subtransaction(|| {
-                Spi::connect_mut(|client| {
-                    queries::set_local_lock_timeout(client, ROTATE_LOCK_WAIT)?;
-                    queries::rotate(client)
-                })
-                .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
-            })
-        });
+        let done = guarded::statement_alone(
+            "amqp_outbox retention",
+            "SELECT amqp.rotate_consumption()",
+            Some(ROTATE_LOCK_WAIT),
+        );
         match done {
             Ok(done) => {
-                self.rotated_at = Some(Instant::now());
+                self.rotate_at = Some(Instant::now() + ROTATE_EVERY);
                 if let Some(done) = done.filter(|d| d.starts_with("rotated")) {
                     log!("amqp_outbox: consumption records {done}");
                 }
             }
             Err(e) => {
                 // Tried again soon, not only at the next regular look.
-                self.rotated_at = Some(Instant::now() - ROTATE_EVERY + ROTATE_RETRY);
-                if e.sqlstate == "55P03" {
+                self.rotate_at = Some(Instant::now() + ROTATE_RETRY);
+                if e.sqlstate == guarded::LOCK_NOT_AVAILABLE {
                     debug1!(
                         "amqp_outbox: retention of consumption records postponed: {}",
                         e.message
@@ -214,7 +211,7 @@ impl Inbox {
         let batch_size = gucs::INBOX_BATCH_SIZE.get().max(1) as usize;
         let rules = self.rules();
         let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
-        let rotate_due = self.rotated_at.is_none_or(|t| t.elapsed() >= ROTATE_EVERY);
+        let rotate_due = self.rotate_at.is_none_or(|t| t <= Instant::now());
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
         if !self.subs.problems.is_empty() && self.reloaded_at.elapsed() >= RECHECK_PROBLEMS {
             self.need_reload = true;

@@ -356,7 +356,6 @@ pub fn next_retry_in(client: &SpiClient<'_>, subs: Vec<String>) -> SpiResult<Opt
         .get_one::<f64>()
 }
 
-/// Retention of the consumption records (see amqp.rotate_consumption()).
 /// `SET CONSTRAINTS ALL IMMEDIATE` for the rest of the transaction.
 pub fn constraints_immediate(client: &mut SpiClient<'_>) -> SpiResult<()> {
     client
@@ -394,11 +393,4 @@ pub fn set_local_lock_timeout(
             &[format!("{}ms", wait.as_millis()).into()],
         )
         .map(drop)
-}
-
-pub fn rotate(client: &mut SpiClient<'_>) -> SpiResult<Option<String>> {
-    client
-        .update("SELECT amqp.rotate_consumption()", None, &[])?
-        .first()
-        .get_one::<String>()
 }

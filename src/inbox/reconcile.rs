@@ -79,31 +79,20 @@ impl Reconciler {
 /// One statement in its own transaction, its error logged instead of raised; `lock_wait`: the
 /// longest it waits for a lock (then it is left for its next turn, with a debug line).
 fn guarded_statement(what: &str, sql: &'static str, lock_wait: Option<Duration>) {
-    pg::transaction(what, || {
-        let outcome = guarded::subtransaction(|| {
-            Spi::connect_mut(|client| -> SpiResult<Option<String>> {
-                if let Some(wait) = lock_wait {
-                    super::queries::set_local_lock_timeout(client, wait)?;
-                }
-                client.update(sql, None, &[])?.first().get_one::<String>()
-            })
-            .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
-        });
-        match outcome {
-            Ok(Some(done)) if done.starts_with("made") => {
-                log!("amqp_outbox: production log: {done}")
-            }
-            Ok(_) => {}
-            Err(e) if lock_wait.is_some() && e.sqlstate == "55P03" => {
-                debug1!("amqp_outbox: {what} postponed: {}", e.message)
-            }
-            Err(e) => warning!(
-                "amqp_outbox: {what} failed: {} (SQLSTATE {})",
-                e.message,
-                e.sqlstate
-            ),
+    match guarded::statement_alone(what, sql, lock_wait) {
+        Ok(Some(done)) if done.starts_with("made") => {
+            log!("amqp_outbox: production log: {done}")
         }
-    });
+        Ok(_) => {}
+        Err(e) if lock_wait.is_some() && e.sqlstate == guarded::LOCK_NOT_AVAILABLE => {
+            debug1!("amqp_outbox: {what} postponed: {}", e.message)
+        }
+        Err(e) => warning!(
+            "amqp_outbox: {what} failed: {} (SQLSTATE {})",
+            e.message,
+            e.sqlstate
+        ),
+    }
 }
 
 /// Runs the oldest due compensation, if any. Returns whether there was one.

@@ -345,9 +345,9 @@ pub enum WorkerKind {
     Inbox,
 }
 
-/// A worker announces itself in its slot (after [`set_worker_slot`]): its pid and latch. `false`: another worker of the
-/// same kind holds the slot (a twin, started by a launcher that had not seen it yet), and this
-/// one must exit without touching anything. The pid is the hold: it is taken only when free
+/// A worker announces itself in its slot (after [`set_worker_slot`]): its pid and latch.
+/// `false`: another worker of the same kind holds the slot (a twin, started by a launcher that
+/// had not seen it yet), and this one must exit without touching anything. The pid is the hold: it is taken only when free
 /// and given back only by the process that took it (see [`unregister_worker`]), and a worker
 /// that dies without giving it back crashes the cluster, which clears shared memory.
 pub fn register_worker(kind: WorkerKind, latch: *mut pg_sys::Latch, pid: i32) -> bool {
