@@ -53,9 +53,9 @@ build:
 # `make lint` checks that the committed result is current.
 # Once a version is released its update script is frozen: its rule and its parts in
 # sql/upgrade/ go, and the script stays as it was (the install-script files change later).
-GENERATED_UPDATES := sql/amqp_outbox--0.4.0--0.5.0.sql
+GENERATED_UPDATES := sql/amqp_outbox--0.5.0--0.6.0.sql
 sql: $(GENERATED_UPDATES)
-sql/amqp_outbox--0.4.0--0.5.0.sql: sql/upgrade/0.4.0--0.5.0.head.sql sql/consume_once.sql sql/receipts.sql sql/runs_as.sql sql/health.sql
+sql/amqp_outbox--0.5.0--0.6.0.sql: sql/upgrade/0.5.0--0.6.0.head.sql sql/monitor.sql sql/health.sql
 	cat $^ > $@
 
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))

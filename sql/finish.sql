@@ -60,7 +60,7 @@ CREATE TRIGGER broker_check BEFORE INSERT OR UPDATE ON @extschema@.broker
 CREATE VIEW @extschema@.worker_status AS
     SELECT s.worker_pid, s.published, s.confirmed, s.acknowledged, s.resent_lost,
            s.resent_timeout, s.failed, s.parked, s.ack_queue, s.steps, s.commit_wakeups,
-           s.subscription_worker_pid, d.datname::text AS database, s.state
+           s.subscription_worker_pid, s.monitor_pid, d.datname::text AS database, s.state
       FROM @extschema@._worker_status() s
       LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) s.database_oid
      ORDER BY d.datname;

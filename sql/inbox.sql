@@ -215,7 +215,10 @@ CREATE TABLE @extschema@._subscription_state (
     queue_ready bigint,
     queue_consumers integer,
     queue_seen_at timestamptz,
-    last_handled_at timestamptz
+    last_handled_at timestamptz,
+    -- Every message in the queue before this time has been handled (the queue was seen empty
+    -- then, and what had come in was handled since): how far receipts are collected.
+    caught_up_at timestamptz
 );
 
 -- Messages whose handler failed: kept with their body and headers until a retry succeeds (then

@@ -37,7 +37,7 @@ COMMENT ON COLUMN @extschema@.message.resends IS
 -- statement that deletes the outbox row, kept for amqp_outbox.reconcile_window. Partitioned by
 -- day (UTC) of message_at, the time in the message_id, so a lookup by message_id reads one
 -- day, and retention drops whole days. A day's records go to the default partition until the
--- subscription worker makes the day (within seconds) and moves them in. No index on
+-- monitor makes the day (within seconds) and moves them in. No index on
 -- the parent: each day gets its own (a partitioned index of the extension would make pg_dump's
 -- copy of a day's index collide with the one ATTACH creates).
 CREATE TABLE @extschema@.produced (
@@ -75,14 +75,23 @@ CREATE TABLE @extschema@.produced (
     delivery_mode smallint,
     content_type text,
     reply_to text,
-    correlation_id text
+    correlation_id text,
+    -- The monitor's state of a monitored message: when it looks at it next (NULL: nothing is
+    -- due by time: finished, or waiting for a resent copy's delivery or a compensation), the
+    -- consumers whose latest answer is ok and those that failed (or were given up as lost),
+    -- and when the latest resent copy reached the broker (its clock starts again then).
+    check_at timestamptz,
+    answered_ok text[],
+    answered_failed text[],
+    redelivered_at timestamptz
 ) PARTITION BY RANGE (message_at);
 COMMENT ON TABLE @extschema@.produced IS
     'The production log: a record of each delivered message (tags, when it was created, published, confirmed, acknowledged; attempts, resends; its monitoring state), kept for amqp_outbox.reconcile_window in daily partitions.';
 CREATE TABLE @extschema@.produced_default PARTITION OF @extschema@.produced DEFAULT;
 CREATE INDEX produced_default_message ON @extschema@.produced_default (message_id);
 CREATE INDEX produced_default_open ON @extschema@.produced_default (message_at)
-    WHERE expected IS NOT NULL AND completed_at IS NULL;
+    WHERE expected IS NOT NULL AND (completed_at IS NULL OR outcome IN ('lost', 'failed'));
+CREATE INDEX produced_default_due ON @extschema@.produced_default (check_at) WHERE check_at IS NOT NULL;
 
 -- Receipts consumers sent (amqp.record_receipt(), fed by amqp.collect_receipts()), and the
 -- 'lost' ones the monitor records for a consumer that never answered a rule with action
@@ -116,6 +125,7 @@ CREATE TABLE @extschema@.monitor_rule (
     lost_after interval NOT NULL DEFAULT '30 seconds',
     action text NOT NULL DEFAULT 'report',
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    max_resends integer NOT NULL DEFAULT 3,
     CONSTRAINT monitor_rule_business_type_valid
         CHECK (business_type <> '' AND pg_catalog.octet_length(business_type) <= 255),
     CONSTRAINT monitor_rule_consumers_valid
@@ -124,10 +134,11 @@ CREATE TABLE @extschema@.monitor_rule (
                AND pg_catalog.array_position(consumers, '') IS NULL),
     CONSTRAINT monitor_rule_thresholds_valid
         CHECK (late_after > '0' AND lost_after >= late_after),
-    CONSTRAINT monitor_rule_action_valid CHECK (action IN ('resend', 'compensate', 'report'))
+    CONSTRAINT monitor_rule_action_valid CHECK (action IN ('resend', 'compensate', 'report')),
+    CONSTRAINT monitor_rule_max_resends_range CHECK (max_resends BETWEEN 0 AND 100)
 );
 COMMENT ON TABLE @extschema@.monitor_rule IS
-    'Per business type: the consumers that must answer (receipts), after how long a message is late and lost, and what is done then: resend (lost ones are resent with the same message_id), compensate (lost ones count as failed), report (only classified). Failures are compensated unless the action is report.';
+    'Per business type: the consumers that must answer (receipts), after how long from its delivery to the broker a message is late and lost, and what is done then: resend (resent with the same message_id, at most max_resends times, then lost), compensate (the silent consumers count as failed), report (only recorded). Failures are compensated unless the action is report.';
 
 -- Compensation handlers (amqp.on_failure()), and each compensation: one per (message,
 -- consumer) failure, done in the same transaction as the handler's effects.
@@ -152,11 +163,11 @@ CREATE TABLE @extschema@.compensation (
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
     done_at timestamptz,
     PRIMARY KEY (message_id, consumer),
-    CONSTRAINT compensation_state_valid CHECK (state IN ('pending', 'done'))
+    CONSTRAINT compensation_state_valid CHECK (state IN ('pending', 'done', 'cancelled'))
 );
 CREATE INDEX compensation_due ON @extschema@.compensation (next_attempt_at) WHERE state = 'pending';
 COMMENT ON TABLE @extschema@.compensation IS
-    'Each compensation of a failed (message, consumer): pending (with attempts and the last error, retried with backoff) or done (at most once).';
+    'Each compensation of a failed (message, consumer): pending (with attempts and the last error, retried with backoff), done (at most once), or cancelled (the consumer answered ok before it ran).';
 
 -- Per-day statistics, maintained by the statements that make the events (never by a scan of
 -- the history). day: the UTC day of the message's creation. part: who writes the row (0 the
@@ -198,73 +209,13 @@ BEGIN
 END
 $count$;
 
-CREATE VIEW @extschema@.daily_stats AS
-    SELECT day, business_type,
-           pg_catalog.sum(produced)::bigint AS produced, pg_catalog.sum(delivered)::bigint AS delivered,
-           pg_catalog.sum(consumed)::bigint AS consumed, pg_catalog.sum(late)::bigint AS late,
-           pg_catalog.sum(lost)::bigint AS lost, pg_catalog.sum(resent)::bigint AS resent,
-           pg_catalog.sum(compensated)::bigint AS compensated, pg_catalog.sum(parked)::bigint AS parked,
-           pg_catalog.sum(failed)::bigint AS failed
-      FROM (SELECT day, business_type, delivered AS produced, delivered, consumed, late, lost,
-                   resent, compensated, 0 AS parked, failed
-              FROM @extschema@._daily_stat
-            UNION ALL
-            -- Still in the outbox: produced, not delivered yet (or parked).
-            SELECT @extschema@._day(coalesce(@extschema@._uuid7_time(message_id), created_at)),
-                   coalesce(business_type, routing_key), 1, 0, 0, 0, 0, 0, 0,
-                   CASE WHEN parked_at IS NULL THEN 0 ELSE 1 END, 0
-              FROM @extschema@.message
-             WHERE resends OPERATOR(pg_catalog.=) 0) s
-     GROUP BY day, business_type;
-COMMENT ON VIEW @extschema@.daily_stats IS
-    'Per UTC day of creation and business type: messages produced, delivered (to the broker), consumed (ok receipts), late, lost, resent, compensated, parked (now), failed (failed receipts). Kept for amqp_outbox.stats_retention.';
-
--- Makes the day partition of amqp.produced or amqp.receipt (UTC), moving in the rows the
--- default partition holds for it. Returns whether it made one.
-CREATE FUNCTION @extschema@._history_day(parent text, day date) RETURNS boolean
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $history_day$
-DECLARE
-    part text := parent || '_' || pg_catalog.to_char(day, 'YYYYMMDD');
-    lo timestamptz := day::timestamp AT TIME ZONE 'UTC';
-    hi timestamptz := (day + 1)::timestamp AT TIME ZONE 'UTC';
-BEGIN
-    IF parent NOT IN ('produced', 'receipt') THEN
-        RAISE EXCEPTION 'amqp_outbox: no history table %', parent USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    -- No insert may be routing a row to the default partition while the day is attached (it
-    -- would fail its partition check): writers wait for this short transaction. The lock also
-    -- makes two callers take turns (the second finds the day made).
-    EXECUTE pg_catalog.format('LOCK TABLE @extschema@.%I IN SHARE ROW EXCLUSIVE MODE', parent);
-    IF pg_catalog.to_regclass('@extschema@.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident(part)) IS NOT NULL THEN
-        RETURN false;
-    END IF;
-    EXECUTE pg_catalog.format('CREATE TABLE @extschema@.%I (LIKE @extschema@.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
-                              part, parent);
-    EXECUTE pg_catalog.format(
-        'WITH moved AS (DELETE FROM @extschema@.%I WHERE message_at >= $1 AND message_at < $2 RETURNING *)
-         INSERT INTO @extschema@.%I SELECT * FROM moved', parent || '_default', part) USING lo, hi;
-    EXECUTE pg_catalog.format('ALTER TABLE @extschema@.%I ATTACH PARTITION @extschema@.%I FOR VALUES FROM (%L) TO (%L)',
-                              parent, part, lo, hi);
-    EXECUTE pg_catalog.format('CREATE INDEX %I ON @extschema@.%I (message_id)', part || '_message', part);
-    IF parent = 'receipt' THEN
-        EXECUTE pg_catalog.format('CREATE INDEX %I ON @extschema@.%I (received_at) WHERE NOT counted',
-                                  part || '_uncounted', part);
-    ELSE
-        -- The monitor's candidates: monitored, not finished.
-        EXECUTE pg_catalog.format('CREATE INDEX %I ON @extschema@.%I (message_at) WHERE expected IS NOT NULL AND completed_at IS NULL',
-                                  part || '_open', part);
-    END IF;
-    RETURN true;
-END
-$history_day$;
-
 -- A setting of time as an interval ('15d', '400d', '0'), NULL when unset.
 CREATE FUNCTION @extschema@._setting_interval(name text) RETURNS interval
     LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $setting$
     SELECT nullif(pg_catalog.current_setting(name, true), '')::pg_catalog.interval
 $setting$;
 
--- Upkeep, run by the subscription worker every few seconds: the day partitions of what the
+-- Upkeep, run by the monitor every few seconds: the day partitions of what the
 -- default partitions hold, retention of whole days, statistics past
 -- amqp_outbox.stats_retention. Returns what it did.
 CREATE FUNCTION @extschema@._reconcile_upkeep() RETURNS text
@@ -314,186 +265,6 @@ BEGIN
     RETURN pg_catalog.format('made %s day partition(s), dropped %s', made, dropped);
 END
 $upkeep$;
-
--- Each consumer a monitored message expects, and its latest answer (NULL: none yet).
-CREATE FUNCTION @extschema@._answers(message_id text, message_at timestamptz, expected text[])
-    RETURNS TABLE (consumer text, status text, error text, received_at timestamptz)
-    LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $answers$
-    SELECT c.consumer, r.status, r.error, r.received_at
-      FROM pg_catalog.unnest(expected) AS c(consumer)
-      LEFT JOIN LATERAL (
-          SELECT x.status, x.error, x.received_at FROM @extschema@.receipt x
-           WHERE x.message_id OPERATOR(pg_catalog.=) _answers.message_id
-             AND x.message_at OPERATOR(pg_catalog.=) _answers.message_at
-             AND x.consumer OPERATOR(pg_catalog.=) c.consumer
-           ORDER BY x.received_at DESC LIMIT 1) r ON true
-$answers$;
-
--- The monitored messages that are not finished, classified: lost (a consumer has not answered
--- past lost_after), failed (one answered failed, or was given up as lost), complete (every
--- consumer answered ok), pending (within late_after), late. Counted from the last resend.
-CREATE VIEW @extschema@._open AS
-    SELECT p.message_id, p.message_at, p.business_type, p.business_key, p.created_at,
-           p.delivered_at, p.expected, p.resends, p.last_resent_at, p.late_at, p.lost_at,
-           r.late_after, r.lost_after, r.action, a.ok, a.failed, a.silent,
-           CASE WHEN pg_catalog.cardinality(a.silent) OPERATOR(pg_catalog.>) 0
-                     AND pg_catalog.now() OPERATOR(pg_catalog.-) coalesce(p.last_resent_at, p.created_at)
-                         OPERATOR(pg_catalog.>=) r.lost_after THEN 'lost'
-                WHEN pg_catalog.cardinality(a.failed) OPERATOR(pg_catalog.>) 0 THEN 'failed'
-                WHEN pg_catalog.cardinality(a.silent) OPERATOR(pg_catalog.=) 0 THEN 'complete'
-                WHEN pg_catalog.now() OPERATOR(pg_catalog.-) coalesce(p.last_resent_at, p.created_at)
-                     OPERATOR(pg_catalog.<) r.late_after THEN 'pending'
-                ELSE 'late' END AS status
-      FROM @extschema@.produced p
-      JOIN @extschema@.monitor_rule r ON r.business_type OPERATOR(pg_catalog.=) p.business_type
-      CROSS JOIN LATERAL (
-          SELECT coalesce(pg_catalog.array_agg(x.consumer) FILTER (WHERE x.status OPERATOR(pg_catalog.=) 'ok'), '{}') AS ok,
-                 coalesce(pg_catalog.array_agg(x.consumer) FILTER (WHERE x.status IN ('failed', 'lost')), '{}') AS failed,
-                 coalesce(pg_catalog.array_agg(x.consumer) FILTER (WHERE x.status IS NULL), '{}') AS silent
-            FROM @extschema@._answers(p.message_id, p.message_at, p.expected) x) a
-     WHERE p.expected IS NOT NULL AND p.completed_at IS NULL;
-
--- The monitor, run by the subscription worker about once a second: records what changed
--- (late, lost, finished), resends what a rule says to, and queues compensations. Returns the
--- number of messages it resent.
-CREATE FUNCTION @extschema@._monitor() RETURNS integer
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $monitor$
-DECLARE
-    r record;
-    resent integer := 0;
-BEGIN
-    -- Receipts of this database's messages, counted once per (message, consumer, status): a
-    -- consumer answers a duplicate again. Unmatched ones are looked at for an hour.
-    FOR r IN
-        WITH c AS (
-            UPDATE @extschema@.receipt x SET counted = true
-              FROM @extschema@.produced p
-             WHERE NOT x.counted AND x.received_at > pg_catalog.now() - interval '1 hour'
-               AND p.message_id = x.message_id AND p.message_at = x.message_at
-            RETURNING x.message_id, x.message_at, x.consumer, x.status, p.business_type
-        )
-        SELECT @extschema@._day(c.message_at) AS day, c.business_type, c.status,
-               pg_catalog.count(DISTINCT (c.message_id, c.consumer)) AS n
-          FROM c
-         WHERE NOT EXISTS (SELECT FROM @extschema@.receipt y
-                            WHERE y.counted AND y.message_id = c.message_id AND y.message_at = c.message_at
-                              AND y.consumer = c.consumer AND y.status = c.status)
-         GROUP BY 1, 2, 3
-    LOOP
-        PERFORM @extschema@._count(r.day, r.business_type,
-                                   CASE WHEN r.status = 'ok' THEN 'consumed' ELSE 'failed' END, r.n);
-    END LOOP;
-    -- Finished: every consumer answered ok.
-    UPDATE @extschema@.produced p SET completed_at = pg_catalog.now(), outcome = 'complete'
-      FROM @extschema@._open o
-     WHERE o.status = 'complete' AND p.message_id = o.message_id AND p.message_at = o.message_at;
-
-    -- Late and lost, counted once each.
-    FOR r IN
-        UPDATE @extschema@.produced p SET late_at = pg_catalog.now()
-          FROM @extschema@._open o
-         WHERE o.status IN ('late', 'lost') AND p.late_at IS NULL
-           AND p.message_id = o.message_id AND p.message_at = o.message_at
-        RETURNING @extschema@._day(p.message_at) AS day, p.business_type
-    LOOP
-        PERFORM @extschema@._count(r.day, r.business_type, 'late', 1);
-    END LOOP;
-    FOR r IN
-        UPDATE @extschema@.produced p SET lost_at = pg_catalog.now()
-          FROM @extschema@._open o
-         WHERE o.status = 'lost' AND p.lost_at IS NULL
-           AND p.message_id = o.message_id AND p.message_at = o.message_at
-        RETURNING @extschema@._day(p.message_at) AS day, p.business_type
-    LOOP
-        PERFORM @extschema@._count(r.day, r.business_type, 'lost', 1);
-    END LOOP;
-
-    -- Lost under 'resend': published again with the same message_id, at most once per
-    -- lost_after. Consumers that have it already drop the copy (consume_once) and answer again.
-    FOR r IN
-        UPDATE @extschema@.produced p SET resends = p.resends + 1, last_resent_at = pg_catalog.now()
-          FROM @extschema@._open o
-         WHERE o.status = 'lost' AND o.action = 'resend' AND p.body IS NOT NULL
-           AND p.message_id = o.message_id AND p.message_at = o.message_at
-        RETURNING p.*
-    LOOP
-        INSERT INTO @extschema@.message (broker_id, exchange, routing_key, body, delivery_mode,
-                                         content_type, reply_to, correlation_id, headers, created_at,
-                                         message_id, business_type, business_key, traceparent,
-                                         system_id, host_id, resends)
-        VALUES (r.broker_id, r.exchange, r.routing_key, r.body, coalesce(r.delivery_mode, 2),
-                r.content_type, r.reply_to, r.correlation_id, r.headers, r.created_at,
-                r.message_id, r.business_type, r.business_key, r.traceparent,
-                r.system_id, r.host_id, r.resends);
-        PERFORM @extschema@._count(@extschema@._day(r.message_at), r.business_type, 'resent', 1);
-        resent := resent + 1;
-    END LOOP;
-
-    -- Lost under 'compensate': each silent consumer is given up, as a 'lost' answer.
-    INSERT INTO @extschema@.receipt (message_id, message_at, consumer, status, error, business_type, counted)
-    SELECT o.message_id, o.message_at, c.consumer, 'lost',
-           pg_catalog.format('no receipt within %s', o.lost_after), o.business_type, true
-      FROM @extschema@._open o, pg_catalog.unnest(o.silent) AS c(consumer)
-     WHERE o.status = 'lost' AND o.action = 'compensate';
-
-    -- Failures to compensate (not under 'report', and only with a handler).
-    INSERT INTO @extschema@.compensation (message_id, consumer, message_at, business_type)
-    SELECT o.message_id, c.consumer, o.message_at, o.business_type
-      FROM @extschema@._open o, pg_catalog.unnest(o.failed) AS c(consumer)
-     WHERE o.action <> 'report'
-       AND EXISTS (SELECT FROM @extschema@.compensation_handler h WHERE h.business_type = o.business_type)
-    ON CONFLICT (message_id, consumer) DO NOTHING;
-
-    -- Finished by compensation: every failure compensated, every other consumer ok.
-    UPDATE @extschema@.produced p SET completed_at = pg_catalog.now(), outcome = 'compensated'
-      FROM @extschema@._open o
-     WHERE o.status = 'failed' AND pg_catalog.cardinality(o.silent) = 0
-       AND p.message_id = o.message_id AND p.message_at = o.message_at
-       AND NOT EXISTS (SELECT FROM pg_catalog.unnest(o.failed) AS c(consumer)
-                        WHERE NOT EXISTS (SELECT FROM @extschema@.compensation k
-                                           WHERE k.message_id = o.message_id AND k.consumer = c.consumer
-                                             AND k.state = 'done'));
-    RETURN resent;
-END
-$monitor$;
-
--- Every message in the window that is not finished: monitored ones after delivery, and every
--- one still in the outbox.
-CREATE VIEW @extschema@.reconciliation AS
-    SELECT o.message_id, o.business_type, o.business_key, o.status, o.created_at,
-           o.expected, o.ok AS answered_ok, o.failed AS failed_at, o.silent AS waiting_for,
-           o.resends, k.compensation, 'delivered' AS outbox
-      FROM @extschema@._open o
-      LEFT JOIN LATERAL (
-          SELECT pg_catalog.string_agg(c.consumer OPERATOR(pg_catalog.||) ': ' OPERATOR(pg_catalog.||) c.state
-                     OPERATOR(pg_catalog.||) CASE WHEN c.last_error IS NULL THEN '' ELSE ' (' OPERATOR(pg_catalog.||) c.last_error OPERATOR(pg_catalog.||) ')' END,
-                     ', ') AS compensation
-            FROM @extschema@.compensation c WHERE c.message_id OPERATOR(pg_catalog.=) o.message_id) k ON true
-     WHERE o.status OPERATOR(pg_catalog.<>) 'complete'
-    UNION ALL
-    SELECT m.message_id, coalesce(m.business_type, m.routing_key), m.business_key,
-           CASE WHEN m.parked_at IS NOT NULL THEN 'parked'
-                WHEN r.business_type IS NULL THEN 'pending'
-                WHEN pg_catalog.now() OPERATOR(pg_catalog.-) m.created_at OPERATOR(pg_catalog.<) r.late_after THEN 'pending'
-                WHEN pg_catalog.now() OPERATOR(pg_catalog.-) m.created_at OPERATOR(pg_catalog.<) r.lost_after THEN 'late'
-                ELSE 'lost' END,
-           m.created_at, r.consumers, '{}'::text[], NULL::text[], r.consumers, m.resends, NULL::text,
-           CASE WHEN m.parked_at IS NOT NULL THEN 'parked' ELSE 'waiting' END
-      FROM @extschema@.message m
-      LEFT JOIN @extschema@.monitor_rule r
-             ON r.business_type OPERATOR(pg_catalog.=) coalesce(m.business_type, m.routing_key)
-     WHERE m.resends OPERATOR(pg_catalog.=) 0;
-COMMENT ON VIEW @extschema@.reconciliation IS
-    'One row per message in the window that is not finished: status pending, late, lost, failed or parked; who answered ok, who failed, who is awaited; resends; compensation state; whether it is still in the outbox.';
-
-CREATE VIEW @extschema@.reconciliation_summary AS
-    SELECT business_type, status, pg_catalog.count(*) AS messages,
-           pg_catalog.min(created_at) AS oldest_created_at,
-           pg_catalog.now() OPERATOR(pg_catalog.-) pg_catalog.min(created_at) AS oldest_age
-      FROM @extschema@.reconciliation
-     GROUP BY business_type, status;
-COMMENT ON VIEW @extschema@.reconciliation_summary IS
-    'amqp.reconciliation counted per business type and status, with the oldest.';
 
 -- Receipts, producer side. A subscription (made by amqp.collect_receipts()) hands each receipt
 -- to this handler: the receipt is recorded once (the subscription's consume_once) and counted.
@@ -594,56 +365,6 @@ $on_failure$;
 COMMENT ON FUNCTION @extschema@.on_failure(text, regprocedure) IS
     'Registers handler(original amqp.produced, failure amqp.receipt) RETURNS void to compensate a consumer''s failure of a message of this business type: run once per (message, consumer), in its own transaction, as the caller, retried with backoff on error. NULL removes it.';
 
--- The life of one message, in time order.
-CREATE FUNCTION @extschema@.trace(message_id text)
-    RETURNS TABLE (at timestamptz, event text, detail text)
-    -- Readable by operators (pg_monitor) without rights on the tables: a message's story, not
-    -- its body.
-    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $trace$
-    WITH p AS (
-        SELECT * FROM @extschema@.produced p
-         WHERE p.message_id = trace.message_id
-           AND p.message_at = coalesce(@extschema@._uuid7_time(trace.message_id), p.message_at)
-    )
-    SELECT * FROM (
-        SELECT created_at, 'produced',
-               pg_catalog.format('%s / %s, business type %s, key %s, by pid %s on %s@%s', exchange, routing_key,
-                                 business_type, coalesce(business_key, '-'), producer_pid, system_id, host_id)
-          FROM p
-        UNION ALL SELECT published_at, 'published',
-               pg_catalog.format('broker %s, seq %s, %s failed or repeated attempt(s)', broker_id, seq, attempts)
-          FROM p WHERE published_at IS NOT NULL
-        UNION ALL SELECT confirmed_at, 'confirmed', 'by the broker' FROM p WHERE confirmed_at IS NOT NULL
-        UNION ALL SELECT acknowledged_at, 'acknowledged', 'seen on the acknowledgement queue' FROM p WHERE acknowledged_at IS NOT NULL
-        UNION ALL SELECT delivered_at, 'delivered', 'outbox row deleted' FROM p
-        UNION ALL SELECT late_at, 'late', pg_catalog.format('no answer from every consumer in time (expected %s)', expected) FROM p WHERE late_at IS NOT NULL
-        UNION ALL SELECT lost_at, 'lost', pg_catalog.format('expected %s', expected) FROM p WHERE lost_at IS NOT NULL
-        UNION ALL SELECT last_resent_at, 'resent', pg_catalog.format('%s time(s), same message_id', resends) FROM p WHERE last_resent_at IS NOT NULL
-        UNION ALL SELECT r.received_at, CASE r.status WHEN 'ok' THEN 'consumed' ELSE r.status END,
-               r.consumer OPERATOR(pg_catalog.||) coalesce(': ' OPERATOR(pg_catalog.||) r.error, '')
-          FROM @extschema@.receipt r
-         WHERE r.message_id = trace.message_id
-           AND r.message_at = coalesce(@extschema@._uuid7_time(trace.message_id), r.message_at)
-        UNION ALL SELECT coalesce(c.done_at, c.created_at),
-               CASE WHEN c.state = 'done' THEN 'compensated' ELSE 'compensation pending' END,
-               pg_catalog.format('%s, %s attempt(s)%s', c.consumer, c.attempts,
-                                 coalesce(', last error: ' OPERATOR(pg_catalog.||) c.last_error, ''))
-          FROM @extschema@.compensation c WHERE c.message_id = trace.message_id
-        UNION ALL SELECT completed_at, 'finished', outcome FROM p WHERE completed_at IS NOT NULL
-        UNION ALL SELECT m.created_at, CASE WHEN m.resends > 0 THEN 'resend waiting' ELSE 'produced' END,
-               pg_catalog.format('in the outbox: %s / %s, %s attempt(s)%s', m.exchange, m.routing_key, m.attempts,
-                                 coalesce(', last error: ' OPERATOR(pg_catalog.||) m.last_error, ''))
-          FROM @extschema@.message m WHERE m.message_id = trace.message_id
-        UNION ALL SELECT m.parked_at, 'parked', m.last_error
-          FROM @extschema@.message m WHERE m.message_id = trace.message_id AND m.parked_at IS NOT NULL
-        UNION ALL SELECT d.discarded_at, 'discarded', pg_catalog.format('by %s: %s', d.discarded_by, coalesce(d.reason, '-'))
-          FROM @extschema@.discarded d WHERE d.message_id = trace.message_id
-    ) t (at, event, detail)
-    ORDER BY at, event
-$trace$;
-COMMENT ON FUNCTION @extschema@.trace(text) IS
-    'The life of one message in time order: produced, published, confirmed, acknowledged, delivered, late, lost, resent, consumed or failed at each consumer, compensated, finished, parked, discarded.';
-
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.produced_default', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.receipt_default', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.monitor_rule', '');
@@ -651,44 +372,39 @@ SELECT pg_catalog.pg_extension_config_dump('@extschema@.compensation_handler', '
 SELECT pg_catalog.pg_extension_config_dump('@extschema@.compensation', '');
 SELECT pg_catalog.pg_extension_config_dump('@extschema@._daily_stat', '');
 
--- Privileges: operators read; admins manage rules and handlers and read everything.
+-- Privileges: operators read; admins manage rules and handlers and read everything (the
+-- monitor's functions and views: monitor.sql).
 REVOKE ALL ON @extschema@.produced, @extschema@.produced_default, @extschema@.receipt,
     @extschema@.receipt_default, @extschema@.monitor_rule, @extschema@.compensation_handler,
     @extschema@.compensation, @extschema@._daily_stat FROM PUBLIC;
 REVOKE ALL ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date, text, text, bigint),
-    @extschema@._history_day(text, date), @extschema@._setting_interval(text),
-    @extschema@._reconcile_upkeep(), @extschema@._answers(text, timestamptz, text[]),
-    @extschema@._monitor(), @extschema@.collect_receipts(integer, text, text),
+    @extschema@._setting_interval(text), @extschema@._reconcile_upkeep(),
+    @extschema@.collect_receipts(integer, text, text),
     @extschema@.send_receipt(integer, text, text, boolean, text, text),
-    @extschema@.on_failure(text, regprocedure), @extschema@.trace(text)
+    @extschema@.on_failure(text, regprocedure)
     FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) TO amqp_outbox_consumer;
 -- The views call _uuid7_time; granted to admins again after pg_monitor, so that a new install
 -- and an updated one list its grantees in the same order.
 REVOKE EXECUTE ON FUNCTION @extschema@._uuid7_time(text) FROM amqp_outbox_admin;
-GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._answers(text, timestamptz, text[]),
-    @extschema@.trace(text), @extschema@._setting_interval(text),
+GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._setting_interval(text),
     @extschema@._uuid7_time(text)
     TO pg_monitor;
 GRANT EXECUTE ON FUNCTION @extschema@._uuid7_time(text) TO amqp_outbox_admin;
 GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date, text, text, bigint),
-    @extschema@._history_day(text, date), @extschema@._setting_interval(text),
-    @extschema@._reconcile_upkeep(), @extschema@._answers(text, timestamptz, text[]),
-    @extschema@._monitor(), @extschema@.collect_receipts(integer, text, text),
+    @extschema@._setting_interval(text), @extschema@._reconcile_upkeep(),
+    @extschema@.collect_receipts(integer, text, text),
     @extschema@.send_receipt(integer, text, text, boolean, text, text),
-    @extschema@.on_failure(text, regprocedure), @extschema@.trace(text)
+    @extschema@.on_failure(text, regprocedure)
     TO amqp_outbox_admin;
 -- Not amqp.produced: it holds the bodies of monitored messages (the views show what operators
 -- need of it).
 GRANT SELECT ON @extschema@.receipt, @extschema@.compensation,
     @extschema@.compensation_handler, @extschema@._daily_stat TO pg_monitor;
-GRANT SELECT ON @extschema@.daily_stats, @extschema@.reconciliation,
-    @extschema@.reconciliation_summary, @extschema@._open TO pg_monitor;
 GRANT SELECT, INSERT, UPDATE, DELETE ON @extschema@.monitor_rule TO amqp_outbox_admin;
 GRANT SELECT ON @extschema@.monitor_rule TO pg_monitor;
 GRANT SELECT, INSERT ON @extschema@.receipt TO amqp_outbox_admin;
 GRANT SELECT, INSERT, UPDATE ON @extschema@._daily_stat TO amqp_outbox_admin;
 GRANT SELECT, UPDATE, DELETE ON @extschema@.compensation TO amqp_outbox_admin;
 GRANT SELECT, DELETE ON @extschema@.compensation_handler TO amqp_outbox_admin;
-GRANT SELECT ON @extschema@.produced, @extschema@.daily_stats, @extschema@.reconciliation,
-    @extschema@.reconciliation_summary, @extschema@._open TO amqp_outbox_admin;
+GRANT SELECT ON @extschema@.produced TO amqp_outbox_admin;

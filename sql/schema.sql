@@ -82,6 +82,9 @@ ALTER TABLE @extschema@.message SET (
     autovacuum_vacuum_insert_scale_factor = 0.0,
     autovacuum_vacuum_insert_threshold = 10000
 );
+-- Parked messages, counted by amqp.health() without reading the outbox (a publish only checks
+-- the predicate).
+CREATE INDEX message_parked ON @extschema@.message (id) WHERE parked_at IS NOT NULL;
 COMMENT ON TABLE @extschema@.message IS
     'The outbox: messages committed by amqp.publish() and not yet proven delivered.';
 COMMENT ON COLUMN @extschema@.message.id IS 'Sequence id: the publishing order, and part of the message_id.';

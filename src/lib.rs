@@ -15,6 +15,7 @@ mod headers;
 mod inbox;
 mod launcher;
 mod message_table;
+mod monitor;
 mod shmem;
 mod subtransaction;
 mod watchdog;
@@ -40,9 +41,14 @@ extension_sql_file!(
     requires = ["reconcile"]
 );
 extension_sql_file!(
+    "../sql/monitor.sql",
+    name = "monitor",
+    requires = ["receipts"]
+);
+extension_sql_file!(
     "../sql/runs_as.sql",
     name = "runs_as",
-    requires = ["receipts"]
+    requires = ["monitor"]
 );
 extension_sql_file!("../sql/health.sql", name = "health", requires = ["runs_as"]);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);

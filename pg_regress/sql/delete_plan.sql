@@ -43,16 +43,25 @@ WITH t AS (
     INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key,
         system_id, host_id, business_type, business_key, traceparent, producer_pid,
         producer_started_at, created_at, published_at, confirmed_at, acknowledged_at, attempts,
-        expected, body, headers, delivery_mode, content_type, reply_to, correlation_id)
+        expected, body, headers, delivery_mode, content_type, reply_to, correlation_id, check_at)
     SELECT d.message_id, d.message_at, d.id, d.broker_id, d.exchange, d.routing_key,
            coalesce(d.system_id, $6), coalesce(d.host_id, $7), d.kind, d.business_key,
            d.traceparent, d.producer_pid, d.producer_started_at, d.created_at,
            to_timestamp(d.published / 1e6::float8), to_timestamp(d.confirmed / 1e6::float8),
            to_timestamp(d.acknowledged / 1e6::float8), d.attempts, r.consumers,
            (d.kept).body, (d.kept).headers, (d.kept).delivery_mode, (d.kept).content_type,
-           (d.kept).reply_to, (d.kept).correlation_id
+           (d.kept).reply_to, (d.kept).correlation_id,
+           -- The monitor's first look: when it would be late.
+           now() + r.late_after
       FROM d LEFT JOIN amqp.monitor_rule r ON r.business_type = d.kind
      WHERE $5 AND d.resends = 0
+), again AS (
+    -- A copy the monitor resent reached the broker: the message's clock starts again.
+    UPDATE amqp.produced x
+       SET redelivered_at = now(),
+           check_at = CASE WHEN x.completed_at IS NULL THEN now() ELSE x.check_at END
+      FROM d
+     WHERE $5 AND d.resends > 0 AND x.message_id = d.message_id AND x.message_at = d.message_at
 ), s AS (
     INSERT INTO amqp._daily_stat AS s (day, business_type, part, delivered)
     SELECT (d.message_at AT TIME ZONE 'UTC')::date, d.kind, 0, count(*) FROM d
@@ -83,8 +92,19 @@ EXECUTE delete_delivered(:'ids', :'times', :'times', NULL, true, 'sys', 'host', 
 SELECT count(*) AS left_in_outbox FROM amqp.message;
 SELECT routing_key, business_type, system_id, host_id, expected,
        convert_from(body, 'UTF8') AS body, headers, content_type,
-       extract(epoch FROM published_at) AS published, acknowledged_at
+       extract(epoch FROM published_at) AS published, acknowledged_at,
+       check_at - now() AS first_look_in
   FROM amqp.produced ORDER BY seq;
+-- A copy the monitor resent reaches the broker: its record is stamped and due at once; the
+-- copy is not logged or counted again.
+INSERT INTO amqp.message (producer_started_at, broker_id, exchange, routing_key, body, message_id, resends)
+SELECT now(), 1, 'ex', 'watched', 'copy', p.message_id, 1 FROM amqp.produced p ORDER BY seq LIMIT 1;
+SELECT array_agg(id) AS ids, array_agg(1000000 * extract(epoch FROM p.message_at)::bigint) AS times
+  FROM amqp.message m JOIN amqp.produced p USING (message_id) WHERE m.resends = 1 \gset
+EXECUTE delete_delivered(:'ids', :'times', :'times', NULL, true, 'sys', 'host', :'times');
+SELECT redelivered_at = now() AS redelivered, check_at = now() AS due_now,
+       (SELECT count(*) FROM amqp.produced q WHERE q.message_id = p.message_id) AS records
+  FROM amqp.produced p WHERE redelivered_at IS NOT NULL;
 SELECT business_type, delivered FROM amqp._daily_stat WHERE part = 0 ORDER BY business_type;
 -- With the production log off ($5), rows still go and are counted, but not logged.
 SELECT array_agg(id) AS ids, array_agg(5000000::bigint) AS times FROM amqp.message \gset

@@ -72,20 +72,31 @@ SELECT amqp.on_failure('order', 'undo_registration(amqp.produced, amqp.receipt)'
 SELECT amqp.on_failure('order', NULL);
 SELECT business_type, handler FROM amqp.compensation_handler ORDER BY 1;
 
--- The production log, as the worker writes it (here by hand): monitored messages of several
--- ages. Their ids are real UUIDv7, so they land in the day their id names.
+-- The production log, as the worker writes it (here by hand): monitored messages delivered at
+-- several times before now, each due for a look. Their ids are real UUIDv7, so they land in the
+-- day their id names. 'outage' was made ten minutes ago but reached the broker only now.
 CREATE TEMP TABLE ids (key text, message_id text);
-INSERT INTO ids SELECT k, amqp._new_message_id() FROM unnest(ARRAY['fresh', 'slow', 'silent', 'failing', 'done', 'o-lost', 'audit-lost']) k;
+INSERT INTO ids SELECT k, amqp._new_message_id()
+  FROM unnest(ARRAY['fresh', 'slow', 'silent', 'failing', 'done', 'o-lost', 'o-spent', 'audit-lost', 'outage', 'unruled']) k;
 INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key, system_id, host_id,
                            business_type, business_key, producer_pid, producer_started_at, created_at,
-                           published_at, expected, body, delivery_mode)
+                           published_at, delivered_at, expected, body, delivery_mode, resends,
+                           last_resent_at, redelivered_at, check_at)
 SELECT i.message_id, amqp._uuid7_time(i.message_id), 100 + row_number() OVER (ORDER BY i.key), 1, 'ex', 'rk', 'shop', 'db-1',
-       CASE WHEN i.key = 'o-lost' THEN 'order' WHEN i.key = 'audit-lost' THEN 'audit' ELSE 'registration' END,
-       i.key, 1, now(), now() - a.age, now() - a.age,
-       CASE WHEN i.key = 'o-lost' THEN '{billing}'::text[] WHEN i.key = 'audit-lost' THEN '{archive}' ELSE '{coupon,mail}' END,
-       convert_to('body of ' || i.key, 'UTF8'), 2
+       CASE WHEN i.key IN ('o-lost', 'o-spent') THEN 'order' WHEN i.key = 'audit-lost' THEN 'audit'
+            WHEN i.key = 'unruled' THEN 'gone' ELSE 'registration' END,
+       i.key, 1, now(), now() - a.age - CASE WHEN i.key = 'outage' THEN interval '10 min' ELSE '0' END,
+       now() - a.age, now() - a.age,
+       CASE WHEN i.key IN ('o-lost', 'o-spent') THEN '{billing}'::text[] WHEN i.key = 'audit-lost' THEN '{archive}'
+            ELSE '{coupon,mail}' END,
+       convert_to('body of ' || i.key, 'UTF8'), 2,
+       CASE WHEN i.key = 'o-spent' THEN 3 ELSE 0 END,
+       CASE WHEN i.key = 'o-spent' THEN now() - interval '61 s' END,
+       CASE WHEN i.key = 'o-spent' THEN now() - a.age END,
+       now()
   FROM ids i JOIN (VALUES ('fresh', interval '1 s'), ('slow', '10 s'), ('silent', '60 s'), ('failing', '10 s'),
-                          ('done', '10 s'), ('o-lost', '60 s'), ('audit-lost', '60 s')) a(key, age) ON a.key = i.key;
+                          ('done', '10 s'), ('o-lost', '60 s'), ('o-spent', '60 s'), ('audit-lost', '60 s'),
+                          ('outage', '1 s'), ('unruled', '60 s')) a(key, age) ON a.key = i.key;
 
 -- Receipts arrive through a subscription's handler, amqp.record_receipt.
 CREATE FUNCTION receipt_for(key text, consumer text, status text) RETURNS amqp.delivery LANGUAGE sql AS $$
@@ -128,36 +139,78 @@ DELETE FROM amqp.receipt_sender;
 SELECT i.key, r.consumer, r.status, r.error, r.business_type, r.answered_at
   FROM amqp.receipt r JOIN ids i USING (message_id) ORDER BY 1, 2;
 
--- Classification before the monitor acts.
-SELECT i.key, o.status, o.ok, o.failed, o.silent
-  FROM amqp._open o JOIN ids i USING (message_id) ORDER BY 1;
+-- The receipts are collected through a subscription whose queue was last seen empty 45 s ago:
+-- an answer sent since may still wait there, so nothing that was due to answer after that is
+-- lost yet.
+INSERT INTO amqp.subscription (subscription, broker_id, queue, handler)
+VALUES ('amqp_outbox.receipts', 1, 'q.receipts', 'amqp.record_receipt(amqp.delivery)');
+INSERT INTO amqp._subscription_state (subscription, caught_up_at) VALUES ('amqp_outbox.receipts', now() - interval '45 s');
+\set VERBOSITY sqlstate
+SELECT amqp._monitor(0);
+\set VERBOSITY terse
+-- The first pass: looks at every due message (10), counts the receipts. 'done' completes;
+-- 'failing' has a compensation queued for coupon; 'slow' and the silent ones are late (timed
+-- from delivery: 'outage' is not); nothing is lost while receipts are behind; a message whose
+-- rule is gone stops being monitored.
+SELECT amqp._monitor() AS looked;
+SELECT i.key, p.late_at IS NOT NULL AS late, p.lost_at IS NOT NULL AS lost, p.resends, p.outcome,
+       p.answered_ok, p.answered_failed, p.check_at - now() AS next_look
+  FROM amqp.produced p JOIN ids i USING (message_id) ORDER BY 1;
+SELECT i.key, c.consumer, c.state FROM amqp.compensation c JOIN ids i USING (message_id) ORDER BY 1, 2;
+-- A pass with nothing due looks at nothing.
+SELECT amqp._monitor() AS looked_again;
 
--- The monitor: 'done' completes; late and lost are stamped; the lost 'order' is resent with its
--- message_id (returns 1); the lost registration's silent consumers get 'lost' answers (action
--- compensate) and, like the failure, a compensation. 'audit' (report) is only classified.
-SELECT amqp._monitor() AS resent;
+-- The receipts catch up, and time passes (every look due now). 'silent' is given up under
+-- 'compensate' ('lost' answers, a compensation per consumer); 'o-lost' is resent with its
+-- message_id; 'o-spent' has used its max_resends (3) and is lost; 'audit-lost' ('report') is
+-- lost, finished. max_messages bounds a pass.
+UPDATE amqp._subscription_state SET caught_up_at = now();
+UPDATE amqp.produced SET check_at = now() WHERE check_at IS NOT NULL;
+SELECT amqp._monitor(2) AS looked_first, amqp._monitor() AS looked_rest;
 SELECT i.key, p.late_at IS NOT NULL AS late, p.lost_at IS NOT NULL AS lost, p.resends,
-       p.last_resent_at IS NOT NULL AS resent, p.outcome
+       p.last_resent_at IS NOT NULL AS resent, p.outcome, p.answered_failed, p.check_at - now() AS next_look
   FROM amqp.produced p JOIN ids i USING (message_id) ORDER BY 1;
 SELECT i.key, m.routing_key, m.business_type, m.business_key, m.resends, convert_from(m.body, 'UTF8') AS body
   FROM amqp.message m JOIN ids i USING (message_id);
 SELECT i.key, c.consumer, c.state, c.attempts FROM amqp.compensation c JOIN ids i USING (message_id) ORDER BY 1, 2;
--- A second run changes nothing: no resend before lost_after has passed again, and every
--- compensation is queued once.
-SELECT amqp._monitor() AS resent_again;
-SELECT i.key, c.consumer, c.state FROM amqp.compensation c JOIN ids i USING (message_id) ORDER BY 1, 2;
+SELECT i.key, r.consumer, r.status, r.error FROM amqp.receipt r JOIN ids i USING (message_id)
+ WHERE r.status = 'lost' ORDER BY 1, 2;
 
--- What the worker does to run a compensation: the handler, then done, in one transaction.
+-- Looked at again before the copy reached the broker: never a second copy while one waits.
+UPDATE amqp.produced SET check_at = now() WHERE check_at IS NOT NULL;
+SELECT amqp._monitor() AS looked;
+SELECT i.key, p.resends, (SELECT count(*) FROM amqp.message m WHERE m.message_id = p.message_id) AS copies
+  FROM amqp.produced p JOIN ids i USING (message_id) WHERE i.key = 'o-lost';
+
+-- coupon answers ok for 'failing' before its compensation ran: the compensation is cancelled
+-- and the message completes. A receipt for a finished message ('audit-lost') changes nothing
+-- but its trace (not even the statistics).
+SELECT amqp.record_receipt(receipt_for('failing', 'coupon', 'ok'));
+-- (Later than its failure: in one transaction both would carry the same time.)
+UPDATE amqp.receipt r SET received_at = now() + interval '1 s' FROM ids i
+ WHERE i.message_id = r.message_id AND i.key = 'failing' AND r.consumer = 'coupon' AND r.status = 'ok';
+SELECT amqp.record_receipt(receipt_for('audit-lost', 'archive', 'ok'));
+-- Nor does an answer from a consumer the rule does not expect.
+SELECT amqp.record_receipt(receipt_for('fresh', 'stranger', 'failed'));
+SELECT amqp._monitor() AS looked;
+SELECT i.key, c.consumer, c.state FROM amqp.compensation c JOIN ids i USING (message_id) ORDER BY 1, 2;
+SELECT i.key, p.outcome, p.answered_ok, p.answered_failed FROM amqp.produced p JOIN ids i USING (message_id)
+ WHERE i.key IN ('failing', 'audit-lost', 'fresh') ORDER BY 1;
+
+-- What the monitor does to run a compensation: the handler, then done (which brings the
+-- message's next look), in one transaction. Once every failure of 'silent' is compensated, it
+-- is finished as compensated.
 SELECT undo_registration(p, r)
   FROM amqp.produced p JOIN amqp.receipt r USING (message_id, message_at) JOIN ids i USING (message_id)
- WHERE i.key = 'failing' AND r.status = 'failed';
+ WHERE i.key = 'silent' AND r.status = 'lost';
 UPDATE amqp.compensation c SET state = 'done', done_at = now(), attempts = 1
-  FROM ids i WHERE i.message_id = c.message_id AND i.key = 'failing';
-SELECT amqp._monitor() AS resent_third;
-SELECT business_key, consumer, error FROM compensated;
+  FROM ids i WHERE i.message_id = c.message_id AND i.key = 'silent';
+UPDATE amqp.produced p SET check_at = now() FROM ids i WHERE i.message_id = p.message_id AND i.key = 'silent';
+SELECT amqp._monitor() AS looked;
+SELECT business_key, consumer, error FROM compensated ORDER BY 2;
 SELECT i.key, p.outcome FROM amqp.produced p JOIN ids i USING (message_id) WHERE p.completed_at IS NOT NULL ORDER BY 1;
 
--- The views: what is not finished, counted.
+-- The views: what is not finished, or finished lost or failed, counted.
 SELECT i.key, r.status, r.waiting_for, r.failed_at, r.outbox
   FROM amqp.reconciliation r JOIN ids i USING (message_id) ORDER BY 1, r.outbox;
 SELECT business_type, status, messages FROM amqp.reconciliation_summary ORDER BY 1, 2;
@@ -167,9 +220,11 @@ SELECT business_type, produced, delivered, consumed, late, lost, resent, compens
 -- One message's life.
 SELECT event, detail FROM amqp.trace((SELECT message_id FROM ids WHERE key = 'failing'));
 SELECT event FROM amqp.trace((SELECT message_id FROM ids WHERE key = 'o-lost'));
+SELECT event FROM amqp.trace((SELECT message_id FROM ids WHERE key = 'audit-lost'));
 SELECT count(*) AS unknown FROM amqp.trace('no-such-message');
 
--- Health: one row per check.
+-- Health: one row per check; the monitored messages as the monitor counted them.
+SELECT amqp._summarize();
 SELECT component FROM amqp.health();
 SELECT status, detail FROM amqp.health() WHERE component IN ('lost', 'late', 'failed', 'parked') ORDER BY component;
 

@@ -34,17 +34,22 @@ type StatusRow = (
     i64,
     i64,
     Option<i32>,
+    Option<i32>,
 );
 
-fn status_row(oid: u32, state: &str, slot: Option<(&shmem::Counters, i32, i32)>) -> StatusRow {
+fn status_row(
+    oid: u32,
+    state: &str,
+    slot: Option<(&shmem::Counters, (i32, i32, i32))>,
+) -> StatusRow {
     let load = |f: fn(&shmem::Counters) -> &AtomicU64| {
-        slot.map_or(0, |(c, _, _)| f(c).load(Ordering::Relaxed) as i64)
+        slot.map_or(0, |(c, _)| f(c).load(Ordering::Relaxed) as i64)
     };
     let pid = |p: i32| (p != 0).then_some(p);
     (
         pg_sys::Oid::from(oid),
         state.to_string(),
-        slot.and_then(|(_, p, _)| pid(p)),
+        slot.and_then(|(_, p)| pid(p.0)),
         load(|c| &c.published),
         load(|c| &c.confirmed),
         load(|c| &c.acknowledged),
@@ -55,7 +60,8 @@ fn status_row(oid: u32, state: &str, slot: Option<(&shmem::Counters, i32, i32)>)
         crate::ack_queue::name_for(oid),
         load(|c| &c.steps),
         load(|c| &c.commit_wakeups),
-        slot.and_then(|(_, _, p)| pid(p)),
+        slot.and_then(|(_, p)| pid(p.1)),
+        slot.and_then(|(_, p)| pid(p.2)),
     )
 }
 
@@ -80,6 +86,7 @@ fn worker_status() -> TableIterator<
         name!(steps, i64),
         name!(commit_wakeups, i64),
         name!(subscription_worker_pid, Option<i32>),
+        name!(monitor_pid, Option<i32>),
     ),
 > {
     // SAFETY: MyDatabaseId is a plain global of a connected backend.
@@ -90,7 +97,7 @@ fn worker_status() -> TableIterator<
         return TableIterator::new(rows);
     }
     for (oid, state, counters, pids) in shmem::launch::served() {
-        rows.push(status_row(oid, state, Some((counters, pids.0, pids.1))));
+        rows.push(status_row(oid, state, Some((counters, pids))));
     }
     for (oid, why) in shmem::launch::unserved() {
         if !rows.iter().any(|r| r.0.to_u32() == oid) {

@@ -5,6 +5,7 @@
 use pgrx::datum::DatumWithOid;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 #[derive(Default, Clone, Debug, PartialEq)]
 pub struct Entry {
@@ -19,6 +20,8 @@ pub struct Entry {
     pub error: Option<Option<String>>,
     pub queue: Option<(i64, i32)>,
     pub handled_now: bool,
+    /// Everything its queue held until then is handled.
+    pub caught_up: Option<SystemTime>,
 }
 
 #[derive(Default)]
@@ -50,7 +53,12 @@ impl Book {
                 Some((r, c)) => (true, Some(r), Some(c)),
                 None => (false, None, None),
             };
-            let args: [DatumWithOid; 15] = [
+            // Seconds since the Unix epoch, for to_timestamp().
+            let caught_up = e.caught_up.map(|t| {
+                t.duration_since(UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64())
+            });
+            let args: [DatumWithOid; 16] = [
                 sub.as_str().into(),
                 e.delivered.into(),
                 e.handled.into(),
@@ -66,16 +74,17 @@ impl Book {
                 ready.into(),
                 consumers.into(),
                 e.handled_now.into(),
+                caught_up.into(),
             ];
             client.update(
                 "INSERT INTO amqp._subscription_state AS s \
                      (subscription, delivered, handled, duplicates, failed, dead_lettered, \
                       connected, host, last_error, last_error_at, queue_ready, queue_consumers, \
-                      queue_seen_at, last_handled_at) \
+                      queue_seen_at, last_handled_at, caught_up_at) \
                  SELECT $1, $2, $3, $4, $5, $6, $8, $9, $11, \
                         CASE WHEN $11 IS NOT NULL THEN clock_timestamp() END, $13, $14, \
                         CASE WHEN $12 THEN clock_timestamp() END, \
-                        CASE WHEN $15 THEN clock_timestamp() END \
+                        CASE WHEN $15 THEN clock_timestamp() END, to_timestamp($16) \
                   WHERE EXISTS (SELECT FROM amqp.subscription WHERE subscription = $1) \
                  ON CONFLICT (subscription) DO UPDATE SET \
                      delivered = s.delivered + EXCLUDED.delivered, \
@@ -93,7 +102,8 @@ impl Book {
                      queue_ready = CASE WHEN $12 THEN $13 ELSE s.queue_ready END, \
                      queue_consumers = CASE WHEN $12 THEN $14 ELSE s.queue_consumers END, \
                      queue_seen_at = CASE WHEN $12 THEN clock_timestamp() ELSE s.queue_seen_at END, \
-                     last_handled_at = CASE WHEN $15 THEN clock_timestamp() ELSE s.last_handled_at END",
+                     last_handled_at = CASE WHEN $15 THEN clock_timestamp() ELSE s.last_handled_at END, \
+                     caught_up_at = greatest(s.caught_up_at, to_timestamp($16))",
                 None,
                 &args,
             )?;

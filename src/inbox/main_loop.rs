@@ -7,7 +7,6 @@ use super::book::{self, Book};
 use super::guarded;
 use super::handling::{self, Outcome, Rules};
 use super::queries;
-use super::reconcile::Reconciler;
 use super::subscriptions::Subscriptions;
 use super::types::Message;
 use crate::gucs::{self, WorkerSettings};
@@ -19,7 +18,7 @@ use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
 use amqp_outbox_broker::LogLevel;
 use pgrx::prelude::*;
 use std::collections::{BTreeMap, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Longest sleep: the fallback for anything no wake-up announced.
 const NAPTIME: Duration = Duration::from_secs(1);
@@ -46,7 +45,9 @@ pub struct Inbox {
     /// When the retention of consumption records is due (`None`: now).
     rotate_at: Option<Instant>,
     retry_at: Option<Instant>,
-    reconciler: Reconciler,
+    /// Per subscription: when its queue was last reported empty, not yet known to be handled
+    /// up to then (see [`Inbox::note_caught_up`]).
+    empty_at: BTreeMap<String, SystemTime>,
     /// When the subscriptions were last read.
     reloaded_at: Instant,
     /// The message whose handler ended the previous worker of this database, if one did.
@@ -66,7 +67,7 @@ impl Inbox {
             missing: false,
             rotate_at: None,
             retry_at: Some(Instant::now()),
-            reconciler: Reconciler::default(),
+            empty_at: BTreeMap::new(),
             reloaded_at: Instant::now(),
             left_behind: handler_trap::take(),
         }
@@ -89,11 +90,8 @@ impl Inbox {
                 self.need_reload = true;
             }
             self.take_events();
+            self.note_caught_up();
             self.step();
-            if self.present && self.reconciler.due() {
-                let rules = self.rules();
-                self.reconciler.run(&rules.backoff, rules.handler_timeout);
-            }
             if self.missing {
                 log!("amqp_outbox: extension not installed in this database; the subscription worker exits");
                 self.handle.shutdown(Duration::from_secs(2));
@@ -141,6 +139,11 @@ impl Inbox {
                     ready,
                     consumers,
                 } => {
+                    if ready == 0 {
+                        self.empty_at
+                            .entry(subscription.clone())
+                            .or_insert_with(SystemTime::now);
+                    }
                     self.book.entry(&subscription).queue = Some((
                         i64::from(ready),
                         i32::try_from(consumers).unwrap_or(i32::MAX),
@@ -156,6 +159,23 @@ impl Inbox {
                 }
             }
         }
+    }
+
+    /// A subscription whose queue was seen empty at `t`, with none of the deliveries that came
+    /// before that report still waiting here, has handled (committed, in earlier steps)
+    /// everything its queue held until `t`: the monitor may decide that an answer sent until
+    /// then is missing, not late. (Deliveries come through the same ordered channel as the
+    /// depth reports; a failed one is kept in amqp.inbox_failed, handled too.)
+    fn note_caught_up(&mut self) {
+        let pending = &self.pending;
+        let book = &mut self.book;
+        self.empty_at.retain(|sub, at| {
+            if pending.iter().any(|m| &m.subscription == sub) {
+                return true;
+            }
+            book.entry(sub).caught_up = Some(*at);
+            false
+        });
     }
 
     fn rules(&self) -> Rules {

@@ -6,16 +6,14 @@
 //! - [`subscriptions`]: the active subscriptions as read from `amqp.subscription`.
 //! - [`handling`]: one transaction handling a batch of messages, one subtransaction each.
 //! - [`guarded`]: a subtransaction that catches the handler's error, with a time bound.
-//! - [`reconcile`]: the production log's upkeep, the monitor, compensations.
 //! - [`book`]: counters and connection states, written to `amqp._subscription_state`.
 //! - [`queries`]: every SQL statement of the subscription worker; [`types`]: what they carry.
 
 mod book;
-mod guarded;
+pub(crate) mod guarded;
 mod handling;
 mod main_loop;
 mod queries;
-mod reconcile;
 mod subscriptions;
 mod types;
 

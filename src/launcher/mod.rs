@@ -1,6 +1,6 @@
 //! The launcher: one background worker, registered at server start and connected to no
-//! database, that gives every database with the extension its two workers (outbox and
-//! subscriptions) — databases allowed by `amqp_outbox.database`, at most
+//! database, that gives every database with the extension its three workers (outbox,
+//! subscriptions, monitor) — databases allowed by `amqp_outbox.database`, at most
 //! `amqp_outbox.max_workers` of them.
 //!
 //! It looks at `pg_database` when woken (a committed `CREATE EXTENSION`, a worker that started
@@ -60,6 +60,7 @@ struct Served {
     db: Database,
     outbox: Tracked,
     inbox: Tracked,
+    monitor: Tracked,
     /// When a worker of it was found stopped (restart after `RESTART_AFTER`).
     stopped_at: Option<Instant>,
     /// `CREATE EXTENSION` count when its workers were last started: a commit after that
@@ -75,6 +76,7 @@ impl Served {
         match kind {
             Kind::Outbox => &mut self.outbox,
             Kind::Inbox => &mut self.inbox,
+            Kind::Monitor => &mut self.monitor,
         }
     }
 }
@@ -84,7 +86,7 @@ struct Launcher {
     /// Databases found without the extension, and when.
     absent: HashMap<u32, Instant>,
     created_seen: u64,
-    /// Databases a probe found with the extension (they get both workers when there is room).
+    /// Databases a probe found with the extension (they get all its workers when there is room).
     known: HashSet<u32>,
     /// Databases already warned about as not served (one WARNING each, not one per scan).
     warned: HashSet<u32>,
@@ -160,7 +162,9 @@ impl Launcher {
             if view.database != 0 && view.served && !view.absent {
                 self.known.insert(view.database);
             }
-            if view.database != 0 && (view.outbox_pid != 0 || view.inbox_pid != 0) {
+            if view.database != 0
+                && (view.outbox_pid != 0 || view.inbox_pid != 0 || view.monitor_pid != 0)
+            {
                 *entry = Some(Served {
                     db: Database {
                         oid: view.database,
@@ -168,6 +172,7 @@ impl Launcher {
                     },
                     outbox: Tracked::default(),
                     inbox: Tracked::default(),
+                    monitor: Tracked::default(),
                     stopped_at: None,
                     created_at_start: self.created_seen,
                     probe: false,
@@ -227,7 +232,7 @@ impl Launcher {
             // Learns the name of an adopted database.
             entry.db.name.clone_from(&db.name);
         }
-        let alive = Kind::BOTH.map(|k| entry.tracked(k).alive(k, &view));
+        let alive = Kind::ALL.map(|k| entry.tracked(k).alive(k, &view));
         let keep = wanted.iter().any(|d| d.oid == entry.db.oid) && !view.paused;
         if entry.probe {
             if alive[0] && keep {
@@ -248,10 +253,11 @@ impl Launcher {
             return None;
         }
         if !alive[0] && view.absent {
-            // No extension there any more (DROP EXTENSION). Its subscription worker goes too.
+            // No extension there any more (DROP EXTENSION). Its other workers go too.
             self.known.remove(&entry.db.oid);
-            if alive[1] {
+            if alive[1] || alive[2] {
                 entry.inbox.stop(Kind::Inbox, &view);
+                entry.monitor.stop(Kind::Monitor, &view);
                 return Some(RESTART_AFTER);
             }
             if !created_since(entry.created_at_start, created_seen, entry.db.oid) {
@@ -261,8 +267,8 @@ impl Launcher {
             return None;
         }
         if !keep {
-            if alive[0] || alive[1] {
-                for k in Kind::BOTH {
+            if alive.iter().any(|a| *a) {
+                for k in Kind::ALL {
                     entry.tracked(k).stop(k, &view);
                 }
                 return Some(RESTART_AFTER);
@@ -274,7 +280,7 @@ impl Launcher {
             self.release(i);
             return None;
         }
-        if alive[0] && alive[1] {
+        if alive.iter().all(|a| *a) {
             entry.stopped_at = None;
             self.start_warned.remove(&entry.db.oid);
             return None;
@@ -287,7 +293,7 @@ impl Launcher {
         entry.stopped_at = None;
         entry.created_at_start = created_seen;
         let name = entry.db.name.clone();
-        for (k, up) in Kind::BOTH.into_iter().zip(alive) {
+        for (k, up) in Kind::ALL.into_iter().zip(alive) {
             if !up && !entry.tracked(k).start(k, i, &name) {
                 // Once per database, not at every retry.
                 if self.start_warned.insert(entry.db.oid) {
@@ -343,15 +349,20 @@ impl Launcher {
                 db: db.clone(),
                 outbox: Tracked::default(),
                 inbox: Tracked::default(),
+                monitor: Tracked::default(),
                 stopped_at: None,
                 created_at_start: self.created_seen,
                 probe,
             };
             let started = served.outbox.start(Kind::Outbox, i, &db.name)
-                && (probe || served.inbox.start(Kind::Inbox, i, &db.name));
+                && (probe
+                    || (served.inbox.start(Kind::Inbox, i, &db.name)
+                        && served.monitor.start(Kind::Monitor, i, &db.name)));
             if !started {
                 let view = launch::slot_view(i);
-                served.outbox.stop(Kind::Outbox, &view);
+                for k in Kind::ALL {
+                    served.tracked(k).stop(k, &view);
+                }
                 launch::release_slot(i);
                 retry_soon = true;
                 // A probe's database may not even have the extension: only a known one is

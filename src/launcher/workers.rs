@@ -1,4 +1,4 @@
-//! Starting and stopping one database's two workers as dynamic background workers. They are
+//! Starting and stopping one database's three workers as dynamic background workers. They are
 //! never restarted by the postmaster: the launcher decides (a database without the extension,
 //! a paused or dropped database must stay without workers).
 
@@ -13,10 +13,11 @@ use pgrx::PgMemoryContexts;
 pub enum Kind {
     Outbox,
     Inbox,
+    Monitor,
 }
 
 impl Kind {
-    pub const BOTH: [Kind; 2] = [Kind::Outbox, Kind::Inbox];
+    pub const ALL: [Kind; 3] = [Kind::Outbox, Kind::Inbox, Kind::Monitor];
 
     fn names(self, database: &str) -> (String, &'static str, &'static str) {
         match self {
@@ -30,6 +31,11 @@ impl Kind {
                 "amqp_outbox subscriptions",
                 "amqp_outbox_inbox_main",
             ),
+            Kind::Monitor => (
+                format!("amqp_outbox monitor for {database}"),
+                "amqp_outbox monitor",
+                "amqp_outbox_monitor_main",
+            ),
         }
     }
 
@@ -37,6 +43,7 @@ impl Kind {
         match self {
             Kind::Outbox => view.outbox_pid,
             Kind::Inbox => view.inbox_pid,
+            Kind::Monitor => view.monitor_pid,
         }
     }
 }

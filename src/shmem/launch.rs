@@ -165,8 +165,11 @@ impl Unserved {
     }
 }
 
-/// The databases the launcher serves now: oid, state, counters, (outbox pid, subscription pid).
-pub fn served() -> Vec<(u32, &'static str, &'static Counters, (i32, i32))> {
+/// The pids of a database's outbox worker, subscription worker and monitor (0: none).
+pub type Pids = (i32, i32, i32);
+
+/// The databases the launcher serves now: oid, state, counters, pids.
+pub fn served() -> Vec<(u32, &'static str, &'static Counters, Pids)> {
     if !super::ready() {
         return Vec::new();
     }
@@ -179,10 +182,11 @@ pub fn served() -> Vec<(u32, &'static str, &'static Counters, (i32, i32))> {
             let pids = (
                 s.pid.load(Ordering::Acquire),
                 s.inbox_pid.load(Ordering::Acquire),
+                s.monitor_pid.load(Ordering::Acquire),
             );
             let state = if s.paused_until_ms.load(Ordering::Acquire) > now_ms() {
                 "paused"
-            } else if pids.0 != 0 && pids.1 != 0 {
+            } else if pids.0 != 0 && pids.1 != 0 && pids.2 != 0 {
                 "running"
             } else {
                 "starting"
@@ -203,9 +207,10 @@ pub struct SlotView {
     pub database: u32,
     pub outbox_pid: i32,
     pub inbox_pid: i32,
+    pub monitor_pid: i32,
     pub absent: bool,
     pub paused: bool,
-    /// A launcher served the database here (both workers; not only a probe).
+    /// A launcher served the database here (all its workers; not only a probe).
     pub served: bool,
 }
 
@@ -217,6 +222,7 @@ pub fn slot_view(i: usize) -> SlotView {
         database: s.database.load(Ordering::Acquire),
         outbox_pid: s.pid.load(Ordering::Acquire),
         inbox_pid: s.inbox_pid.load(Ordering::Acquire),
+        monitor_pid: s.monitor_pid.load(Ordering::Acquire),
         absent: s.absent.load(Ordering::Acquire),
         paused: s.paused_until_ms.load(Ordering::Acquire) > now_ms(),
         served: s.served.load(Ordering::Acquire),
@@ -306,7 +312,7 @@ pub fn pause(database: u32, for_at_most: Option<Duration>) -> Vec<i32> {
     let s = &SLOTS.get().0[i];
     let until = for_at_most.map_or(0, |d| now_ms() + d.as_millis() as u64);
     s.paused_until_ms.store(until, Ordering::Release);
-    [&s.pid, &s.inbox_pid]
+    [&s.pid, &s.inbox_pid, &s.monitor_pid]
         .iter()
         .map(|p| p.load(Ordering::Acquire))
         .filter(|p| *p != 0)

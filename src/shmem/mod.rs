@@ -52,6 +52,9 @@ pub struct DbSlot {
     inbox_latch: AtomicUsize,
     inbox_pid: AtomicI32,
     inbox_reload: AtomicBool,
+    /// The monitor (reconciliation) of this database: latch and pid.
+    monitor_latch: AtomicUsize,
+    monitor_pid: AtomicI32,
 }
 
 /// One `T` per database slot, in shared memory.
@@ -343,6 +346,7 @@ pub fn commit_wake_taken() -> bool {
 pub enum WorkerKind {
     Outbox,
     Inbox,
+    Monitor,
 }
 
 /// A worker announces itself in its slot (after [`set_worker_slot`]): its pid and latch.
@@ -355,6 +359,7 @@ pub fn register_worker(kind: WorkerKind, latch: *mut pg_sys::Latch, pid: i32) ->
     let (l, p) = match kind {
         WorkerKind::Outbox => (&s.latch, &s.pid),
         WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
+        WorkerKind::Monitor => (&s.monitor_latch, &s.monitor_pid),
     };
     if p.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
         .is_err()
@@ -373,6 +378,7 @@ pub fn unregister_worker(kind: WorkerKind, pid: i32) {
     let (l, p) = match kind {
         WorkerKind::Outbox => (&s.latch, &s.pid),
         WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
+        WorkerKind::Monitor => (&s.monitor_latch, &s.monitor_pid),
     };
     if p.load(Ordering::Acquire) == pid {
         l.store(0, Ordering::Release);

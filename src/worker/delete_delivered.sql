@@ -19,16 +19,25 @@ WITH t AS (
     INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key,
         system_id, host_id, business_type, business_key, traceparent, producer_pid,
         producer_started_at, created_at, published_at, confirmed_at, acknowledged_at, attempts,
-        expected, body, headers, delivery_mode, content_type, reply_to, correlation_id)
+        expected, body, headers, delivery_mode, content_type, reply_to, correlation_id, check_at)
     SELECT d.message_id, d.message_at, d.id, d.broker_id, d.exchange, d.routing_key,
            coalesce(d.system_id, $6), coalesce(d.host_id, $7), d.kind, d.business_key,
            d.traceparent, d.producer_pid, d.producer_started_at, d.created_at,
            to_timestamp(d.published / 1e6::float8), to_timestamp(d.confirmed / 1e6::float8),
            to_timestamp(d.acknowledged / 1e6::float8), d.attempts, r.consumers,
            (d.kept).body, (d.kept).headers, (d.kept).delivery_mode, (d.kept).content_type,
-           (d.kept).reply_to, (d.kept).correlation_id
+           (d.kept).reply_to, (d.kept).correlation_id,
+           -- The monitor's first look: when it would be late.
+           now() + r.late_after
       FROM d LEFT JOIN amqp.monitor_rule r ON r.business_type = d.kind
      WHERE $5 AND d.resends = 0
+), again AS (
+    -- A copy the monitor resent reached the broker: the message's clock starts again.
+    UPDATE amqp.produced x
+       SET redelivered_at = now(),
+           check_at = CASE WHEN x.completed_at IS NULL THEN now() ELSE x.check_at END
+      FROM d
+     WHERE $5 AND d.resends > 0 AND x.message_id = d.message_id AND x.message_at = d.message_at
 ), s AS (
     INSERT INTO amqp._daily_stat AS s (day, business_type, part, delivered)
     SELECT (d.message_at AT TIME ZONE 'UTC')::date, d.kind, 0, count(*) FROM d

@@ -52,7 +52,8 @@ pub(crate) fn connect_to_slot_database(arg: pg_sys::Datum) -> String {
 }
 
 /// Run by PostgreSQL as a worker exits: SQL functions must stop setting a latch that is gone,
-/// and the launcher learns that the worker stopped. `arg`: the kind (0 outbox, 1 subscriptions).
+/// and the launcher learns that the worker stopped. `arg`: the kind (0 outbox, 1 subscriptions,
+/// 2 monitor).
 #[pg_guard]
 extern "C-unwind" fn unregister_on_exit(_code: i32, arg: pg_sys::Datum) {
     // SAFETY: reads this process's pid, a plain global.
@@ -61,17 +62,21 @@ extern "C-unwind" fn unregister_on_exit(_code: i32, arg: pg_sys::Datum) {
 }
 
 fn kind_of(n: usize) -> shmem::WorkerKind {
-    if n == 0 {
-        shmem::WorkerKind::Outbox
-    } else {
-        shmem::WorkerKind::Inbox
+    match n {
+        0 => shmem::WorkerKind::Outbox,
+        1 => shmem::WorkerKind::Inbox,
+        _ => shmem::WorkerKind::Monitor,
     }
 }
 
 /// Takes the slot's hold for a worker of `kind` (see [`shmem::register_worker`]). Exits at once
 /// (code 0: the launcher decides about restarts) when another worker of the same kind holds it.
 pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
-    let n = usize::from(kind == shmem::WorkerKind::Inbox);
+    let (n, what) = match kind {
+        shmem::WorkerKind::Outbox => (0usize, "outbox"),
+        shmem::WorkerKind::Inbox => (1, "subscription"),
+        shmem::WorkerKind::Monitor => (2, "monitor"),
+    };
     // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
     // until it exits. The exit callback is registered first, so no path leaves a hold behind;
     // it runs while shared memory is still attached, and frees only a hold this process took.
@@ -81,8 +86,7 @@ pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
     };
     if !taken {
         log!(
-            "amqp_outbox: another {} worker already serves database \"{database}\"; this one exits",
-            if n == 0 { "outbox" } else { "subscription" }
+            "amqp_outbox: another {what} worker already serves database \"{database}\"; this one exits"
         );
         // SAFETY: the main thread, before any transaction; proc_exit never returns.
         unsafe { pg_sys::proc_exit(0) };

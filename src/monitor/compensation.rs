@@ -1,34 +1,19 @@
-//! The subscription worker's reconciliation duties: the production log's day partitions and
-//! retention (every ten seconds), the monitor (once a second: late, lost, resends, compensations to
-//! make), and the compensations themselves — each in its own transaction, in a subtransaction
-//! that keeps the handler's effects and the "done" mark together, so a compensation happens at
-//! most once and is retried with backoff until it does. Errors are caught and logged: nothing a
-//! user stores in a rule or a handler ends the worker.
+//! Compensations, each in its own transaction: the handler runs as its owner in a
+//! subtransaction that keeps its effects and the "done" mark together, so a compensation
+//! happens at most once and is retried with backoff until it does. One whose consumer has
+//! answered ok since (or whose message completed) is never run: the monitor cancels it, and the
+//! statement that takes it checks again with the row locked. Errors are caught and logged:
+//! nothing a user stores in a handler ends the monitor.
 
-use super::guarded::{self, Caught};
+use crate::inbox::guarded::{self, Caught};
 use crate::worker::pg;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-const UPKEEP_EVERY: Duration = Duration::from_secs(10);
-const UPKEEP_LOCK_WAIT: Duration = Duration::from_millis(200);
-const MONITOR_EVERY: Duration = Duration::from_secs(1);
-/// Compensations run per wake-up at most, and the time after which no further one starts: the
-/// subscriptions of this worker wait meanwhile (a slow function is bounded by
-/// `amqp_outbox.handler_timeout` on top).
-const COMPENSATIONS_PER_TICK: usize = 20;
-const COMPENSATION_BUDGET: Duration = Duration::from_millis(500);
-
-#[derive(Default)]
-pub struct Reconciler {
-    upkeep_at: Option<Instant>,
-    monitor_at: Option<Instant>,
-}
-
-/// A compensation due now, as the worker read it.
+/// A compensation due now, as the monitor read it.
 struct Due {
     message_id: String,
     consumer: String,
@@ -40,63 +25,8 @@ struct Due {
     failure: Option<String>,
 }
 
-impl Reconciler {
-    /// Whether a duty is due (the loop sleeps at most until then).
-    pub fn due(&self) -> bool {
-        let now = Instant::now();
-        self.upkeep_at.is_none_or(|t| now >= t) || self.monitor_at.is_none_or(|t| now >= t)
-    }
-
-    /// Runs what is due. Call between transactions, with the extension present and current.
-    pub fn run(&mut self, backoff: &Backoff, handler_timeout: Duration) {
-        let now = Instant::now();
-        if self.upkeep_at.is_none_or(|t| now >= t) {
-            self.upkeep_at = Some(now + UPKEEP_EVERY);
-            // Its partition DDL waits at most UPKEEP_LOCK_WAIT for its locks: the outbox
-            // worker's writes to the production log queue behind a waiting ALTER or DROP (a
-            // pg_dump holds every table), and would wait with it up to their lock_timeout.
-            guarded_statement(
-                "amqp_outbox reconciliation upkeep",
-                "SELECT amqp._reconcile_upkeep()",
-                Some(UPKEEP_LOCK_WAIT),
-            );
-        }
-        if self.monitor_at.is_none_or(|t| now >= t) {
-            self.monitor_at = Some(now + MONITOR_EVERY);
-            guarded_statement("amqp_outbox monitor", "SELECT amqp._monitor()::text", None);
-            let started = Instant::now();
-            for _ in 0..COMPENSATIONS_PER_TICK {
-                if started.elapsed() >= COMPENSATION_BUDGET
-                    || !compensate_one(backoff, handler_timeout)
-                {
-                    break;
-                }
-            }
-        }
-    }
-}
-
-/// One statement in its own transaction, its error logged instead of raised; `lock_wait`: the
-/// longest it waits for a lock (then it is left for its next turn, with a debug line).
-fn guarded_statement(what: &str, sql: &'static str, lock_wait: Option<Duration>) {
-    match guarded::statement_alone(what, sql, lock_wait) {
-        Ok(Some(done)) if done.starts_with("made") => {
-            log!("amqp_outbox: production log: {done}")
-        }
-        Ok(_) => {}
-        Err(e) if lock_wait.is_some() && e.sqlstate == guarded::LOCK_NOT_AVAILABLE => {
-            debug1!("amqp_outbox: {what} postponed: {}", e.message)
-        }
-        Err(e) => warning!(
-            "amqp_outbox: {what} failed: {} (SQLSTATE {})",
-            e.message,
-            e.sqlstate
-        ),
-    }
-}
-
 /// Runs the oldest due compensation, if any. Returns whether there was one.
-fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bool {
+pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bool {
     pg::transaction("amqp_outbox compensation", || {
         let due = guarded::subtransaction(|| {
             Spi::connect_mut(next_due).unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
@@ -162,6 +92,13 @@ fn next_due(client: &mut SpiClient<'_>) -> SpiResult<Option<Due>> {
            JOIN pg_proc p ON p.oid = h.handler \
            JOIN pg_namespace n ON n.oid = p.pronamespace \
           WHERE c.state = 'pending' AND c.next_attempt_at <= clock_timestamp() \
+            AND coalesce((SELECT r.status FROM amqp.receipt r \
+                           WHERE r.message_id = c.message_id AND r.message_at = c.message_at \
+                             AND r.consumer = c.consumer \
+                           ORDER BY r.received_at DESC LIMIT 1), 'failed') <> 'ok' \
+            AND NOT EXISTS (SELECT FROM amqp.produced x \
+                             WHERE x.message_id = c.message_id AND x.message_at = c.message_at \
+                               AND x.outcome = 'complete') \
           ORDER BY c.next_attempt_at \
           LIMIT 1 \
             FOR UPDATE OF c SKIP LOCKED",
@@ -183,7 +120,8 @@ fn next_due(client: &mut SpiClient<'_>) -> SpiResult<Option<Due>> {
     Ok(out)
 }
 
-/// In the compensation's subtransaction, after the handler returned: done, counted.
+/// In the compensation's subtransaction, after the handler returned: done, counted, and the
+/// message looked at again by the next pass (it may be finished now).
 fn mark_done(client: &mut SpiClient<'_>, due: &Due) -> SpiResult<()> {
     let args: [DatumWithOid; 2] = [due.message_id.as_str().into(), due.consumer.as_str().into()];
     client.update(
@@ -191,7 +129,11 @@ fn mark_done(client: &mut SpiClient<'_>, due: &Due) -> SpiResult<()> {
             UPDATE amqp.compensation \
                SET state = 'done', done_at = clock_timestamp(), attempts = attempts + 1 \
              WHERE message_id = $1 AND consumer = $2 \
-            RETURNING message_at, business_type) \
+            RETURNING message_id, message_at, business_type), \
+         again AS ( \
+            UPDATE amqp.produced p SET check_at = clock_timestamp() \
+              FROM c WHERE p.message_id = c.message_id AND p.message_at = c.message_at \
+               AND p.completed_at IS NULL) \
          SELECT amqp._count(amqp._day(message_at), business_type, 'compensated', 1) FROM c",
         None,
         &args,
