@@ -120,6 +120,19 @@ fn status(client: &mut Client) -> BTreeMap<String, (String, Option<i32>, Option<
         .collect()
 }
 
+/// This database's monitor pid (0: none).
+fn monitor_pid(client: &mut Client) -> i32 {
+    client
+        .query_one(
+            "SELECT coalesce(monitor_pid, 0) FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("amqp.worker_status: {e}"))
+}
+
+/// Waits until the database's state is `running` (all three workers announced); returns the
+/// outbox and subscription workers' pids.
 fn wait_running(client: &mut Client, database: &str) -> (i32, i32) {
     eventually(
         UP,
@@ -397,12 +410,12 @@ fn a_database_taken_out_of_amqp_outbox_database_loses_its_workers_at_the_reload(
 #[test]
 fn databases_without_the_extension_are_probed_and_left_alone() {
     // Little room (PostgreSQL's logical replication launcher, ours, two probes, one database's
-    // two workers), and eight databases that only a probe can tell apart from one to serve.
+    // three workers), and eight databases that only a probe can tell apart from one to serve.
     let rabbit = Rabbit::shared();
     let cluster = PgCluster::new(
         PgConfig::default()
             .setting("amqp_outbox.database", "'*'")
-            .setting("max_worker_processes", 6),
+            .setting("max_worker_processes", 7),
     );
     let mut admin = cluster.client_db("postgres");
     for i in 0..8 {
@@ -478,6 +491,7 @@ fn a_terminated_launcher_comes_back_and_restarts_the_workers_it_did_not_start() 
     let cluster = PgCluster::new(every_database(&[]));
     let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
     let (outbox, inbox) = wait_running(&mut e2e.client, "e2e");
+    let monitor = monitor_pid(&mut e2e.client);
     let mut launcher = wait_launcher(&cluster, None);
     assert!(health_of(&mut e2e.client, "launcher").starts_with("ok"));
     for round in 0..2 {
@@ -495,33 +509,45 @@ fn a_terminated_launcher_comes_back_and_restarts_the_workers_it_did_not_start() 
         );
         // Its workers were not touched: the new launcher adopts them.
         assert_eq!(wait_running(&mut e2e.client, "e2e"), (outbox, inbox));
+        assert_eq!(monitor_pid(&mut e2e.client), monitor);
         launcher = new;
     }
     assert!(health_of(&mut e2e.client, "launcher").starts_with("ok"));
-    // Both workers terminated at once: the new launcher (which the postmaster does not tell
-    // about workers it did not start) starts them again.
+    // All three workers terminated at once: the new launcher (which the postmaster does not
+    // tell about workers it did not start) starts them again.
     e2e.publish(20);
     let stopped = Instant::now();
     e2e.client
         .query_one(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-              WHERE pid IN ($1, $2)",
-            &[&outbox, &inbox],
+              WHERE pid IN ($1, $2, $3)",
+            &[&outbox, &inbox, &monitor],
         )
         .unwrap_or_else(|e| panic!("{e}"));
     let (new_outbox, new_inbox) = eventually(UP, "e2e's workers back", || {
         match wait_running(&mut e2e.client, "e2e") {
-            (w, s) if w != outbox && s != inbox => Ok((w, s)),
+            (w, s) if w != outbox && s != inbox && monitor_pid(&mut e2e.client) != monitor => {
+                Ok((w, s))
+            }
             other => Err(format!("{other:?}")),
         }
     });
+    let new_monitor = monitor_pid(&mut e2e.client);
     eprintln!(
-        "workers {outbox}/{inbox} -> {new_outbox}/{new_inbox} in {:?}",
+        "workers {outbox}/{inbox}/{monitor} -> {new_outbox}/{new_inbox}/{new_monitor} in {:?}",
         stopped.elapsed()
     );
     e2e.publish(20);
     e2e.wait_all_arrived();
-    for c in ["worker", "subscription worker", "launcher"] {
+    eventually(UP, "the monitor's health ok", || {
+        let h = health_of(&mut e2e.client, "monitor");
+        if h.starts_with("ok") {
+            Ok(())
+        } else {
+            Err(h)
+        }
+    });
+    for c in ["worker", "subscription worker", "launcher", "monitor"] {
         let h = health_of(&mut e2e.client, c);
         assert!(h.starts_with("ok"), "{c}: {h}");
     }

@@ -131,7 +131,7 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
     let client = &mut rig.client;
     eventually(
         WORKER_UP,
-        "launcher, outbox and subscription worker back",
+        "launcher, outbox worker, subscription worker and monitor back",
         || {
             let kinds: Vec<String> = client
                 .query(
@@ -146,6 +146,7 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
             let want = [
                 "amqp_outbox",
                 "amqp_outbox launcher",
+                "amqp_outbox monitor",
                 "amqp_outbox subscriptions",
             ];
             if kinds == want {

@@ -1,0 +1,405 @@
+//! The reconciliation monitor's promises, each against a real broker (a private one where it
+//! is stopped) and a real PostgreSQL with the monitor in its own process:
+//!
+//! - a message is timed from its delivery to the broker: an outage before delivery makes
+//!   nothing lost, and nothing is compensated for messages the consumer handled;
+//! - a silent consumer gets at most `max_resends` copies, never two waiting at once, and the
+//!   message is then given up as lost (finished);
+//! - a compensation never runs for a consumer that answered ok before it ran.
+
+use std::time::{Duration, Instant};
+
+use amqp_outbox_e2e::outbox::{add_broker, create_extension};
+use amqp_outbox_e2e::{eventually, AmqpEndpoint, PgCluster, PgConfig, PrivateRabbit, Rabbit};
+use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
+use postgres::Client;
+
+const UP: Duration = Duration::from_secs(60);
+
+/// A database `shop` whose monitor runs, with a broker and (`receipts`: exchange, queue) the
+/// receipts collected by its own subscription.
+fn shop(
+    endpoint: &AmqpEndpoint,
+    receipts: Option<(&str, &str)>,
+    settings: &[(&str, &str)],
+) -> (PgCluster, Client, i32) {
+    let mut config = PgConfig {
+        database: "shop".to_string(),
+        ..PgConfig::default()
+    }
+    .setting("amqp_outbox.database", "'shop'");
+    if let Some((exchange, _)) = receipts {
+        config = config.setting("amqp_outbox.receipts_exchange", format!("'{exchange}'"));
+    }
+    for (k, v) in settings {
+        config = config.setting(k, *v);
+    }
+    let cluster = PgCluster::new(config);
+    let mut c = cluster.client_db("shop");
+    create_extension(&mut c);
+    let broker = add_broker(&mut c, endpoint);
+    if let Some((exchange, queue)) = receipts {
+        c.query_one(
+            "SELECT amqp.collect_receipts($1, $2, $3)",
+            &[&broker, &exchange, &queue],
+        )
+        .unwrap_or_else(|e| panic!("collect_receipts: {e}"));
+    }
+    c.batch_execute(
+        "CREATE SEQUENCE undo_calls;
+         CREATE TABLE undone (message_id text, consumer text);
+         -- Fails on its first call, records the compensation after.
+         CREATE FUNCTION undo(original amqp.produced, failure amqp.receipt) RETURNS void
+             LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('undo_calls') = 1 THEN
+                 RAISE EXCEPTION 'compensation fails once';
+             END IF;
+             INSERT INTO undone VALUES (original.message_id, failure.consumer);
+         END $$;",
+    )
+    .unwrap_or_else(|e| panic!("compensation handler: {e}"));
+    (cluster, c, broker)
+}
+
+fn scalar(c: &mut Client, sql: &str) -> Result<i64, String> {
+    c.query_one(sql, &[])
+        .map(|r| r.get::<_, i64>(0))
+        .map_err(|e| e.to_string())
+}
+
+fn wait_consuming(c: &mut Client, n: i64) {
+    eventually(
+        UP,
+        &format!("{n} subscription(s) consuming"),
+        || match scalar(
+            c,
+            "SELECT count(*) FROM amqp.subscription_status WHERE state = 'consuming'",
+        )? {
+            m if m == n => Ok(()),
+            m => Err(format!("{m} consuming")),
+        },
+    );
+}
+
+fn publish(
+    c: &mut Client,
+    broker: i32,
+    exchange: &str,
+    business_type: &str,
+    n: i32,
+) -> Vec<String> {
+    let mut tx = c.transaction().expect("BEGIN");
+    tx.query(
+        "SELECT amqp.publish_message($1, $2, $3, 'message ' || i, business_type => $3)
+           FROM generate_series(1, $4) i",
+        &[&broker, &exchange, &business_type, &n],
+    )
+    .unwrap_or_else(|e| panic!("publishing {business_type}: {e}"));
+    let ids = tx
+        .query(
+            "SELECT message_id FROM amqp.message WHERE business_type = $1 AND resends = 0",
+            &[&business_type],
+        )
+        .expect("message ids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    tx.commit().expect("COMMIT");
+    ids
+}
+
+/// Broker down for 15 s (three times `lost_after`) while 200 messages are committed; the
+/// consumer handles them once it is back. Timed from their creation they were all lost at the
+/// monitor's first look and compensated (139 of 200 after they had completed); timed from
+/// their delivery none is.
+#[test]
+fn an_outage_before_delivery_makes_nothing_lost_and_nothing_compensated() {
+    let mut rabbit = PrivateRabbit::prepare();
+    rabbit.boot();
+    let (cluster, mut c, broker) = shop(&rabbit.endpoint(), Some(("receipts", "q.receipts")), &[]);
+    c.batch_execute(
+        "CREATE TABLE handled (message_id text PRIMARY KEY);
+         CREATE FUNCTION handle(d amqp.delivery) RETURNS void LANGUAGE sql AS
+             $$ INSERT INTO handled VALUES (d.message_id) ON CONFLICT DO NOTHING $$;
+         INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
+         VALUES ('signup', '{mail}', '2 s', '5 s', 'compensate');
+         SELECT amqp.on_failure('signup', 'undo(amqp.produced, amqp.receipt)');",
+    )
+    .expect("rule");
+    c.query_one(
+        "SELECT amqp.exchange_declare($1, 'biz', 'topic', false, true),
+                amqp.queue_declare($1, 'q.mail'), amqp.queue_bind($1, 'q.mail', 'biz', 'signup'),
+                amqp.subscribe('mail', $1, 'q.mail', 'handle(amqp.delivery)'::regprocedure)",
+        &[&broker],
+    )
+    .expect("mail's subscription");
+    wait_consuming(&mut c, 2);
+
+    rabbit.stop_app();
+    let ids = publish(&mut c, broker, "biz", "signup", 200);
+    assert_eq!(ids.len(), 200);
+    std::thread::sleep(Duration::from_secs(15));
+    rabbit.start_app();
+
+    eventually(
+        Duration::from_secs(180),
+        "200 messages complete",
+        || match scalar(
+            &mut c,
+            "SELECT count(*) FROM amqp.produced WHERE outcome = 'complete'",
+        )? {
+            200 => Ok(()),
+            n => Err(format!("{n} complete\n{}", cluster.log_tail(5))),
+        },
+    );
+    let handled = scalar(&mut c, "SELECT count(*) FROM handled").expect("handled");
+    let given_up = scalar(
+        &mut c,
+        "SELECT count(*) FROM amqp.produced WHERE lost_at IS NOT NULL",
+    )
+    .expect("lost");
+    let compensations =
+        scalar(&mut c, "SELECT count(*) FROM amqp.compensation").expect("compensations");
+    let undone = scalar(&mut c, "SELECT count(*) FROM undone").expect("undone");
+    let lost_stat = scalar(
+        &mut c,
+        "SELECT coalesce(sum(lost), 0)::int8 FROM amqp.daily_stats WHERE business_type = 'signup'",
+    )
+    .expect("daily_stats");
+    assert_eq!(
+        (handled, given_up, compensations, undone, lost_stat),
+        (200, 0, 0, 0, 0),
+        "(handled, lost, compensations queued, compensated, lost in daily_stats)"
+    );
+}
+
+/// A consumer that never answers, under 'resend' with max_resends 2: while the broker is down
+/// the copy waits in the outbox and no second one joins it (one per lost_after piled up and
+/// went out in a burst); after the broker is back, the message is resent twice in all and then
+/// given up as lost, finished: its queue holds exactly three copies of each message.
+#[test]
+fn a_silent_consumer_gets_at_most_max_resends_copies_never_two_at_once() {
+    let mut rabbit = PrivateRabbit::prepare();
+    rabbit.boot();
+    let endpoint = rabbit.endpoint();
+    let (_cluster, mut c, broker) = shop(&endpoint, None, &[]);
+    c.batch_execute(
+        "INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action, max_resends)
+         VALUES ('audit', '{archive}', '1 s', '2 s', 'resend', 2);",
+    )
+    .expect("rule");
+    c.query_one(
+        "SELECT amqp.exchange_declare($1, 'biz', 'topic', false, true),
+                amqp.queue_declare($1, 'q.archive'), amqp.queue_bind($1, 'q.archive', 'biz', 'audit')",
+        &[&broker],
+    )
+    .expect("archive's queue");
+    let ids = publish(&mut c, broker, "biz", "audit", 3);
+    eventually(UP, "3 messages delivered", || {
+        match scalar(&mut c, "SELECT count(*) FROM amqp.produced")? {
+            3 => Ok(()),
+            n => Err(format!("{n} delivered")),
+        }
+    });
+
+    rabbit.stop_app();
+    let down = Instant::now();
+    let mut most = 0i64;
+    let mut copies_seen = 0i64;
+    while down.elapsed() < Duration::from_secs(12) {
+        let r = c
+            .query_one(
+                "SELECT coalesce(max(n), 0), count(*) FROM
+                   (SELECT message_id, count(*) AS n FROM amqp.message GROUP BY 1) m",
+                &[],
+            )
+            .expect("copies");
+        most = most.max(r.get(0));
+        copies_seen = copies_seen.max(r.get(1));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    rabbit.start_app();
+    assert!(
+        copies_seen > 0,
+        "no copy was made while the broker was down"
+    );
+    assert_eq!(
+        most, 1,
+        "a second copy of a message joined one still waiting"
+    );
+
+    eventually(
+        Duration::from_secs(120),
+        "3 messages lost",
+        || match scalar(
+            &mut c,
+            "SELECT count(*) FROM amqp.produced WHERE outcome = 'lost' AND resends = 2",
+        )? {
+            3 => Ok(()),
+            n => Err(format!("{n} given up after 2 resends")),
+        },
+    );
+    // Time for a resend too many, had the bound not held.
+    std::thread::sleep(Duration::from_secs(6));
+    let resends: Vec<i32> = c
+        .query("SELECT resends FROM amqp.produced ORDER BY 1", &[])
+        .expect("resends")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(resends, vec![2, 2, 2]);
+    let admin = AmqpAdmin::connect(&endpoint.uri()).expect("admin connection");
+    let in_queue = eventually(UP, "every copy in the queue", || {
+        match admin.queue_counts("q.archive")? {
+            Some(q) if q.messages == 9 => Ok(q.messages),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(in_queue, 9, "the 3 messages and 2 copies of each");
+    let stats = c
+        .query_one(
+            "SELECT late::int8, lost::int8, resent::int8 FROM amqp.daily_stats WHERE business_type = 'audit'",
+            &[],
+        )
+        .expect("daily_stats");
+    assert_eq!(
+        (
+            stats.get::<_, i64>(0),
+            stats.get::<_, i64>(1),
+            stats.get::<_, i64>(2)
+        ),
+        (3, 3, 6),
+        "(late, lost, resent)"
+    );
+    for id in &ids {
+        let events: Vec<String> = c
+            .query("SELECT event FROM amqp.trace($1)", &[id])
+            .expect("trace")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for want in ["late", "resent", "delivered again", "lost", "finished"] {
+            assert!(
+                events.iter().any(|e| e == want),
+                "{id} lacks {want}: {events:?}"
+            );
+        }
+    }
+}
+
+/// billing answers 'failed', the compensation fails once (retried after 10 s), and billing
+/// answers ok meanwhile: the compensation is cancelled and never runs, and the message
+/// completes. (It ran at its retry, after the message had completed.)
+#[test]
+fn a_compensation_never_runs_for_a_consumer_that_answered_ok_before_it() {
+    let rabbit = Rabbit::shared();
+    let tag = format!("monitor_cancel_{}", std::process::id());
+    let (exchange, receipts, receipts_queue, queue) = (
+        format!("{tag}.biz"),
+        format!("{tag}.receipts"),
+        format!("{tag}.q.receipts"),
+        format!("{tag}.q.billing"),
+    );
+    let (_cluster, mut c, broker) = shop(
+        rabbit.endpoint(),
+        Some((&receipts, &receipts_queue)),
+        &[
+            ("amqp_outbox.retry_backoff_min", "10000"),
+            ("amqp_outbox.retry_backoff_max", "10000"),
+        ],
+    );
+    c.batch_execute(
+        "INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
+         VALUES ('refund', '{billing}', '60 s', '120 s', 'compensate');
+         SELECT amqp.on_failure('refund', 'undo(amqp.produced, amqp.receipt)');",
+    )
+    .expect("rule");
+    c.query_one(
+        "SELECT amqp.exchange_declare($1, $2, 'topic', false, true),
+                amqp.queue_declare($1, $3), amqp.queue_bind($1, $3, $2, 'refund')",
+        &[&broker, &exchange, &queue],
+    )
+    .expect("billing's queue");
+    wait_consuming(&mut c, 1);
+    let id = publish(&mut c, broker, &exchange, "refund", 1).remove(0);
+    eventually(UP, "the refund delivered", || {
+        match scalar(&mut c, "SELECT count(*) FROM amqp.produced")? {
+            1 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    });
+    // As billing would answer, through its own outbox.
+    c.query_one(
+        "SELECT amqp.send_receipt($1, 'billing', $2, false, 'billing down', 'refund')",
+        &[&broker, &id],
+    )
+    .expect("failed receipt");
+    eventually(UP, "the compensation's first failure", || {
+        let r = c
+            .query_opt(
+                "SELECT attempts, last_error FROM amqp.compensation WHERE message_id = $1",
+                &[&id],
+            )
+            .map_err(|e| e.to_string())?;
+        match r.map(|r| (r.get::<_, i32>(0), r.get::<_, Option<String>>(1))) {
+            Some((1, Some(e))) if e.contains("compensation fails once") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    c.query_one(
+        "SELECT amqp.send_receipt($1, 'billing', $2, true, NULL, 'refund')",
+        &[&broker, &id],
+    )
+    .expect("ok receipt");
+    eventually(UP, "the refund complete", || {
+        let outcome: Option<String> = c
+            .query_one(
+                "SELECT outcome FROM amqp.produced WHERE message_id = $1",
+                &[&id],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        match outcome.as_deref() {
+            Some("complete") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    // Past the retry's time: it must not come.
+    std::thread::sleep(Duration::from_secs(12));
+    let state: String = c
+        .query_one(
+            "SELECT state FROM amqp.compensation WHERE message_id = $1",
+            &[&id],
+        )
+        .expect("compensation")
+        .get(0);
+    let calls = scalar(
+        &mut c,
+        "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM undo_calls",
+    )
+    .expect("calls");
+    let undone = scalar(&mut c, "SELECT count(*) FROM undone").expect("undone");
+    assert_eq!(
+        (state.as_str(), calls, undone),
+        ("cancelled", 1, 0),
+        "(compensation state, handler calls, compensations made)"
+    );
+    let events: Vec<String> = c
+        .query("SELECT event FROM amqp.trace($1)", &[&id])
+        .expect("trace")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        events.iter().any(|e| e == "compensation cancelled"),
+        "{events:?}"
+    );
+    if let Ok(admin) = AmqpAdmin::connect(&rabbit.endpoint().uri()) {
+        admin.delete_all(
+            &[receipts_queue, queue],
+            &[exchange, receipts],
+            Duration::from_secs(10),
+        );
+    }
+}
