@@ -185,8 +185,13 @@ BEGIN
                     WHEN cardinality(silent) = 0 OR silent_fail THEN NULL
                     WHEN now() < since + late_after THEN since + late_after
                     WHEN now() < since + lost_after THEN since + lost_after
-                    -- Due, but receipts are not collected that far yet.
-                    ELSE now() + interval '1 second'
+                    -- Due, but receipts are not collected that far yet: not before the
+                    -- collection could have caught up (at least a second, at most lost_after
+                    -- later), so that an outage does not have every such message looked at
+                    -- every second.
+                    WHEN receipts_until = '-infinity' THEN now() + lost_after
+                    ELSE now() + least(greatest(since + lost_after - receipts_until, interval '1 second'),
+                                       lost_after)
                END AS next_check
           FROM decided
     ), upd AS (
@@ -401,6 +406,41 @@ CREATE OR REPLACE FUNCTION @extschema@.trace(message_id text)
 $trace$;
 COMMENT ON FUNCTION @extschema@.trace(text) IS
     'The life of one message in time order: produced, published, confirmed, acknowledged, delivered, late, lost, resent, delivered again, consumed or failed at each consumer, compensated or compensation cancelled, finished, parked, discarded.';
+
+-- Receipts, consumer side: the business type travels back so the producer can count it. A
+-- receipt is itself of the business type amqp_outbox.receipt: never one a rule monitors (its
+-- routing key, the consumer's name, may well be one).
+CREATE OR REPLACE FUNCTION @extschema@.send_receipt(broker_id integer, consumer text, message_id text,
+                                         ok boolean DEFAULT true, error text DEFAULT NULL,
+                                         business_type text DEFAULT NULL)
+    RETURNS boolean LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $receipt$
+DECLARE
+    exchange text := pg_catalog.current_setting('amqp_outbox.receipts_exchange', true);
+BEGIN
+    IF exchange IS NULL OR exchange = '' THEN
+        RETURN false;
+    END IF;
+    IF consumer IS NULL OR message_id IS NULL OR ok IS NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: consumer, message_id and ok must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM @extschema@.publish_message(
+        broker_id, exchange, consumer,
+        pg_catalog.jsonb_build_object('v', 1, 'message_id', message_id, 'consumer', consumer,
+                                      'status', CASE WHEN ok THEN 'ok' ELSE 'failed' END,
+                                      'error', error, 'at', pg_catalog.now(),
+                                      'business_type', business_type)::text,
+        pg_catalog.jsonb_build_object('x-amqp-outbox-receipt-for', message_id),
+        2, 'application/json', business_type => 'amqp_outbox.receipt');
+    RETURN true;
+END
+$receipt$;
+COMMENT ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) IS
+    'Publishes a receipt (message_id, consumer, ok or failed with error, when, business type) to amqp_outbox.receipts_exchange through the outbox: sent if and only if this transaction commits. false when no receipts exchange is set.';
+
+REVOKE ALL ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) TO amqp_outbox_consumer;
+GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) TO amqp_outbox_admin;
 
 REVOKE ALL ON @extschema@._monitor_summary FROM PUBLIC;
 REVOKE ALL ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer),

@@ -301,35 +301,8 @@ $collect$;
 COMMENT ON FUNCTION @extschema@.collect_receipts(integer, text, text) IS
     'Collects consumers'' receipts: declares the receipts exchange (topic) and queue, binds them, and subscribes amqp.record_receipt to the queue (subscription amqp_outbox.receipts). true when it subscribed, false when it updated the existing subscription.';
 
--- Receipts, consumer side: the business type travels back so the producer can count it.
+-- Receipts, consumer side (send_receipt(): monitor.sql).
 DROP FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text);
-CREATE FUNCTION @extschema@.send_receipt(broker_id integer, consumer text, message_id text,
-                                         ok boolean DEFAULT true, error text DEFAULT NULL,
-                                         business_type text DEFAULT NULL)
-    RETURNS boolean LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $receipt$
-DECLARE
-    exchange text := pg_catalog.current_setting('amqp_outbox.receipts_exchange', true);
-BEGIN
-    IF exchange IS NULL OR exchange = '' THEN
-        RETURN false;
-    END IF;
-    IF consumer IS NULL OR message_id IS NULL OR ok IS NULL THEN
-        RAISE EXCEPTION 'amqp_outbox: consumer, message_id and ok must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    PERFORM @extschema@.publish_message(
-        broker_id, exchange, consumer,
-        pg_catalog.jsonb_build_object('v', 1, 'message_id', message_id, 'consumer', consumer,
-                                      'status', CASE WHEN ok THEN 'ok' ELSE 'failed' END,
-                                      'error', error, 'at', pg_catalog.now(),
-                                      'business_type', business_type)::text,
-        pg_catalog.jsonb_build_object('x-amqp-outbox-receipt-for', message_id),
-        2, 'application/json');
-    RETURN true;
-END
-$receipt$;
-COMMENT ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) IS
-    'Publishes a receipt (message_id, consumer, ok or failed with error, when, business type) to amqp_outbox.receipts_exchange through the outbox: sent if and only if this transaction commits. false when no receipts exchange is set.';
 
 -- Compensation.
 CREATE FUNCTION @extschema@.on_failure(business_type text, handler regprocedure) RETURNS void
@@ -380,10 +353,8 @@ REVOKE ALL ON @extschema@.produced, @extschema@.produced_default, @extschema@.re
 REVOKE ALL ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date, text, text, bigint),
     @extschema@._setting_interval(text), @extschema@._reconcile_upkeep(),
     @extschema@.collect_receipts(integer, text, text),
-    @extschema@.send_receipt(integer, text, text, boolean, text, text),
     @extschema@.on_failure(text, regprocedure)
     FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) TO amqp_outbox_consumer;
 -- The views call _uuid7_time; granted to admins again after pg_monitor, so that a new install
 -- and an updated one list its grantees in the same order.
 REVOKE EXECUTE ON FUNCTION @extschema@._uuid7_time(text) FROM amqp_outbox_admin;
@@ -394,7 +365,6 @@ GRANT EXECUTE ON FUNCTION @extschema@._uuid7_time(text) TO amqp_outbox_admin;
 GRANT EXECUTE ON FUNCTION @extschema@._day(timestamptz), @extschema@._count(date, text, text, bigint),
     @extschema@._setting_interval(text), @extschema@._reconcile_upkeep(),
     @extschema@.collect_receipts(integer, text, text),
-    @extschema@.send_receipt(integer, text, text, boolean, text, text),
     @extschema@.on_failure(text, regprocedure)
     TO amqp_outbox_admin;
 -- Not amqp.produced: it holds the bodies of monitored messages (the views show what operators

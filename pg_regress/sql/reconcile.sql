@@ -150,8 +150,9 @@ SELECT amqp._monitor(0);
 \set VERBOSITY terse
 -- The first pass: looks at every due message (10), counts the receipts. 'done' completes;
 -- 'failing' has a compensation queued for coupon; 'slow' and the silent ones are late (timed
--- from delivery: 'outage' is not); nothing is lost while receipts are behind; a message whose
--- rule is gone stops being monitored.
+-- from delivery: 'outage' is not); nothing is lost while receipts are behind (each looked at
+-- again when the collection could have caught up: in 15 s); a message whose rule is gone stops
+-- being monitored.
 SELECT amqp._monitor() AS looked;
 SELECT i.key, p.late_at IS NOT NULL AS late, p.lost_at IS NOT NULL AS lost, p.resends, p.outcome,
        p.answered_ok, p.answered_failed, p.check_at - now() AS next_look

@@ -395,6 +395,20 @@ fn a_compensation_never_runs_for_a_consumer_that_answered_ok_before_it() {
         events.iter().any(|e| e == "compensation cancelled"),
         "{events:?}"
     );
+    // The receipts themselves are of their own business type, monitored by no rule.
+    let kinds: Vec<(String, String)> = c
+        .query(
+            "SELECT DISTINCT routing_key, business_type FROM amqp.produced WHERE exchange = $1",
+            &[&receipts],
+        )
+        .expect("the receipts' records")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![("billing".to_string(), "amqp_outbox.receipt".to_string())]
+    );
     if let Ok(admin) = AmqpAdmin::connect(&rabbit.endpoint().uri()) {
         admin.delete_all(
             &[receipts_queue, queue],

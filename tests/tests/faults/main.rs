@@ -1,4 +1,4 @@
-//! The fault-injection suite: one test per case of FAULTS.md (1 to 17), case 2 also with every
+//! The fault-injection suite: one test per case of FAULTS.md (1 to 26), case 2 also with every
 //! process of the product terminated at once, case 10 also after empty statistics.
 //!
 //! Every test runs its own PostgreSQL cluster and its own RabbitMQ node (never the shared ones),
@@ -24,6 +24,7 @@ mod consuming;
 mod crashes;
 mod lifecycle;
 mod load;
+mod monitoring;
 mod parking;
 mod privileges;
 mod rollback;
