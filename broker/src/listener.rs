@@ -351,7 +351,7 @@ async fn connect(
 ) -> Result<(Connection, Consumer), String> {
     let redactor = Redactor::new(std::slice::from_ref(&ep));
     let limit = cfg.connect_timeout;
-    let conn = open_connection(&ep, &cfg, "ack listener").await?;
+    let conn = open_connection(&ep, &cfg, "ack listener", false).await?;
     match tokio::time::timeout(limit, declare_and_consume(&conn, &cfg, &sink, &redactor)).await {
         Ok(Ok(consumer)) => Ok((conn, consumer)),
         Ok(Err(e)) => {

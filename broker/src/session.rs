@@ -565,7 +565,7 @@ impl Running {
 async fn connect(ep: Endpoint, cfg: BrokerConfig, sink: EventSink) -> Result<Session, String> {
     let redactor = Redactor::new(std::slice::from_ref(&ep));
     let limit = cfg.connect_timeout;
-    let conn = Arc::new(open_connection(&ep, &cfg, "broker").await?);
+    let conn = Arc::new(open_connection(&ep, &cfg, "broker", false).await?);
     let decls = Decls::of(&cfg);
     let declared = tokio::time::timeout(
         limit,

@@ -20,6 +20,7 @@ pub mod pg;
 pub mod private_rabbit;
 pub mod rabbit;
 pub mod rabbit_cluster;
+pub mod raw_amqp;
 pub mod world;
 
 pub use ledger::{Ledger, MessageKey, Outcome, Report};

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::chaos::send_signal;
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
+use amqp_outbox_e2e::raw_amqp::publish_with_message_id;
 use amqp_outbox_e2e::{
     eventually, unique_name, AmqpEndpoint, Outbox, PgCluster, PgConfig, PrivateRabbit, Rabbit,
     Received, Route,
@@ -1962,6 +1963,46 @@ fn hostile_deliveries_and_handlers_that_cannot_run_stop_nothing() {
         h,
         serde_json::json!({"k": {"$bytes": "YQBi"}, "n\u{FFFD}ame": "v"}),
         "header values keep their bytes, names lose only the NUL"
+    );
+    assert_eq!(pair.wait_sub_worker(None), worker, "the worker restarted");
+
+    // Bytes that are not UTF-8 in a message_id (RabbitMQ forwards them as they are; lapin
+    // refused the whole frame and the connection with it, forever): handled like the NUL, with
+    // the message after it, on the same consumer connection.
+    let since = |c: &mut Client| -> Option<std::time::SystemTime> {
+        c.query_one(
+            "SELECT state_since FROM amqp.subscription_status WHERE subscription = 'nul'",
+            &[],
+        )
+        .ok()
+        .map(|r| r.get(0))
+    };
+    let connected_since = since(&mut pair.consumer);
+    for (id, body) in [
+        (&b"bad\xff\xfeid"[..], "not-utf8"),
+        (&b"id-after"[..], "good-3"),
+    ] {
+        publish_with_message_id(rabbit.endpoint(), "", &nul.queue, id, body.as_bytes())
+            .unwrap_or_else(|e| panic!("publishing {body} raw: {e}"));
+    }
+    wait_count(
+        &mut pair.consumer,
+        "SELECT count(*) FROM public.applied WHERE subscription = 'nul'",
+        5,
+    );
+    let id: String = pair
+        .consumer
+        .query_one(
+            "SELECT message_id FROM public.applied WHERE body = 'not-utf8'",
+            &[],
+        )
+        .expect("the message with bad bytes")
+        .get(0);
+    assert_eq!(id, "bad\u{FFFD}\u{FFFD}id");
+    assert_eq!(
+        since(&mut pair.consumer),
+        connected_since,
+        "the consumer connected again"
     );
     assert_eq!(pair.wait_sub_worker(None), worker, "the worker restarted");
 

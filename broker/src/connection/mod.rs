@@ -4,6 +4,8 @@
 mod errors;
 mod open;
 mod redact;
+mod relay;
+mod sanitize;
 mod tls;
 
 pub(crate) use errors::{better_error, describe_error, message_may_be_at_fault};

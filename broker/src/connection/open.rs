@@ -36,10 +36,13 @@ pub(crate) fn uri_for(ep: &Endpoint, cfg: &BrokerConfig) -> AMQPUri {
 
 /// Opens a connection to one host (TLS when configured), named for RabbitMQ's connection list,
 /// within the connect timeout (built here, inside the runtime). Errors carry no password.
+/// `sanitize`: for a consumer, whose deliveries may carry short strings lapin cannot read (see
+/// `sanitize.rs`).
 pub(crate) async fn open_connection(
     ep: &Endpoint,
     cfg: &BrokerConfig,
     role: &str,
+    sanitize: bool,
 ) -> Result<Connection, String> {
     let props = ConnectionProperties::default().with_connection_name(
         format!(
@@ -50,7 +53,7 @@ pub(crate) async fn open_connection(
         .into(),
     );
     let limit = cfg.connect_timeout;
-    match tokio::time::timeout(limit, tls::connect(ep, uri_for(ep, cfg), props)).await {
+    match tokio::time::timeout(limit, tls::connect(ep, uri_for(ep, cfg), props, sanitize)).await {
         Err(_) => Err(format!("connection timed out after {limit:?}")),
         Ok(Err(e)) => Err(Redactor::new(std::slice::from_ref(ep)).clean_secrets(&e)),
         Ok(Ok(c)) => Ok(c),

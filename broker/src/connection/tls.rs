@@ -30,33 +30,41 @@ pub(crate) struct TlsSetup {
 }
 
 /// Opens a lapin connection to `ep`: plaintext `amqp` when `ep.tls` is `None`, otherwise
-/// `amqps` with the host's TLS settings. The error is described for a log line (the caller
-/// removes passwords, and bounds the whole with its connect timeout).
+/// `amqps` with the host's TLS settings. `sanitize`: the broker's bytes reach lapin through
+/// [`super::relay`] (a consumer's: see [`super::sanitize`]). The error is described for a log
+/// line (the caller removes passwords, and bounds the whole with its connect timeout).
 pub(crate) async fn connect(
     ep: &Endpoint,
     uri: AMQPUri,
     props: ConnectionProperties,
+    sanitize: bool,
 ) -> Result<Connection, String> {
-    let Some(opts) = &ep.tls else {
-        return Connection::connect_uri(uri, props)
-            .await
-            .map_err(|e| describe_error(&e));
+    let setup = match &ep.tls {
+        None if !sanitize => {
+            return Connection::connect_uri(uri, props)
+                .await
+                .map_err(|e| describe_error(&e));
+        }
+        None => None,
+        Some(opts) => Some(prepare(opts, &ep.host).map_err(|e| format!("TLS setup: {e}"))?),
     };
-    let setup = prepare(opts, &ep.host).map_err(|e| format!("TLS setup: {e}"))?;
-    let server_name = setup.server_name.clone();
-    let sends_client_cert = opts.cert_file.is_some();
-    connect_tls(uri, setup, props)
+    let server_name = setup.as_ref().map(|s| s.server_name.clone());
+    let sends_client_cert = ep.tls.as_ref().is_some_and(|o| o.cert_file.is_some());
+    connect_via(uri, setup, props, sanitize)
         .await
-        .map_err(|e| describe_connect_error(&e, &server_name, sends_client_cert))
+        .map_err(|e| match &server_name {
+            Some(name) => describe_connect_error(&e, name, sends_client_cert),
+            None => describe_error(&e),
+        })
 }
 
-async fn connect_tls(
+async fn connect_via(
     uri: AMQPUri,
-    setup: TlsSetup,
+    setup: Option<TlsSetup>,
     props: ConnectionProperties,
+    sanitize: bool,
 ) -> lapin::Result<Connection> {
-    let connector = RustlsConnector::from(setup.config);
-    let server_name = setup.server_name;
+    let tls = setup.map(|s| (RustlsConnector::from(s.config), s.server_name));
     let runtime = lapin::runtime::default_runtime()?;
     Connection::connector(
         uri,
@@ -69,10 +77,23 @@ async fn connect_tls(
             let plain = tcp
                 .connect_with_config_async(TLSConfig::default(), &runtime)
                 .await?;
-            plain
-                .into_rustls(&connector, &server_name)
-                .await
-                .map_err(|e| lapin::Error::from(handshake_error(e, &server_name)))
+            let real =
+                match &tls {
+                    None => plain,
+                    Some((connector, server_name)) => plain
+                        .into_rustls(connector, server_name)
+                        .await
+                        .map_err(|e| lapin::Error::from(handshake_error(e, server_name)))?,
+                };
+            if !sanitize {
+                return Ok(real);
+            }
+            let rt = &runtime;
+            super::relay::sanitized(real, |lo: AMQPUri| async move {
+                lo.connect_with_config_async(TLSConfig::default(), rt).await
+            })
+            .await
+            .map_err(lapin::Error::from)
         },
         props,
     )

@@ -448,7 +448,7 @@ async fn connect(ep: Endpoint, cfg: SubscriptionConfig) -> Result<Consuming, Str
     let redactor = Redactor::new(std::slice::from_ref(&ep));
     let limit = cfg.broker.connect_timeout;
     let role = format!("subscription \"{}\" broker", cfg.subscription);
-    let conn = Arc::new(open_connection(&ep, &cfg.broker, &role).await?);
+    let conn = Arc::new(open_connection(&ep, &cfg.broker, &role, true).await?);
     match tokio::time::timeout(limit, start_consuming(&conn, &cfg, &redactor)).await {
         Ok(Ok((channel, consumer))) => Ok(Consuming {
             conn,
