@@ -2,19 +2,18 @@
 //! wake it), the databases it could not serve, and its hold on the database slots. Only the
 //! launcher assigns slots; workers and backends read them.
 
+use super::created_ring::CreatedRing;
 use super::{
     set_latch, BrokerStates, Counters, InFlightTable, Requests, BROKER_STATES, IN_FLIGHT,
     MAX_DATABASES, REQUESTS, SLOTS,
 };
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic};
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Databases listed as not served (beyond the cap), at most.
 pub const MAX_UNSERVED: usize = 64;
-/// The last databases where `CREATE EXTENSION` committed (a ring; the launcher reads it).
-const CREATED_RING: usize = 16;
 
 /// Why a database has no workers although it has the extension and is allowed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,12 +28,8 @@ pub enum Unserved {
 pub struct Launcher {
     latch: AtomicUsize,
     pid: AtomicI32,
-    /// Grows with every committed `CREATE EXTENSION amqp_outbox`; entry `created % RING` of
-    /// `created_in` is the database of the last one.
-    created: AtomicU64,
-    /// `(n + 1) << 32 | database` for the n-th `CREATE EXTENSION` (low 32 bits of n + 1): an
-    /// entry whose tag is not the one a reader expects was not written yet or was overwritten.
-    created_in: [AtomicU64; CREATED_RING],
+    /// The last databases where `CREATE EXTENSION` committed.
+    created: CreatedRing,
     /// (database oid, reason) of the databases not served; `unserved_len` of them are valid.
     unserved: [(AtomicU32, AtomicU32); MAX_UNSERVED],
     unserved_len: AtomicUsize,
@@ -44,8 +39,7 @@ impl Default for Launcher {
         Launcher {
             latch: AtomicUsize::new(0),
             pid: AtomicI32::new(0),
-            created: AtomicU64::new(0),
-            created_in: std::array::from_fn(|_| AtomicU64::new(0)),
+            created: CreatedRing::default(),
             unserved: std::array::from_fn(|_| (AtomicU32::new(0), AtomicU32::new(0))),
             unserved_len: AtomicUsize::new(0),
         }
@@ -93,37 +87,20 @@ pub fn extension_created() {
     if let Some(l) = launcher() {
         // SAFETY: MyDatabaseId is a plain global of a connected backend.
         let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
-        // Each commit takes its own number, so two at once never write one entry; the reader
-        // checks the tag, since the count may be read before the entry is written.
-        let n = l.created.fetch_add(1, Ordering::AcqRel);
-        l.created_in[(n as usize) % CREATED_RING].store(ring_entry(n, db), Ordering::Release);
+        l.created.record(db);
         set_latch(&l.latch);
     }
 }
 
 /// How many `CREATE EXTENSION` committed so far.
 pub fn extensions_created() -> u64 {
-    launcher().map_or(0, |l| l.created.load(Ordering::Acquire))
+    launcher().map_or(0, |l| l.created.count())
 }
 
 /// The databases of the `CREATE EXTENSION`s after the first `since`, up to `now`; `None` when
 /// too many came to tell, or one is still being written (look at every database again).
 pub fn created_in(since: u64, now: u64) -> Option<Vec<u32>> {
-    let l = launcher()?;
-    if now.saturating_sub(since) > CREATED_RING as u64 {
-        return None;
-    }
-    (since..now)
-        .map(|n| {
-            let e = l.created_in[(n as usize) % CREATED_RING].load(Ordering::Acquire);
-            (e >> 32 == ring_entry(n, 0) >> 32).then_some(e as u32)
-        })
-        .collect()
-}
-
-/// The ring entry of the `n`-th `CREATE EXTENSION` (counted from 0), in `database`.
-fn ring_entry(n: u64, database: u32) -> u64 {
-    (n.wrapping_add(1) & 0xFFFF_FFFF) << 32 | u64::from(database)
+    launcher()?.created.between(since, now)
 }
 
 pub fn set_unserved(list: &[(u32, Unserved)]) {

@@ -3,8 +3,10 @@
 //! the library is in `shared_preload_libraries`. The launcher's part, and how it hands out
 //! slots, is in [`launch`].
 
+mod created_ring;
 pub mod handler_trap;
 pub mod launch;
+mod worker_hold;
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
@@ -356,14 +358,8 @@ pub enum WorkerKind {
 /// that dies without giving it back crashes the cluster, which clears shared memory.
 pub fn register_worker(kind: WorkerKind, latch: *mut pg_sys::Latch, pid: i32) -> bool {
     let Some(s) = slot() else { return true };
-    let (l, p) = match kind {
-        WorkerKind::Outbox => (&s.latch, &s.pid),
-        WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
-        WorkerKind::Monitor => (&s.monitor_latch, &s.monitor_pid),
-    };
-    if p.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
-        .is_err()
-    {
+    let (l, p) = worker_fields(s, kind);
+    if !worker_hold::take(p, pid) {
         return false;
     }
     l.store(latch as usize, Ordering::Release);
@@ -375,16 +371,20 @@ pub fn register_worker(kind: WorkerKind, latch: *mut pg_sys::Latch, pid: i32) ->
 /// it (and so gets no notice from the postmaster).
 pub fn unregister_worker(kind: WorkerKind, pid: i32) {
     let Some(s) = slot() else { return };
-    let (l, p) = match kind {
+    let (l, p) = worker_fields(s, kind);
+    if p.load(Ordering::Acquire) == pid {
+        l.store(0, Ordering::Release);
+        worker_hold::give_back(p, pid);
+    }
+    launch::wake_launcher();
+}
+
+fn worker_fields(s: &DbSlot, kind: WorkerKind) -> (&AtomicUsize, &AtomicI32) {
+    match kind {
         WorkerKind::Outbox => (&s.latch, &s.pid),
         WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
         WorkerKind::Monitor => (&s.monitor_latch, &s.monitor_pid),
-    };
-    if p.load(Ordering::Acquire) == pid {
-        l.store(0, Ordering::Release);
-        p.store(0, Ordering::Release);
     }
-    launch::wake_launcher();
 }
 
 pub fn counters() -> Option<&'static Counters> {
