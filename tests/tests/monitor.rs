@@ -417,3 +417,166 @@ fn a_compensation_never_runs_for_a_consumer_that_answered_ok_before_it() {
         );
     }
 }
+
+/// The broker blocks publishers (a disk alarm) while a subscription works through 30 messages
+/// with receipts on and `amqp_outbox.max_pending` 5: the receipts beyond it are refused
+/// (53400). Each refusal failed its message and rolled back its effect, again at every retry;
+/// now a receipt that cannot be sent is logged and the message is handled all the same, once.
+#[test]
+fn receipts_refused_at_max_pending_undo_no_handling() {
+    let mut rabbit = PrivateRabbit::prepare();
+    rabbit.boot();
+    let endpoint = rabbit.endpoint();
+    let (cluster, mut c, broker) = shop(
+        &endpoint,
+        None,
+        &[
+            ("amqp_outbox.receipts_exchange", "'receipts'"),
+            ("amqp_outbox.max_pending", "5"),
+        ],
+    );
+    c.batch_execute(
+        "CREATE TABLE handled (body text PRIMARY KEY, calls integer NOT NULL DEFAULT 1);
+         CREATE FUNCTION handle(d amqp.delivery) RETURNS void LANGUAGE sql AS
+             $$ INSERT INTO handled VALUES (amqp.body_text(d))
+                ON CONFLICT (body) DO UPDATE SET calls = handled.calls + 1 $$;",
+    )
+    .expect("handler");
+    c.query_one(
+        "SELECT amqp.exchange_declare($1, 'receipts', 'topic', false, true),
+                amqp.queue_declare($1, 'q.app'),
+                amqp.subscribe('app', $1, 'q.app', 'handle(amqp.delivery)'::regprocedure, 10, 3)",
+        &[&broker],
+    )
+    .expect("subscription");
+    wait_consuming(&mut c, 1);
+    let worker = |c: &mut Client| -> Option<i32> {
+        c.query_one(
+            "SELECT subscription_worker_pid FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .ok()
+        .and_then(|r| r.get(0))
+    };
+    let before = worker(&mut c);
+    c.batch_execute("SELECT amqp.pause_subscription('app')")
+        .expect("pause");
+    let admin = AmqpAdmin::connect(&endpoint.uri()).expect("admin connection");
+    for i in 0..30 {
+        admin
+            .publish(
+                "",
+                "q.app",
+                format!("m-{i}").as_bytes(),
+                lapin::BasicProperties::default()
+                    .with_message_id(format!("id-{i}").into())
+                    .with_delivery_mode(2),
+            )
+            .unwrap_or_else(|e| panic!("publishing: {e}"));
+    }
+    rabbit.set_disk_free_limit("100000GB");
+    eventually(UP, "the disk alarm", || match rabbit.has_alarm()? {
+        true => Ok(()),
+        false => Err("no alarm yet".into()),
+    });
+    // The outbox fills up to max_pending while the broker refuses to take anything.
+    c.query_one(
+        "SELECT count(amqp.publish($1, 'receipts', 'filler', 'f' || g)) FROM generate_series(1, 10) g",
+        &[&broker],
+    )
+    .expect("filler");
+    eventually(UP, "the outbox at max_pending", || {
+        match scalar(
+            &mut c,
+            "SELECT coalesce(max(pending), 0) FROM amqp.broker_status",
+        )? {
+            n if n >= 5 => Ok(()),
+            n => Err(format!("{n} pending")),
+        }
+    });
+    c.batch_execute("SELECT amqp.resume_subscription('app')")
+        .expect("resume");
+    eventually(UP, "30 messages handled", || {
+        match scalar(&mut c, "SELECT count(*) FROM handled")? {
+            30 => Ok(()),
+            n => Err(format!("{n} handled")),
+        }
+    });
+    assert!(
+        rabbit.has_alarm().unwrap_or(false),
+        "the alarm must still be up"
+    );
+    let log = cluster.log();
+    assert!(
+        log.contains("no receipt for message") && log.contains("53400"),
+        "no receipt was refused: the test did not reach max_pending\n{}",
+        cluster.log_tail(20)
+    );
+    let twice = scalar(&mut c, "SELECT count(*) FROM handled WHERE calls > 1").expect("calls");
+    let failed = scalar(&mut c, "SELECT count(*) FROM amqp.inbox_failed").expect("failed");
+    assert_eq!(
+        (twice, failed),
+        (0, 0),
+        "(handled twice, recorded as failed)"
+    );
+    assert_eq!(worker(&mut c), before, "the subscription worker restarted");
+    rabbit.set_disk_free_limit("50MB");
+}
+
+/// The production log's upkeep (a new day's partition) waits at most 200 ms for its lock and
+/// tries again later: a session holding `amqp.produced` for 25 s while messages are delivered
+/// delays no delivery by more than a moment. (Waiting with the default lock_timeout, the
+/// upkeep's queued lock request held every delivery's insert into the log for 10 s at a time.)
+#[test]
+fn the_production_logs_upkeep_never_holds_deliveries_behind_a_lock() {
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_route("monitor-upkeep");
+    let (cluster, mut c, broker) = shop(rabbit.endpoint(), None, &[]);
+    let mut holder = cluster.client_db("shop");
+    holder
+        .batch_execute("BEGIN; LOCK TABLE amqp.produced IN ROW EXCLUSIVE MODE")
+        .expect("the holder's lock");
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(25) {
+        c.query_one(
+            "SELECT amqp.publish($1, $2, $3, 'tick')",
+            &[&broker, &route.exchange, &route.routing_key],
+        )
+        .expect("publish");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eventually(UP, "every tick delivered", || {
+        match scalar(&mut c, "SELECT count(*) FROM amqp.message")? {
+            0 => Ok(()),
+            n => Err(format!("{n} waiting")),
+        }
+    });
+    // Still no day partition: the upkeep gave way each time.
+    let days = scalar(
+        &mut c,
+        "SELECT count(*) FROM pg_inherits WHERE inhparent = 'amqp.produced'::regclass",
+    )
+    .expect("days");
+    assert_eq!(days, 1, "only the default partition while the lock is held");
+    let slowest: f64 = c
+        .query_one(
+            "SELECT extract(epoch FROM max(delivered_at - created_at))::float8 FROM amqp.produced",
+            &[],
+        )
+        .expect("delivery times")
+        .get(0);
+    assert!(
+        slowest < 3.0,
+        "a delivery waited {slowest:.1} s behind the upkeep's lock request"
+    );
+    holder.batch_execute("COMMIT").expect("release");
+    eventually(UP, "the day made once the lock is gone", || {
+        match scalar(
+            &mut c,
+            "SELECT count(*) FROM pg_inherits WHERE inhparent = 'amqp.produced'::regclass",
+        )? {
+            2 => Ok(()),
+            n => Err(format!("{n} partitions")),
+        }
+    });
+}
