@@ -1,8 +1,8 @@
-//! Keeping control of work that does not end: a subscription handler (user code), or any
-//! statement of a worker that runs long (a lock wait, a bad plan). A worker stops on SIGTERM
-//! between transactions; inside one, a SIGTERM alone would wait until it ends, and a handler's
-//! cancel (`amqp_outbox.handler_timeout`, SQLSTATE 57014) can be caught by PL/pgSQL code
-//! (`EXCEPTION WHEN query_canceled`), which then goes on. So a watchdog thread watches every
+//! Keeping control of work that does not end: a subscription handler or a compensation (user
+//! code), or any statement of a worker that runs long (a lock wait, a bad plan). A worker stops
+//! on SIGTERM between transactions; inside one, a SIGTERM alone would wait until it ends, and a
+//! handler's cancel (`amqp_outbox.handler_timeout`, SQLSTATE 57014) can be caught by PL/pgSQL
+//! code (`EXCEPTION WHEN query_canceled`), which then goes on. So a watchdog thread watches every
 //! transaction of the workers and every handler call:
 //!
 //! - one second after a SIGTERM (`pg_terminate_backend()`, server shutdown), if the work has
@@ -126,6 +126,14 @@ impl Watched {
         let mut w = Watched::start(hard);
         w.handler = true;
         w
+    }
+
+    /// A user's function that no message stands for (a compensation): the same hard deadline,
+    /// but nothing is left for the next worker (its caller counts the attempt beforehand).
+    pub fn function(timeout: Duration) -> Watched {
+        let hard = (!timeout.is_zero())
+            .then(|| Instant::now() + timeout + timeout.max(Duration::from_secs(1)));
+        Watched::start(hard)
     }
 
     fn start(hard: Option<Instant>) -> Watched {

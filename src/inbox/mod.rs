@@ -25,16 +25,7 @@ use pgrx::prelude::*;
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
-    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    // Its own SIGTERM handler: one that ends a handler which does not return.
-    crate::watchdog::install();
-    let database = crate::worker::connect_to_slot_database(arg);
-    // As in the outbox worker: plain SQL resolves in pg_catalog only. Handlers run with the
-    // search_path the database would give a session (postgresql.conf, ALTER DATABASE ... SET),
-    // read before the pin; see `guarded::as_owner`.
-    guarded::remember_handler_search_path();
-    pg::pin(c"search_path", c"pg_catalog, pg_temp");
-    pg::pin(c"lock_timeout", c"10s");
+    let database = start_user_code_process(arg);
     // A message is acknowledged once its transaction committed: that commit must be durable
     // (unlike the outbox worker's), whatever postgresql.conf says.
     pg::pin(c"synchronous_commit", c"on");
@@ -45,4 +36,19 @@ pub extern "C-unwind" fn amqp_outbox_inbox_main(arg: pg_sys::Datum) {
         Err(e) => error!("amqp_outbox: could not start the subscription worker's AMQP thread: {e}"),
     };
     main_loop::Inbox::new(handle).run()
+}
+
+/// The start of a process that runs users' functions (the subscription worker, the monitor):
+/// signals, and its own SIGTERM handler that ends a function which does not return; connected
+/// to its slot's database; the search_path functions get (the one the database would give a
+/// session: postgresql.conf, ALTER DATABASE ... SET; see `guarded::as_owner`) remembered before
+/// the process pins its own (plain SQL resolves in pg_catalog only). Returns the database name.
+pub(crate) fn start_user_code_process(arg: pg_sys::Datum) -> String {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    crate::watchdog::install();
+    let database = crate::worker::connect_to_slot_database(arg);
+    guarded::remember_handler_search_path();
+    pg::pin(c"search_path", c"pg_catalog, pg_temp");
+    pg::pin(c"lock_timeout", c"10s");
+    database
 }

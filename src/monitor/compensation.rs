@@ -1,11 +1,14 @@
 //! Compensations, each in its own transaction: the handler runs as its owner in a
 //! subtransaction that keeps its effects and the "done" mark together, so a compensation
-//! happens at most once and is retried with backoff until it does. One whose consumer has
+//! happens at most once and is retried with backoff until it does. Each attempt is counted, and
+//! the next one set, before the function runs; a function that does not return ends the monitor
+//! at its hard deadline (twice `handler_timeout`), and costs that compensation one backoff. One whose consumer has
 //! answered ok since (or whose message completed) is never run: the monitor cancels it, and the
 //! statement that takes it checks again with the row locked. Errors are caught and logged:
 //! nothing a user stores in a handler ends the monitor.
 
 use crate::inbox::guarded::{self, Caught};
+use crate::watchdog;
 use crate::worker::pg;
 use amqp_outbox_broker::backoff::Backoff;
 use pgrx::datum::DatumWithOid;
@@ -25,25 +28,46 @@ struct Due {
     failure: Option<String>,
 }
 
+/// What makes a pending compensation still due to run: the consumer's latest answer is not ok
+/// (an ok since its failure cancels it) and its message did not complete. Checked when it is
+/// taken and again, with it locked, right before its function runs.
+const STILL_DUE: &str = "c.state = 'pending' \
+    AND coalesce((SELECT r.status FROM amqp.receipt r \
+                   WHERE r.message_id = c.message_id AND r.message_at = c.message_at \
+                     AND r.consumer = c.consumer \
+                   ORDER BY r.received_at DESC LIMIT 1), 'failed') <> 'ok' \
+    AND NOT EXISTS (SELECT FROM amqp.produced x \
+                     WHERE x.message_id = c.message_id AND x.message_at = c.message_at \
+                       AND x.outcome = 'complete')";
+
 /// Runs the oldest due compensation, if any. Returns whether there was one.
 pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bool {
+    // The attempt is counted, and the next one set, in a transaction of its own before the
+    // function runs: a function that never returns (the monitor is then ended at its hard
+    // deadline) or a crash during it costs that compensation one backoff, not every round.
+    let claimed = pg::transaction("amqp_outbox compensation", || {
+        guarded::subtransaction(|| {
+            Spi::connect_mut(|c| claim(c, backoff))
+                .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
+        })
+    });
+    let (due, delay) = match claimed {
+        Ok(Some(claimed)) => claimed,
+        Ok(None) => return false,
+        Err(e) => {
+            warning!(
+                "amqp_outbox: reading due compensations failed: {}",
+                e.message
+            );
+            return false;
+        }
+    };
     pg::transaction("amqp_outbox compensation", || {
-        let due = guarded::subtransaction(|| {
-            Spi::connect_mut(next_due).unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
-        });
-        let due = match due {
-            Ok(Some(due)) => due,
-            Ok(None) => return false,
-            Err(e) => {
-                warning!(
-                    "amqp_outbox: reading due compensations failed: {}",
-                    e.message
-                );
-                return false;
-            }
-        };
         let outcome = guarded::subtransaction(|| {
-            Spi::connect_mut(|client| -> SpiResult<()> {
+            Spi::connect_mut(|client| -> SpiResult<bool> {
+                if !still_due(client, &due)? {
+                    return Ok(false);
+                }
                 let call = format!(
                     "SELECT {}($1::text::amqp.produced, $2::text::amqp.receipt)",
                     due.function
@@ -52,15 +76,17 @@ pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bo
                     due.original.as_deref().into(),
                     due.failure.as_deref().into(),
                 ];
+                let _watched = watchdog::Watched::function(handler_timeout);
                 guarded::as_owner(due.owner, handler_timeout, || {
                     client.update(&call, None, &args).map(|_| ())
                 })?;
-                mark_done(client, &due)
+                mark_done(client, &due)?;
+                Ok(true)
             })
             .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
         });
         let recorded = match outcome {
-            Ok(()) => {
+            Ok(true) => {
                 log!(
                     "amqp_outbox: compensated message {} for consumer \"{}\"",
                     due.message_id,
@@ -68,17 +94,53 @@ pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bo
                 );
                 Ok(())
             }
-            Err(caught) => record_failure(&due, &caught, backoff),
+            Ok(false) => Ok(()),
+            Err(caught) => record_failure(&due, &caught, delay),
         };
         if let Err(e) = recorded {
             warning!("amqp_outbox: recording a compensation failed: {e}");
         }
-        true
-    })
+    });
+    true
+}
+
+/// Takes the oldest due compensation: its attempt counted, its next one set after the
+/// backoff. Returns it with that delay.
+fn claim(client: &mut SpiClient<'_>, backoff: &Backoff) -> SpiResult<Option<(Due, Duration)>> {
+    let Some(due) = next_due(client)? else {
+        return Ok(None);
+    };
+    let delay = backoff.delay(u32::try_from(due.attempts).unwrap_or(0));
+    let args: [DatumWithOid; 3] = [
+        due.message_id.as_str().into(),
+        due.consumer.as_str().into(),
+        i64::try_from(delay.as_micros()).unwrap_or(i64::MAX).into(),
+    ];
+    client.update(
+        "UPDATE amqp.compensation \
+            SET attempts = attempts + 1, \
+                next_attempt_at = clock_timestamp() + $3 * interval '1 microsecond' \
+          WHERE message_id = $1 AND consumer = $2",
+        None,
+        &args,
+    )?;
+    Ok(Some((due, delay)))
+}
+
+/// Whether the claimed compensation is still due (not cancelled meanwhile), locking it until
+/// the function's transaction ends.
+fn still_due(client: &mut SpiClient<'_>, due: &Due) -> SpiResult<bool> {
+    let args: [DatumWithOid; 2] = [due.message_id.as_str().into(), due.consumer.as_str().into()];
+    let sql = format!(
+        "SELECT true FROM amqp.compensation c \
+          WHERE c.message_id = $1 AND c.consumer = $2 AND {STILL_DUE} \
+            FOR UPDATE OF c"
+    );
+    Ok(!client.update(&sql, None, &args)?.is_empty())
 }
 
 fn next_due(client: &mut SpiClient<'_>) -> SpiResult<Option<Due>> {
-    let table = client.update(
+    let sql = format!(
         "SELECT c.message_id, c.consumer, c.attempts, \
                 quote_ident(n.nspname) || '.' || quote_ident(p.proname), h.owner::oid, \
                 (SELECT x::text FROM amqp.produced x \
@@ -91,20 +153,12 @@ fn next_due(client: &mut SpiClient<'_>) -> SpiResult<Option<Due>> {
            JOIN amqp.compensation_handler h ON h.business_type = c.business_type \
            JOIN pg_proc p ON p.oid = h.handler \
            JOIN pg_namespace n ON n.oid = p.pronamespace \
-          WHERE c.state = 'pending' AND c.next_attempt_at <= clock_timestamp() \
-            AND coalesce((SELECT r.status FROM amqp.receipt r \
-                           WHERE r.message_id = c.message_id AND r.message_at = c.message_at \
-                             AND r.consumer = c.consumer \
-                           ORDER BY r.received_at DESC LIMIT 1), 'failed') <> 'ok' \
-            AND NOT EXISTS (SELECT FROM amqp.produced x \
-                             WHERE x.message_id = c.message_id AND x.message_at = c.message_at \
-                               AND x.outcome = 'complete') \
+          WHERE c.next_attempt_at <= clock_timestamp() AND {STILL_DUE} \
           ORDER BY c.next_attempt_at \
           LIMIT 1 \
-            FOR UPDATE OF c SKIP LOCKED",
-        None,
-        &[],
-    )?;
+            FOR UPDATE OF c SKIP LOCKED"
+    );
+    let table = client.update(&sql, None, &[])?;
     let mut out = None;
     for r in table {
         out = Some(Due {
@@ -127,7 +181,7 @@ fn mark_done(client: &mut SpiClient<'_>, due: &Due) -> SpiResult<()> {
     client.update(
         "WITH c AS ( \
             UPDATE amqp.compensation \
-               SET state = 'done', done_at = clock_timestamp(), attempts = attempts + 1 \
+               SET state = 'done', done_at = clock_timestamp() \
              WHERE message_id = $1 AND consumer = $2 \
             RETURNING message_id, message_at, business_type), \
          again AS ( \
@@ -141,9 +195,9 @@ fn mark_done(client: &mut SpiClient<'_>, due: &Due) -> SpiResult<()> {
     Ok(())
 }
 
-/// The handler raised: one more attempt, the error kept, the next try after the backoff.
-fn record_failure(due: &Due, caught: &Caught, backoff: &Backoff) -> Result<(), String> {
-    let delay = backoff.delay(u32::try_from(due.attempts).unwrap_or(0));
+/// The function raised: the error kept (the attempt was counted, and the next one set, when it
+/// was taken).
+fn record_failure(due: &Due, caught: &Caught, delay: Duration) -> Result<(), String> {
     warning!(
         "amqp_outbox: compensation of message {} for consumer \"{}\" failed (attempt {}), retried in {:.1} s: {} (SQLSTATE {})",
         due.message_id,
@@ -154,18 +208,14 @@ fn record_failure(due: &Due, caught: &Caught, backoff: &Backoff) -> Result<(), S
         caught.sqlstate
     );
     let text = format!("{} (SQLSTATE {})", caught.message, caught.sqlstate);
-    let args: [DatumWithOid; 4] = [
+    let args: [DatumWithOid; 3] = [
         due.message_id.as_str().into(),
         due.consumer.as_str().into(),
         text.as_str().into(),
-        i64::try_from(delay.as_micros()).unwrap_or(i64::MAX).into(),
     ];
     Spi::connect_mut(|client| -> SpiResult<()> {
         client.update(
-            "UPDATE amqp.compensation \
-                SET attempts = attempts + 1, last_error = $3, \
-                    next_attempt_at = clock_timestamp() + $4 * interval '1 microsecond' \
-              WHERE message_id = $1 AND consumer = $2",
+            "UPDATE amqp.compensation SET last_error = $3 WHERE message_id = $1 AND consumer = $2",
             None,
             &args,
         )?;

@@ -10,24 +10,17 @@
 mod compensation;
 mod schedule;
 
-use crate::inbox::guarded;
 use crate::shmem;
-use crate::worker::pg;
-use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn amqp_outbox_monitor_main(arg: pg_sys::Datum) {
-    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    // A compensation that does not return cannot keep the process from a SIGTERM.
-    crate::watchdog::install();
-    let database = crate::worker::connect_to_slot_database(arg);
-    // Compensation handlers run with the search_path the database gives a session; the
-    // monitor's own statements resolve in pg_catalog only.
-    guarded::remember_handler_search_path();
-    pg::pin(c"search_path", c"pg_catalog, pg_temp");
-    pg::pin(c"lock_timeout", c"10s");
+    // Compensations are users' functions: the same start as the subscription worker's.
+    let database = crate::inbox::start_user_code_process(arg);
+    // A compensation happens at most once: its effects and its done mark must survive a crash
+    // once committed, whatever postgresql.conf says.
+    crate::worker::pg::pin(c"synchronous_commit", c"on");
     crate::worker::announce(shmem::WorkerKind::Monitor, &database);
     log!("amqp_outbox: monitor started for database \"{database}\"");
     schedule::Monitor::default().run()

@@ -77,7 +77,18 @@ fn wait_consuming(c: &mut Client, n: i64) {
             "SELECT count(*) FROM amqp.subscription_status WHERE state = 'consuming'",
         )? {
             m if m == n => Ok(()),
-            m => Err(format!("{m} consuming")),
+            m => {
+                let states: Vec<String> = c
+                    .query(
+                        "SELECT format('%s %s %s', subscription, state, last_error) FROM amqp.subscription_status",
+                        &[],
+                    )
+                    .map_err(|e| e.to_string())?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                Err(format!("{m} consuming: {states:?}"))
+            }
         },
     );
 }
@@ -579,4 +590,131 @@ fn the_production_logs_upkeep_never_holds_deliveries_behind_a_lock() {
             n => Err(format!("{n} partitions")),
         }
     });
+}
+
+/// A compensation function that catches its cancel and never returns: the monitor is ended at
+/// the hard deadline (twice `handler_timeout`), comes back, and goes on with everything else;
+/// that compensation waits for its backoff instead of taking the monitor again at once. (The
+/// monitor stayed inside it for good: nothing else was classified or compensated.)
+#[test]
+fn a_compensation_that_never_returns_does_not_keep_the_monitor() {
+    let rabbit = Rabbit::shared();
+    let tag = format!("monitor_stuck_{}", std::process::id());
+    let (exchange, receipts, receipts_queue) = (
+        format!("{tag}.biz"),
+        format!("{tag}.receipts"),
+        format!("{tag}.q.receipts"),
+    );
+    let (_cluster, mut c, broker) = shop(
+        rabbit.endpoint(),
+        Some((&receipts, &receipts_queue)),
+        &[
+            ("amqp_outbox.handler_timeout", "'1s'"),
+            ("amqp_outbox.retry_backoff_min", "20000"),
+            ("amqp_outbox.retry_backoff_max", "20000"),
+        ],
+    );
+    c.batch_execute(
+        "CREATE FUNCTION stubborn(original amqp.produced, failure amqp.receipt) RETURNS void
+             LANGUAGE plpgsql AS $$
+         BEGIN
+             LOOP
+                 BEGIN
+                     PERFORM pg_sleep(10);
+                 EXCEPTION WHEN query_canceled THEN
+                     NULL;
+                 END;
+             END LOOP;
+         END $$;
+         INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
+         VALUES ('refund', '{billing}', '60 s', '120 s', 'compensate'),
+                ('ping', '{pinger}', '60 s', '120 s', 'report');
+         SELECT amqp.on_failure('refund', 'stubborn(amqp.produced, amqp.receipt)');",
+    )
+    .expect("rules");
+    let queue = format!("{tag}.q");
+    c.query_one(
+        "SELECT amqp.exchange_declare($1, $2, 'topic', false, true),
+                amqp.queue_declare($1, $3), amqp.queue_bind($1, $3, $2, '#')",
+        &[&broker, &exchange, &queue],
+    )
+    .expect("exchange and its queue");
+    wait_consuming(&mut c, 1);
+    let monitor = |c: &mut Client| -> i32 {
+        c.query_one(
+            "SELECT coalesce(monitor_pid, 0) FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or(0)
+    };
+    let first = eventually(UP, "the monitor", || match monitor(&mut c) {
+        0 => Err("none".to_string()),
+        p => Ok(p),
+    });
+    let refund = publish(&mut c, broker, &exchange, "refund", 1).remove(0);
+    let ping = publish(&mut c, broker, &exchange, "ping", 1).remove(0);
+    eventually(UP, "both delivered", || {
+        match scalar(
+            &mut c,
+            "SELECT count(*) FROM amqp.produced WHERE expected IS NOT NULL",
+        )? {
+            2 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    });
+    c.query_one(
+        "SELECT amqp.send_receipt($1, 'billing', $2, false, 'billing down', 'refund')",
+        &[&broker, &refund],
+    )
+    .expect("failed receipt");
+    let second = eventually(
+        UP,
+        "the monitor ended inside the function, and back",
+        || match monitor(&mut c) {
+            p if p != 0 && p != first => Ok(p),
+            p => Err(format!("monitor {p}")),
+        },
+    );
+    // The monitor goes on: another message's answer is taken and it completes.
+    c.query_one(
+        "SELECT amqp.send_receipt($1, 'pinger', $2, true, NULL, 'ping')",
+        &[&broker, &ping],
+    )
+    .expect("ok receipt");
+    eventually(UP, "the ping complete", || {
+        let outcome: Option<String> = c
+            .query_one(
+                "SELECT outcome FROM amqp.produced WHERE message_id = $1",
+                &[&ping],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        match outcome.as_deref() {
+            Some("complete") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let (state, attempts): (String, i32) = {
+        let r = c
+            .query_one(
+                "SELECT state, attempts FROM amqp.compensation WHERE message_id = $1",
+                &[&refund],
+            )
+            .expect("the compensation");
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(
+        (state.as_str(), attempts),
+        ("pending", 1),
+        "the stubborn compensation waits for its backoff"
+    );
+    assert_eq!(monitor(&mut c), second, "the monitor ended again");
+    if let Ok(admin) = AmqpAdmin::connect(&rabbit.endpoint().uri()) {
+        admin.delete_all(
+            &[receipts_queue],
+            &[exchange, receipts],
+            Duration::from_secs(10),
+        );
+    }
 }
