@@ -44,11 +44,24 @@ impl WakeReceiver {
         self.stream.as_raw_fd()
     }
 
-    /// Consumes the pending wake-ups. Call it *before* taking the events: the flag is cleared
-    /// first, so an event queued during the drain writes a new byte and is not missed (at worst
-    /// the next wait returns at once with nothing new).
+    /// Consumes the pending wake-ups. Call it *before* taking the events. The socket is
+    /// drained first and the flag cleared after: a wake-up that comes in between finds the flag
+    /// still set and writes nothing, but its events were queued before it, so the caller takes
+    /// them next. (Cleared first, a wake-up in between wrote a byte the drain then swallowed,
+    /// leaving the flag set with nothing to read: every later wake-up wrote nothing, and the
+    /// worker slept until its naptime.)
     pub(crate) fn clear(&self) {
+        self.clear_with(|| {});
+    }
+
+    /// [`Self::clear`], with `between` run in the middle (where a racing wake-up may come).
+    fn clear_with(&self, between: impl FnOnce()) {
+        self.drain();
+        between();
         self.pending.store(false, Ordering::SeqCst);
+    }
+
+    fn drain(&self) {
         let mut buf = [0u8; 64];
         loop {
             match (&self.stream).read(&mut buf) {
@@ -119,6 +132,17 @@ mod tests {
         assert!(readable(rx.fd()));
         rx.clear();
         assert!(!readable(rx.fd()));
+    }
+
+    /// A wake-up in the middle of a clear (its events are taken right after the clear): the
+    /// next wake-up still makes the socket readable.
+    #[test]
+    fn a_wake_up_during_a_clear_loses_no_later_one() {
+        let (rx, tx) = pair().unwrap();
+        tx.wake();
+        rx.clear_with(|| tx.wake());
+        tx.wake();
+        assert!(readable(rx.fd()), "a later wake-up was lost");
     }
 
     #[test]
