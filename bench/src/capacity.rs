@@ -868,7 +868,7 @@ fn worker_steps(env: &mut Env) -> Option<i64> {
         .map(|r| r.get(0))
 }
 
-fn sleep_until(t: Instant) {
+pub(crate) fn sleep_until(t: Instant) {
     let now = Instant::now();
     if t > now {
         std::thread::sleep(t - now);

@@ -106,7 +106,7 @@ struct Outcome {
     extra: serde_json::Value,
 }
 
-fn load1() -> f64 {
+pub(crate) fn load1() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
@@ -247,7 +247,7 @@ fn wait_queue(
     }
 }
 
-fn subscription_available(env: &mut Env) -> Result<bool, String> {
+pub(crate) fn subscription_available(env: &mut Env) -> Result<bool, String> {
     env.admin
         .query_one(
             "SELECT to_regprocedure('amqp.subscribe(text, integer, text, regprocedure, integer, integer, text)') IS NOT NULL",
@@ -257,12 +257,12 @@ fn subscription_available(env: &mut Env) -> Result<bool, String> {
         .map_err(|e| format!("looking for amqp.subscribe: {e}"))
 }
 
-/// `amqp.subscription_status` of the bench subscription, as JSON (null when there is none).
-fn subscription_status(env: &mut Env) -> serde_json::Value {
+/// `amqp.subscription_status` of subscription `name`, as JSON (null when there is none).
+pub(crate) fn subscription_status(env: &mut Env, name: &str) -> serde_json::Value {
     env.admin
         .query_opt(
             "SELECT row_to_json(s)::text FROM amqp.subscription_status s WHERE subscription = $1",
-            &[&SUBSCRIPTION],
+            &[&name],
         )
         .ok()
         .flatten()
@@ -271,7 +271,7 @@ fn subscription_status(env: &mut Env) -> serde_json::Value {
 }
 
 /// The server log's lines about amqp_outbox or an error, from the last `n` lines.
-fn server_log(env: &Env, n: usize) -> String {
+pub(crate) fn server_log(env: &Env, n: usize) -> String {
     env.cluster
         .log_tail(n)
         .lines()
@@ -285,16 +285,20 @@ fn server_log(env: &Env, n: usize) -> String {
         .join("\n")
 }
 
-fn unsubscribe_if_any(env: &mut Env) -> Result<(), String> {
-    env.sql(&format!(
-        "SELECT amqp.unsubscribe(subscription) FROM amqp.subscription WHERE subscription = '{SUBSCRIPTION}'"
-    ))
+pub(crate) fn unsubscribe_if_any(env: &mut Env, name: &str) -> Result<(), String> {
+    env.admin
+        .execute(
+            "SELECT amqp.unsubscribe(subscription) FROM amqp.subscription WHERE subscription = $1",
+            &[&name],
+        )
+        .map(|_| ())
+        .map_err(|e| format!("amqp.unsubscribe({name}): {e}"))
 }
 
 /// (s) The subscription: from `amqp.subscribe()` until `bench_effect` has `n` rows.
 fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String> {
     let queue = Who::Subscription.queue();
-    unsubscribe_if_any(env)?;
+    unsubscribe_if_any(env, SUBSCRIPTION)?;
     env.sql("TRUNCATE public.bench_effect")?;
     fill(&Ctx::of(env), &queue, tag, n)?;
     env.sql("CHECKPOINT")?;
@@ -335,14 +339,14 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     let done = match done {
         Ok(d) => d,
         Err(e) => {
-            let status = subscription_status(env);
+            let status = subscription_status(env, SUBSCRIPTION);
             let failed: i64 = env
                 .admin
                 .query_one("SELECT count(*) FROM amqp.inbox_failed", &[])
                 .map(|r| r.get(0))
                 .unwrap_or(-1);
             let ready = env.queue_len(&queue).unwrap_or(u64::MAX);
-            let _ = unsubscribe_if_any(env);
+            let _ = unsubscribe_if_any(env, SUBSCRIPTION);
             return Err(format!(
                 "subscription: expected bench_effect to reach {n} rows; got: {e}. \
                  Queue {queue} has {ready} ready; amqp.inbox_failed has {failed} rows; \
@@ -356,8 +360,8 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     // Acks follow the commits: let them arrive before the consumer goes away.
     let left = wait_queue(&Ctx::of(env), &queue, Duration::from_secs(10), |l| l == 0)?;
     std::thread::sleep(Duration::from_millis(300));
-    let status = subscription_status(env);
-    unsubscribe_if_any(env)?;
+    let status = subscription_status(env, SUBSCRIPTION);
+    unsubscribe_if_any(env, SUBSCRIPTION)?;
     // What was handled but not acknowledged comes back to the queue now.
     std::thread::sleep(Duration::from_millis(500));
     let returned = env.queue_len(&queue)?;
@@ -616,7 +620,7 @@ fn setup(env: &mut Env, with_subscription: bool) -> Result<(), String> {
     env.set_enabled(true)?;
     setup_baselines(&mut Ctx::of(env))?;
     if with_subscription {
-        unsubscribe_if_any(env)?;
+        unsubscribe_if_any(env, SUBSCRIPTION)?;
         env.sql(
             "DROP TABLE IF EXISTS public.bench_effect;
              CREATE TABLE public.bench_effect (message_id text, n int);
@@ -629,7 +633,7 @@ fn setup(env: &mut Env, with_subscription: bool) -> Result<(), String> {
 
 fn cleanup(env: &mut Env, with_subscription: bool) {
     if with_subscription {
-        let _ = unsubscribe_if_any(env);
+        let _ = unsubscribe_if_any(env, SUBSCRIPTION);
     }
     delete_queues(&env.amqp);
 }

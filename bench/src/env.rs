@@ -28,7 +28,7 @@ pub struct Route {
 }
 
 impl Route {
-    fn new(name: &str, quorum: bool) -> Route {
+    pub(crate) fn new(name: &str, quorum: bool) -> Route {
         let exchange = format!("{PREFIX}.{name}");
         Route {
             queue: format!("{exchange}.q"),
@@ -188,7 +188,7 @@ impl Env {
         amqp_uri(&self.amqp_host, self.amqp_port)
     }
 
-    fn declare(&self, r: &Route) -> Result<(), String> {
+    pub(crate) fn declare(&self, r: &Route) -> Result<(), String> {
         // A leftover of an interrupted run may have other arguments: start afresh.
         let _ = self.amqp.delete_queue(&r.queue);
         self.amqp

@@ -6,10 +6,12 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,consume,capacity,profile` to run a subset;
+//! latency,scale,growth,consume,capacity,monitor,profile` to run a subset;
 //! `BENCH_SCALE_N` messages per large backlog and `BENCH_SCALE_REPS` backlogs in the scale phase;
 //! `BENCH_CONSUME_N` messages per consume run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
-//! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_PROFILE=0` to skip perf;
+//! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_MONITOR_OPEN`, `BENCH_MONITOR_RATE`,
+//! `BENCH_MONITOR_FLOW`, `BENCH_MONITOR_SECS`, `BENCH_MONITOR_REPS`, `BENCH_MONITOR_PENDING`,
+//! `BENCH_MONITOR_CALLS` for the monitor phase; `BENCH_PROFILE=0` to skip perf;
 //! `BENCH_SETTINGS="amqp_outbox.batch_interval=0,…"` adds settings to the cluster's.
 //! `--charts <results.json>` prints the charts of an earlier run and exits.
 
@@ -17,6 +19,7 @@ mod capacity;
 mod charts;
 mod consume;
 mod env;
+mod monitor;
 mod pgbench;
 mod phases;
 mod raw;
@@ -59,6 +62,16 @@ pub struct Opts {
     pub capacity_rounds: usize,
     pub capacity_reps: usize,
     pub capacity_secs: u64,
+    /// Monitor phase: open monitored messages seeded, new monitored messages per second, the
+    /// unrelated subscription's messages per second, seconds per measured window, repetitions.
+    pub monitor_open: u64,
+    pub monitor_rate: f64,
+    pub monitor_flow: f64,
+    pub monitor_secs: u64,
+    pub monitor_reps: usize,
+    /// Pending outbox rows for the timing of `amqp.health()`, and calls timed.
+    pub health_pending: u64,
+    pub health_calls: usize,
     pub profile: bool,
     pub only: Option<Vec<String>>,
 }
@@ -93,6 +106,13 @@ impl Opts {
                 capacity_rounds: 7,
                 capacity_reps: 2,
                 capacity_secs: 4,
+                monitor_open: 100_000,
+                monitor_rate: 500.0,
+                monitor_flow: 200.0,
+                monitor_secs: 30,
+                monitor_reps: 2,
+                health_pending: 1_000_000,
+                health_calls: 20,
                 profile: true,
                 only: None,
             }
@@ -115,6 +135,13 @@ impl Opts {
                 capacity_rounds: 8,
                 capacity_reps: 3,
                 capacity_secs: 10,
+                monitor_open: 100_000,
+                monitor_rate: 500.0,
+                monitor_flow: 200.0,
+                monitor_secs: 60,
+                monitor_reps: 3,
+                health_pending: 1_000_000,
+                health_calls: 20,
                 profile: true,
                 only: None,
             }
@@ -128,6 +155,13 @@ impl Opts {
         o.capacity_rounds = num("BENCH_CAPACITY_ROUNDS", o.capacity_rounds as u64) as usize;
         o.capacity_reps = num("BENCH_CAPACITY_REPS", o.capacity_reps as u64).max(1) as usize;
         o.capacity_secs = num("BENCH_CAPACITY_SECS", o.capacity_secs).max(1);
+        o.monitor_open = num("BENCH_MONITOR_OPEN", o.monitor_open);
+        o.monitor_rate = num("BENCH_MONITOR_RATE", o.monitor_rate as u64).max(1) as f64;
+        o.monitor_flow = num("BENCH_MONITOR_FLOW", o.monitor_flow as u64).max(1) as f64;
+        o.monitor_secs = num("BENCH_MONITOR_SECS", o.monitor_secs).max(5);
+        o.monitor_reps = num("BENCH_MONITOR_REPS", o.monitor_reps as u64).max(1) as usize;
+        o.health_pending = num("BENCH_MONITOR_PENDING", o.health_pending);
+        o.health_calls = num("BENCH_MONITOR_CALLS", o.health_calls as u64).max(1) as usize;
         o.profile = std::env::var("BENCH_PROFILE")
             .map(|v| v != "0")
             .unwrap_or(true);
@@ -251,7 +285,7 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 8] = [
+    let all: [(&str, Phase); 9] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
@@ -259,6 +293,7 @@ fn main() {
         ("growth", phases::growth),
         ("consume", consume::consume),
         ("capacity", capacity::capacity),
+        ("monitor", monitor::monitor),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();
@@ -335,6 +370,13 @@ fn main() {
         "capacity_rounds": opts.capacity_rounds,
         "capacity_reps": opts.capacity_reps,
         "capacity_secs": opts.capacity_secs,
+        "monitor_open": opts.monitor_open,
+        "monitor_rate": opts.monitor_rate,
+        "monitor_flow": opts.monitor_flow,
+        "monitor_secs": opts.monitor_secs,
+        "monitor_reps": opts.monitor_reps,
+        "health_pending": opts.health_pending,
+        "health_calls": opts.health_calls,
         "summary": run.summary,
         "notes": run.notes,
     });

@@ -673,61 +673,114 @@ fn outbox_paced(
     secs: Duration,
     pad: &str,
 ) -> Result<u64, String> {
-    let sessions = ((rate / 400.0).ceil() as usize).max(1);
-    let sent = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicBool::new(false));
-    let t0 = Instant::now() + Duration::from_millis(300);
-    let total = warmup + secs;
-    let mut handles = Vec::new();
-    for k in 0..sessions {
-        let mut client = env.cluster.try_client()?;
-        let (sent, failed) = (sent.clone(), failed.clone());
-        let exchange = env.routes.latency.exchange.clone();
-        let broker = env.broker_id;
-        let pad_m = format!(" m {pad}");
-        let pad_w = format!(" w {pad}");
-        handles.push(std::thread::spawn(move || {
-            let stmt = match client.prepare(
-                "SELECT amqp.publish($1, $2, '', \
-                 ((extract(epoch FROM clock_timestamp()) * 1000000)::bigint)::text || $3)",
-            ) {
-                Ok(s) => s,
-                Err(_) => {
-                    failed.store(true, Ordering::Relaxed);
-                    return;
-                }
-            };
-            let mut i = 0u64;
-            loop {
-                let slot = i * sessions as u64 + k as u64;
-                let due = t0 + Duration::from_secs_f64(slot as f64 / rate);
-                if due >= t0 + total || failed.load(Ordering::Relaxed) {
-                    break;
-                }
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
-                let measured = due >= t0 + warmup;
-                let pad = if measured { &pad_m } else { &pad_w };
-                if client.execute(&stmt, &[&broker, &exchange, pad]).is_err() {
-                    failed.store(true, Ordering::Relaxed);
-                    break;
-                }
-                if measured {
-                    sent.fetch_add(1, Ordering::Relaxed);
-                }
-                i += 1;
-            }
-        }));
+    PacedOutbox::connect(env, &env.routes.latency.exchange, None, rate)?.run(warmup, secs, pad)
+}
+
+/// A paced outbox publisher with its sessions connected, so that it can run on a thread of its
+/// own while the caller keeps the environment.
+pub(crate) struct PacedOutbox {
+    clients: Vec<postgres::Client>,
+    broker_id: i32,
+    exchange: String,
+    /// `Some`: `amqp.publish_message(…, business_type => …)` instead of `amqp.publish()`.
+    business_type: Option<String>,
+    rate: f64,
+}
+
+impl PacedOutbox {
+    pub(crate) fn connect(
+        env: &Env,
+        exchange: &str,
+        business_type: Option<&str>,
+        rate: f64,
+    ) -> Result<PacedOutbox, String> {
+        let sessions = ((rate / 400.0).ceil() as usize).max(1);
+        let clients = (0..sessions)
+            .map(|_| env.cluster.try_client())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(PacedOutbox {
+            clients,
+            broker_id: env.broker_id,
+            exchange: exchange.to_string(),
+            business_type: business_type.map(str::to_string),
+            rate,
+        })
     }
-    for h in handles {
-        let _ = h.join();
+
+    /// Publishes for `warmup + secs`; returns the number of measured messages (the bodies of
+    /// the warm-up say `w`, the others `m`).
+    pub(crate) fn run(self, warmup: Duration, secs: Duration, pad: &str) -> Result<u64, String> {
+        let PacedOutbox {
+            clients,
+            broker_id: broker,
+            exchange,
+            business_type,
+            rate,
+        } = self;
+        let sessions = clients.len();
+        let sent = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicBool::new(false));
+        let t0 = Instant::now() + Duration::from_millis(300);
+        let total = warmup + secs;
+        let mut handles = Vec::new();
+        for (k, mut client) in clients.into_iter().enumerate() {
+            let (sent, failed) = (sent.clone(), failed.clone());
+            let exchange = exchange.clone();
+            let business_type = business_type.clone();
+            let pad_m = format!(" m {pad}");
+            let pad_w = format!(" w {pad}");
+            handles.push(std::thread::spawn(move || {
+                let sql = if business_type.is_some() {
+                    "SELECT amqp.publish_message($1, $2, '', \
+                     ((extract(epoch FROM clock_timestamp()) * 1000000)::bigint)::text || $3, \
+                     business_type => $4)"
+                } else {
+                    "SELECT amqp.publish($1, $2, '', \
+                     ((extract(epoch FROM clock_timestamp()) * 1000000)::bigint)::text || $3)"
+                };
+                let stmt = match client.prepare(sql) {
+                    Ok(s) => s,
+                    Err(_) => {
+                        failed.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                };
+                let mut i = 0u64;
+                loop {
+                    let slot = i * sessions as u64 + k as u64;
+                    let due = t0 + Duration::from_secs_f64(slot as f64 / rate);
+                    if due >= t0 + total || failed.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let now = Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                    let measured = due >= t0 + warmup;
+                    let pad = if measured { &pad_m } else { &pad_w };
+                    let done = match &business_type {
+                        Some(t) => client.execute(&stmt, &[&broker, &exchange, pad, t]),
+                        None => client.execute(&stmt, &[&broker, &exchange, pad]),
+                    };
+                    if done.is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    if measured {
+                        sent.fetch_add(1, Ordering::Relaxed);
+                    }
+                    i += 1;
+                }
+            }));
+        }
+        for h in handles {
+            let _ = h.join();
+        }
+        if failed.load(Ordering::Relaxed) {
+            return Err("a paced publisher session failed".into());
+        }
+        Ok(sent.load(Ordering::Relaxed))
     }
-    if failed.load(Ordering::Relaxed) {
-        return Err("a latency publisher session failed".into());
-    }
-    Ok(sent.load(Ordering::Relaxed))
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -773,8 +826,15 @@ pub fn latency(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
                 consumer.reset();
                 let (sent, conf) = match who {
                     Who::Raw => {
-                        let (sent, c) =
-                            raw::paced(&env.amqp_uri(), &route.exchange, &pad, rate, warmup, secs)?;
+                        let (sent, c) = raw::paced(
+                            &env.amqp_uri(),
+                            &route.exchange,
+                            &pad,
+                            rate,
+                            warmup,
+                            secs,
+                            RawProps::Bare,
+                        )?;
                         (sent, Some(c))
                     }
                     Who::AckQueue | Who::Confirm => {

@@ -242,8 +242,9 @@ impl LatencyConsumer {
 }
 
 /// A raw publisher at a steady `rate` for `warmup + secs`: each body starts with its publish
-/// time. Confirms are awaited in order by another task (pipelined, so the rate is not capped
-/// by the round trip). Returns (measured messages sent, confirm latencies in µs).
+/// time, each message has the properties `with` names. Confirms are awaited in order by another
+/// task (pipelined, so the rate is not capped by the round trip). Returns (measured messages
+/// sent, confirm latencies in µs).
 pub fn paced(
     uri: &str,
     exchange: &str,
@@ -251,6 +252,7 @@ pub fn paced(
     rate: f64,
     warmup: Duration,
     secs: Duration,
+    with: RawProps,
 ) -> Result<(u64, Samples), String> {
     let rt = runtime();
     let (conn, ch) = rt.block_on(confirm_channel(uri))?;
@@ -275,6 +277,7 @@ pub fn paced(
         mandatory: true,
         ..Default::default()
     };
+    let mut like = (with == RawProps::LikeOutbox).then(|| LikeOutbox::new(""));
     let t0 = Instant::now();
     let total = warmup + secs;
     let mut sent = 0u64;
@@ -289,10 +292,14 @@ pub fn paced(
             std::thread::sleep(due - now);
         }
         let measured = due >= t0 + warmup;
+        let p = match like.as_mut() {
+            Some(l) => l.props(i as i64 + 1),
+            None => props(),
+        };
         let body = format!("{} {} {pad}", now_us(), if measured { "m" } else { "w" });
         let start = Instant::now();
         let c = rt
-            .block_on(ch.basic_publish(exchange.into(), "".into(), opts, body.as_bytes(), props()))
+            .block_on(ch.basic_publish(exchange.into(), "".into(), opts, body.as_bytes(), p))
             .map_err(|e| format!("basic.publish: {e}"))?;
         let _ = tx.send((start, measured, c));
         if measured {

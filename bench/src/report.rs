@@ -10,6 +10,8 @@ pub enum Target {
     RatioAtLeast(f64),
     /// ratio > x
     RatioAbove(f64),
+    /// ratio < x
+    RatioBelow(f64),
     /// median ≤ x (in the figure's unit)
     AtMost(f64),
 }
@@ -116,6 +118,7 @@ impl Figure {
             Target::None => None,
             Target::RatioAtLeast(x) => self.ratio().map(|r| r >= x),
             Target::RatioAbove(x) => self.ratio().map(|r| r > x),
+            Target::RatioBelow(x) => self.ratio().map(|r| r < x),
             Target::AtMost(x) => Some(self.median() <= x),
         }
     }
@@ -125,6 +128,7 @@ impl Figure {
             Target::None => String::new(),
             Target::RatioAtLeast(x) => format!("ratio ≥ {x}"),
             Target::RatioAbove(x) => format!("ratio > {x}"),
+            Target::RatioBelow(x) => format!("ratio < {x}"),
             Target::AtMost(x) => format!("≤ {} {}", fmt_num(x), self.unit),
         }
     }
