@@ -246,32 +246,37 @@ BEGIN
          LIMIT max_messages
     ), timed AS (
         SELECT due.*,
-               ruled AND cardinality(silent) > 0 AND NOT copy_waiting
-                   AND now() >= since + late_after AS is_late,
-               ruled AND cardinality(silent) > 0 AND NOT copy_waiting
-                   AND now() >= since + lost_after AND receipts_until >= since + lost_after AS is_lost
-          FROM due
-    ), acted AS (
-        SELECT timed.*,
-               is_lost AND action = 'resend' AND resends < max_resends AND has_body AS resend,
-               is_lost AND NOT (action = 'resend' AND resends < max_resends AND has_body) AS give_up,
-               is_lost AND NOT (action = 'resend' AND resends < max_resends AND has_body)
-                   AND action = 'compensate' AS silent_fail,
+               -- An answer is missing, and the clock runs (no copy waits in the outbox).
+               ruled AND cardinality(silent) > 0 AND NOT copy_waiting AS waiting,
+               coalesce(action = 'resend' AND resends < max_resends AND has_body, false) AS may_resend,
                coalesce(action <> 'report' AND handler, false) AS compensable
+          FROM due
+    ), judged AS (
+        SELECT timed.*,
+               waiting AND now() >= since + late_after AS is_late,
+               waiting AND now() >= since + lost_after AND receipts_until >= since + lost_after AS is_lost
           FROM timed
-    ), decided AS (
+    ), acted AS (
+        SELECT judged.*,
+               is_lost AND may_resend AS resend,
+               is_lost AND NOT may_resend AS give_up,
+               is_lost AND NOT may_resend AND action = 'compensate' AS silent_fail
+          FROM judged
+    ), failures AS (
         SELECT acted.*,
-               CASE WHEN silent_fail THEN failed || silent ELSE failed END AS all_failed,
+               CASE WHEN silent_fail THEN failed || silent ELSE failed END AS all_failed
+          FROM acted
+    ), decided AS (
+        SELECT failures.*,
                CASE WHEN NOT ruled THEN 'unmonitored'
                     WHEN cardinality(silent) = 0 AND cardinality(failed) = 0 THEN 'complete'
                     WHEN give_up AND NOT silent_fail THEN 'lost'
                     WHEN (cardinality(silent) = 0 OR silent_fail) AND NOT compensable THEN
                          CASE WHEN silent_fail THEN 'lost' ELSE 'failed' END
-                    WHEN (cardinality(silent) = 0 OR silent_fail)
-                         AND (CASE WHEN silent_fail THEN failed || silent ELSE failed END) <@ compensated
+                    WHEN (cardinality(silent) = 0 OR silent_fail) AND all_failed <@ compensated
                          THEN 'compensated'
                END AS outcome
-          FROM acted
+          FROM failures
     ), planned AS (
         SELECT decided.*,
                CASE WHEN outcome IS NOT NULL THEN NULL

@@ -70,7 +70,7 @@ pub unsafe fn pause_for(pstmt: *mut pg_sys::PlannedStmt) -> Option<Paused> {
         let view = launch::slot_of(oid)
             .map(launch::slot_view)
             .unwrap_or_default();
-        if view.outbox_pid == 0 && view.inbox_pid == 0 && view.monitor_pid == 0 {
+        if !view.has_worker() {
             break;
         }
         // SAFETY: a backend's own latch; the wait ends on timeout, latch or postmaster death.

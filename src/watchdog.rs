@@ -121,9 +121,7 @@ impl Watched {
         if let Ok(mut c) = CURRENT.lock() {
             *c = Some((subscription.to_string(), message_id.to_string()));
         }
-        let hard = (!timeout.is_zero())
-            .then(|| Instant::now() + timeout + timeout.max(Duration::from_secs(1)));
-        let mut w = Watched::start(hard);
+        let mut w = Watched::start(hard_deadline(timeout));
         w.handler = true;
         w
     }
@@ -131,9 +129,7 @@ impl Watched {
     /// A user's function that no message stands for (a compensation): the same hard deadline,
     /// but nothing is left for the next worker (its caller counts the attempt beforehand).
     pub fn function(timeout: Duration) -> Watched {
-        let hard = (!timeout.is_zero())
-            .then(|| Instant::now() + timeout + timeout.max(Duration::from_secs(1)));
-        Watched::start(hard)
+        Watched::start(hard_deadline(timeout))
     }
 
     fn start(hard: Option<Instant>) -> Watched {
@@ -144,6 +140,12 @@ impl Watched {
             handler: false,
         }
     }
+}
+
+/// A user function's hard deadline for `timeout` (zero: none): twice it, at least one second
+/// past it.
+fn hard_deadline(timeout: Duration) -> Option<Instant> {
+    (!timeout.is_zero()).then(|| Instant::now() + timeout + timeout.max(Duration::from_secs(1)))
 }
 
 impl Drop for Watched {

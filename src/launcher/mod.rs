@@ -162,9 +162,7 @@ impl Launcher {
             if view.database != 0 && view.served && !view.absent {
                 self.known.insert(view.database);
             }
-            if view.database != 0
-                && (view.outbox_pid != 0 || view.inbox_pid != 0 || view.monitor_pid != 0)
-            {
+            if view.database != 0 && view.has_worker() {
                 *entry = Some(Served {
                     db: Database {
                         oid: view.database,

@@ -5,10 +5,7 @@ use crate::shmem::launch::SlotView;
 /// A free slot for `database`: the one that served it before (its counters go on), else one
 /// never used, else any free one. `taken[i]`: the launcher serves a database in slot `i`.
 pub fn choose(database: u32, views: &[SlotView], taken: &[bool]) -> Option<usize> {
-    let free = |i: &usize| {
-        let v = &views[*i];
-        !taken[*i] && v.outbox_pid == 0 && v.inbox_pid == 0 && v.monitor_pid == 0
-    };
+    let free = |i: &usize| !taken[*i] && !views[*i].has_worker();
     let all = 0..views.len().min(taken.len());
     all.clone()
         .filter(free)

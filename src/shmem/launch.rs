@@ -191,6 +191,13 @@ pub struct SlotView {
     pub served: bool,
 }
 
+impl SlotView {
+    /// A worker of any kind holds this slot.
+    pub fn has_worker(&self) -> bool {
+        self.outbox_pid != 0 || self.inbox_pid != 0 || self.monitor_pid != 0
+    }
+}
+
 pub fn slot_view(i: usize) -> SlotView {
     let Some(s) = super::ready().then(|| &SLOTS.get().0[i]) else {
         return SlotView::default();

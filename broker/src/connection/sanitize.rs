@@ -64,9 +64,10 @@ impl Scanner {
             if rest.len() < whole {
                 break;
             }
-            let mut frame = rest[..whole].to_vec();
-            self.replaced += sanitize_frame(&mut frame) as u64;
-            out.extend_from_slice(&frame);
+            // Copied once, into what lapin gets, and sanitized there.
+            let start = out.len();
+            out.extend_from_slice(&rest[..whole]);
+            self.replaced += sanitize_frame(&mut out[start..]) as u64;
             at += whole;
         }
         self.held.drain(..at);
@@ -80,13 +81,15 @@ pub(crate) fn sanitize_frame(frame: &mut [u8]) -> usize {
         return 0;
     }
     let end = frame.len() - 1;
-    let kind = frame[0];
-    let mut copy = frame[7..end].to_vec();
-    let done = match kind {
-        FRAME_METHOD => method(&mut copy),
-        FRAME_HEADER => header(&mut copy),
-        _ => None,
+    // Body frames (most of the bytes) and heartbeats carry no short string: not copied.
+    let read: fn(&mut [u8]) -> Option<usize> = match frame[0] {
+        FRAME_METHOD => method,
+        FRAME_HEADER => header,
+        _ => return 0,
     };
+    // Read on a copy: a frame that does not parse to its end is passed on as it came.
+    let mut copy = frame[7..end].to_vec();
+    let done = read(&mut copy);
     match done {
         Some(n) if n > 0 => {
             frame[7..end].copy_from_slice(&copy);
