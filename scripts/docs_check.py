@@ -48,13 +48,15 @@ def strip_code(text: str) -> list[tuple[int, str]]:
     """(line number, line) of the lines outside fenced code blocks."""
     out, fence = [], None
     for n, line in enumerate(text.split("\n"), 1):
-        m = re.match(r"^\s*(```+|~~~+)", line)
+        m = re.match(r"^\s*(```+|~~~+)(.*)$", line)
         if m:
+            mark = m.group(1)
             if fence is None:
-                fence = m.group(1)[:3]
-            elif m.group(1).startswith(fence):
+                fence = mark
+                continue
+            if mark[0] == fence[0] and len(mark) >= len(fence) and not m.group(2).strip():
                 fence = None
-            continue
+                continue
         if fence is None:
             out.append((n, line))
     return out
