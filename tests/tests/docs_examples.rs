@@ -149,14 +149,28 @@ fn run_file(rel: &str, endpoint: &AmqpEndpoint) -> Vec<String> {
         let run = || {
             cluster.run_client(
                 "psql",
-                &["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-d", &b.database, "-f", &path],
+                &[
+                    "-X",
+                    "-q",
+                    "-A",
+                    "-t",
+                    "-v",
+                    "ON_ERROR_STOP=1",
+                    "-d",
+                    &b.database,
+                    "-f",
+                    &path,
+                ],
             )
         };
         let where_ = format!("{}:{} (database {})", b.file, b.line, b.database);
         match &b.wait {
             None => {
                 run().unwrap_or_else(|e| {
-                    panic!("{where_} failed: {e}\n--- server log ---\n{}", cluster.log_tail(30))
+                    panic!(
+                        "{where_} failed: {e}\n--- server log ---\n{}",
+                        cluster.log_tail(30)
+                    )
                 });
             }
             Some(text) => {
@@ -174,7 +188,10 @@ fn run_file(rel: &str, endpoint: &AmqpEndpoint) -> Vec<String> {
         // the broker rows there (the worker picks the change up at commit).
         let mut client = cluster.client_db(&b.database);
         let has_ext = client
-            .query_one("SELECT count(*) FROM pg_extension WHERE extname = 'amqp_outbox'", &[])
+            .query_one(
+                "SELECT count(*) FROM pg_extension WHERE extname = 'amqp_outbox'",
+                &[],
+            )
             .map(|r| r.get::<_, i64>(0) == 1)
             .unwrap_or(false);
         if has_ext {
