@@ -16,7 +16,8 @@
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
 #   make lint            scripts/lint.sh: fmt, clippy -D warnings (SAFETY comments), no pgrx in the
-#                        AMQP crate, #[pg_guard] on every C entry point
+#                        AMQP crate, #[pg_guard] on every C entry point, the docs' links and
+#                        reference (scripts/docs_check.py)
 #   make run / stop      demo: private cluster on port 54329 publishing to local RabbitMQ
 #   make bench           benchmarks, quick sizes (under 20 minutes); bench/results/latest.{md,json}
 #   make bench-full      benchmarks, full sizes (1,000,000-message backlog, longer runs)

@@ -12,6 +12,12 @@
 #              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames;
 #              except a signal handler, marked by a `// SIGNAL HANDLER:` comment saying why it
 #              cannot fail (it must not raise an ERROR, which #[pg_guard] would turn a panic into)
+#   docs       scripts/docs_check.py: every relative link in README.md, CHANGELOG.md and docs/
+#              resolves (anchors too); docs/reference.md has an entry for every function, view,
+#              table, type and setting the sources define and none for anything else; and its
+#              self-test (each check fails on a planted omission). Build-free: the comparison
+#              with the installed catalog runs in the end-to-end test docs_examples, after
+#              `make install-test` (docs/contributing.md)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -113,9 +119,10 @@ run fmt check_fmt
 run clippy check_clippy
 run no-pgrx check_no_pgrx
 run pg_guard check_pg_guard
+run docs python3 scripts/docs_check.py
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "make lint: FAILED: ${failed[*]}" >&2
     exit 1
 fi
-echo "make lint: all passed (sql fmt clippy no-pgrx pg_guard)"
+echo "make lint: all passed (sql fmt clippy no-pgrx pg_guard docs)"

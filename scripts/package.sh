@@ -6,7 +6,8 @@
 # feature), stripped as dh_strip would; the control file, the generated full script of this
 # version, every update script, and the full scripts of earlier versions kept in sql/ (what
 # `make install` copies); the README, a machine-readable copyright file and the Debian changelog
-# under /usr/share/doc/<package>/ (README.md.gz, copyright, changelog.gz).
+# under /usr/share/doc/<package>/ (README.md.gz, docs/*.md.gz, CHANGELOG.md.gz, copyright,
+# changelog.gz).
 #
 # The Debian tools do the Debian parts: dpkg-shlibdeps computes the library dependencies (libc6,
 # libgcc-s1), dpkg-gencontrol writes DEBIAN/control from packaging/debian/control.in (the major
@@ -78,6 +79,12 @@ done
 
 # Documentation, compressed as Debian policy asks of files over 4 kB (gzip -n: no name or time).
 gzip -9n <"$ROOT/README.md" >"$STAGE$DOCDIR/README.md.gz"
+# The documentation the README links to (docs/*.md), and the changes per version.
+install -d -m 755 "$STAGE$DOCDIR/docs"
+for f in "$ROOT"/docs/*.md; do
+    gzip -9n <"$f" >"$STAGE$DOCDIR/docs/$(basename "$f").gz"
+done
+gzip -9n <"$ROOT/CHANGELOG.md" >"$STAGE$DOCDIR/CHANGELOG.md.gz"
 # The version has no Debian revision (it is the extension's own), so Debian calls the package
 # native, whose changelog is named changelog.gz (lintian: wrong-name-for-changelog-of-native-package).
 gzip -9n <"$DEBIAN_SRC/changelog" >"$STAGE$DOCDIR/changelog.gz"

@@ -141,6 +141,10 @@ done
 check "dpkg -L lists the README" listed_has "$DOCDIR/README.md.gz"
 readme_whole() { zcat "$DOCDIR/README.md.gz" | cmp -s - "$ROOT/README.md"; }
 check "the installed README is this checkout's README.md" readme_whole
+for f in "$ROOT"/docs/*.md; do
+    check "dpkg -L lists docs/$(basename "$f")" listed_has "$DOCDIR/docs/$(basename "$f").gz"
+done
+check "dpkg -L lists CHANGELOG.md" listed_has "$DOCDIR/CHANGELOG.md.gz"
 check "dpkg -L lists the copyright file" listed_has "$DOCDIR/copyright"
 check "dpkg -L lists the changelog" listed_has "$DOCDIR/changelog.gz"
 # Only the package's own files: the installed files match its md5sums.

@@ -3,7 +3,8 @@
 # only what is missing, so a second run takes a second or two.
 #
 #   apt packages    PostgreSQL 15 (+ server headers), clang/libclang (bindgen), RabbitMQ, make, gcc,
-#                   dpkg-dev (make package: dpkg-shlibdeps, dpkg-gencontrol, strip)
+#                   dpkg-dev (make package: dpkg-shlibdeps, dpkg-gencontrol, strip), python3
+#                   (scripts/docs_check.py, scripts/amqp_demo.py)
 #   Rust            cargo >= 1.88 must already be there (we print how to get it; no download)
 #   cargo-pgrx      =0.18.0, the version the crate pins
 #   pgrx init       points pgrx at the Debian PostgreSQL 15 (no download, no compile)
@@ -17,7 +18,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 MIN_RUST="1.88"
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang rabbitmq-server make gcc pkg-config dpkg-dev openssl)
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang rabbitmq-server make gcc pkg-config dpkg-dev openssl python3)
 
 # --- 1. system packages -----------------------------------------------------------------------
 say "System packages"
