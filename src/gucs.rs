@@ -13,7 +13,7 @@ pub static MAX_MESSAGE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024 *
 pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(1000);
 /// Milliseconds, fractions allowed ('500us').
-pub static BATCH_INTERVAL: GucSetting<f64> = GucSetting::<f64>::new(0.5);
+pub static BATCH_INTERVAL: GucSetting<f64> = GucSetting::<f64>::new(2.0);
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(500);
 pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(2000);
 pub static MAX_IN_FLIGHT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(32 * 1024 * 1024);
@@ -111,8 +111,8 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_float_guc(
         c"amqp_outbox.batch_interval",
-        c"Shortest time between two claims while commits keep coming.",
-        c"Under load the worker waits this long after a step before the next, so one claim takes everything committed meanwhile: longer means larger batches and less CPU per message, and up to this much more latency. Fractions are allowed ('250us'). An idle worker claims a new commit at once. 0 claims after every wake-up.",
+        c"Longest time commits gather before the worker's next claim, reached at 2,000 commits a second.",
+        c"The worker lets commits gather in proportion to the rate it sees: not at all below 250 messages a second, this long at 2,000 and above, so one claim takes everything committed meanwhile. Longer means larger batches and less CPU per message (worker and broker) at high rates, and up to this much more latency there. Fractions are allowed ('250us'). 0 claims after every wake-up.",
         &BATCH_INTERVAL,
         0.0,
         1000.0,

@@ -62,6 +62,16 @@ pub enum Command {
     Shutdown,
 }
 
+impl Command {
+    /// How many messages it publishes.
+    pub fn messages(&self) -> usize {
+        match self {
+            Command::Publish { messages, .. } => messages.len(),
+            _ => 0,
+        }
+    }
+}
+
 /// How a publish failed, which decides what the worker does with the row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Failure {

@@ -6,6 +6,7 @@ use super::brokers::Brokers;
 use super::events;
 use super::faults::Faults;
 use super::flight::Flight;
+use super::gather::Gather;
 use super::pg;
 use super::presence::Presence;
 use super::scan_floor::ScanFloor;
@@ -14,17 +15,17 @@ use super::shrink::Shrink;
 use super::status::{Status, STATUS_EVERY};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
-use amqp_outbox_broker::BrokerHandle;
+use amqp_outbox_broker::{BrokerHandle, Command};
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
 // Coalescing: a commit wakes the worker only once per step (the first commit after the step
 // armed the wake-up), but confirms and acknowledgements wake it as they arrive, and one step per
 // wake-up would spend a transaction (and a broker round trip) on a few messages, taking the CPU
-// the publishing sessions need. So a step starts at least `amqp_outbox.batch_interval` after the
-// previous one and takes everything committed meanwhile. An idle worker is not delayed (the
-// interval has long passed when a commit comes), nor a backlog: after a claim that filled its
-// batch, the next step runs at once.
+// the publishing sessions need. So while commits come fast a step starts a gap after the
+// previous one and takes everything committed meanwhile; the gap follows the commit rate
+// ([`Gather`]), up to `amqp_outbox.batch_interval`. Rare commits are claimed at once, and so is
+// a backlog: after a claim that filled its batch, the next step runs without waiting.
 
 /// With `amqp_outbox.enabled = off`, commits do not start a step; this often one still runs, so
 /// the status views and configuration stay current.
@@ -46,6 +47,8 @@ pub struct Worker {
     shrink: Shrink,
     swept_at: Instant,
     stepped_at: Option<Instant>,
+    /// The commit rate, and from it how long commits gather before a claim.
+    gather: Gather,
     /// The last claim filled its batch: claim again without sleeping.
     more_work: bool,
     /// The last claim took everything due, when [`Flight::released`] was this.
@@ -71,6 +74,7 @@ impl Worker {
             shrink: Shrink::default(),
             swept_at: Instant::now(),
             stepped_at: None,
+            gather: Gather::default(),
             more_work: false,
             claimed_all: None,
             due_to_claim: false,
@@ -119,16 +123,19 @@ impl Worker {
             if self.nothing_to_claim(&settlement) {
                 // Woken by confirms or acknowledgements only: no transaction, and the commit
                 // wake-up stays armed. A step here would also hold the next commit's claim
-                // back by `batch_interval`.
+                // back by the gathering gap.
                 self.delete_delivered(false);
                 let reported = self.status.report(&self.flight);
                 pg::wait(Some(self.handle.wake_fd()), self.timeout(reported));
                 continue;
             }
             if !self.more_work {
+                let interval = self
+                    .gather
+                    .interval(self.settings.batch_interval, Instant::now());
                 if let Some(gap) = self
                     .stepped_at
-                    .and_then(|t| self.settings.batch_interval.checked_sub(t.elapsed()))
+                    .and_then(|t| interval.checked_sub(t.elapsed()))
                     .filter(|gap| !gap.is_zero())
                 {
                     pg::sleep(gap);
@@ -154,6 +161,8 @@ impl Worker {
                 // Started only to look: the launcher starts both workers if there is room.
                 self.exit();
             }
+            let messages = claimed.commands.iter().map(Command::messages).sum();
+            self.gather.claimed(messages, Instant::now());
             self.more_work = claimed.more;
             self.claimed_all = claimed.complete.then_some(self.flight.released());
             // Nothing to publish and nothing in flight: the table may be empty.

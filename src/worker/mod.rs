@@ -17,6 +17,7 @@ mod claim;
 mod events;
 mod faults;
 mod flight;
+mod gather;
 mod main_loop;
 mod message;
 mod origin;

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::chaos::holds_for;
 use amqp_outbox_e2e::outbox::create_extension;
@@ -945,37 +945,70 @@ fn disabled_worker_is_not_woken_by_commits_and_delivers_once_enabled() {
     Outbox::wait_drained(&mut f.client, ARRIVAL);
 }
 
-/// `amqp_outbox.batch_interval` spaces the worker's steps: a burst of single-message commits
-/// shares a few settle-and-claim transactions instead of running one per commit (and one per
-/// confirm and per acknowledgement). Each wake-up needs the worker to have asked for it, once a
-/// step, so wake-ups never outnumber steps.
+/// `amqp_outbox.batch_interval` spaces the worker's steps once commits come fast: a stream of
+/// single-message commits shares a few settle-and-claim transactions instead of running one per
+/// commit (and one per confirm and per acknowledgement). Each wake-up needs the worker to have
+/// asked for it, once a step, so wake-ups never outnumber steps.
 #[test]
 fn commits_close_together_share_worker_steps() {
-    const BURST: i64 = 40;
+    const STREAM: i64 = 600;
     let rabbit = Rabbit::shared();
     let config = PgConfig::default()
         .naptime_ms(60_000)
-        .setting("amqp_outbox.batch_interval", 1000);
+        .setting("amqp_outbox.batch_interval", 200);
     let mut f = World::new("coalesce", config, &rabbit);
     f.warm_up();
     let before = Outbox::worker_status(&mut f.client).expect("worker_status");
 
-    for i in 0..BURST {
+    let started = Instant::now();
+    for i in 0..STREAM {
         f.publish(&format!("co:{i}"));
     }
-    f.collector.wait_for_count(BURST as usize + 1, ARRIVAL);
+    let rate = STREAM as f64 / started.elapsed().as_secs_f64();
+    f.collector.wait_for_count(STREAM as usize + 1, ARRIVAL);
     Outbox::wait_drained(&mut f.client, ARRIVAL);
     let after = Outbox::worker_status(&mut f.client).expect("worker_status");
     let steps = after.steps - before.steps;
     let wakeups = after.commit_wakeups - before.commit_wakeups;
-    eprintln!("{BURST} commits: {steps} steps, {wakeups} commit wake-ups");
+    eprintln!("{STREAM} commits at {rate:.0}/s: {steps} steps, {wakeups} commit wake-ups");
     assert!(
-        steps < BURST / 2,
-        "{steps} worker steps for {BURST} commits: commits are not coalesced"
+        rate > 500.0,
+        "the test's commits came at {rate:.0}/s, too slow to need gathering"
+    );
+    assert!(
+        steps < STREAM / 4,
+        "{steps} worker steps for {STREAM} commits: commits are not coalesced"
     );
     assert!(
         (1..=steps + 1).contains(&wakeups),
         "{wakeups} commit wake-ups for {steps} steps"
+    );
+}
+
+/// Commits that come rarely are claimed at once, however long `amqp_outbox.batch_interval`
+/// allows commits to gather: the gap follows the commit rate (with a fixed gap each of these
+/// would wait for most of a second).
+#[test]
+fn rare_commits_are_not_held_back_by_batch_interval() {
+    let rabbit = Rabbit::shared();
+    let config = PgConfig::default()
+        .naptime_ms(60_000)
+        .setting("amqp_outbox.batch_interval", 1000);
+    let mut f = World::new("rare", config, &rabbit);
+    f.warm_up();
+    let mut slowest = Duration::ZERO;
+    for i in 0..8 {
+        std::thread::sleep(Duration::from_millis(60));
+        let body = format!("rare:{i}");
+        let t = Instant::now();
+        f.publish(&body);
+        f.collector.wait_for_body(&body, ARRIVAL);
+        slowest = slowest.max(t.elapsed());
+    }
+    eprintln!("slowest of 8 rare commits: {slowest:?}");
+    assert!(
+        slowest < Duration::from_millis(400),
+        "a commit at about 15/s waited {slowest:?} for its claim"
     );
 }
 
