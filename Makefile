@@ -12,7 +12,7 @@
 #   make test-package    builds the package, installs it with apt-get, checks its files, runs
 #                        installcheck against it, removes and purges it; puts back the build that
 #                        was installed before (needs root or sudo)
-#   make chaos           every fault-injection case (FAULTS.md 1-16), slow ones included, one at
+#   make chaos           every fault-injection case (FAULTS.md), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
 #   make lint            scripts/lint.sh: fmt, clippy -D warnings (SAFETY comments), no pgrx in the
@@ -54,9 +54,9 @@ build:
 # `make lint` checks that the committed result is current.
 # Once a version is released its update script is frozen: its rule and its parts in
 # sql/upgrade/ go, and the script stays as it was (the install-script files change later).
-GENERATED_UPDATES := sql/amqp_outbox--0.5.0--0.6.0.sql
+GENERATED_UPDATES := sql/amqp_outbox--0.6.0--0.7.0.sql
 sql: $(GENERATED_UPDATES)
-sql/amqp_outbox--0.5.0--0.6.0.sql: sql/upgrade/0.5.0--0.6.0.head.sql sql/monitor.sql sql/health.sql
+sql/amqp_outbox--0.6.0--0.7.0.sql: sql/upgrade/0.6.0--0.7.0.head.sql sql/health.sql
 	cat $^ > $@
 
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))
@@ -101,7 +101,7 @@ CHAOS_RESULTS := target/chaos/results.tsv
 chaos:
 	@mkdir -p $(dir $(CHAOS_RESULTS)); rm -f $(CHAOS_RESULTS); start=$$(date +%s); \
 	AMQP_OUTBOX_CHAOS_SCALE=$(AMQP_OUTBOX_CHAOS_SCALE) AMQP_OUTBOX_CHAOS_RESULTS=$(CURDIR)/$(CHAOS_RESULTS) \
-		$(CARGO) test -p amqp_outbox_e2e --no-fail-fast --test faults --test ha -- --include-ignored --test-threads=1; rc=$$?; \
+		$(CARGO) test -p amqp_outbox_e2e --no-fail-fast --test faults --test ha --test failover -- --include-ignored --test-threads=1; rc=$$?; \
 	$(MAKE) --no-print-directory chaos-table; \
 	echo "make chaos: $$(( $$(date +%s) - start ))s, scale $(AMQP_OUTBOX_CHAOS_SCALE), exit $$rc"; exit $$rc
 

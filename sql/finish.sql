@@ -142,6 +142,12 @@ GRANT EXECUTE ON FUNCTION
     @extschema@.autonomous_publish(integer, text, text, text, integer, text, text, text)
     TO amqp_outbox_publisher;
 
+-- After its own COMMIT, a session that acknowledges to RabbitMQ itself waits for the standbys.
+GRANT EXECUTE ON FUNCTION @extschema@.wait_for_standbys(interval)
+    TO amqp_outbox_publisher, amqp_outbox_consumer;
+COMMENT ON FUNCTION @extschema@.wait_for_standbys(interval) IS
+    'Waits until the standbys named by amqp_outbox.standby_names have flushed this session''s last commit: true when they have (at once when the setting is empty or nothing was committed), false when the timeout ran out. Call it after COMMIT and before acknowledging a message to the broker.';
+
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA @extschema@ TO amqp_outbox_admin;
 -- Not the subscription worker's own recording of consumption (see consume_once.sql).
 REVOKE EXECUTE ON FUNCTION @extschema@._consume(text, text, text) FROM amqp_outbox_admin;

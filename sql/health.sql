@@ -11,6 +11,8 @@ DECLARE
     n bigint;
     shown text;
     counted timestamptz;
+    names text[];
+    lag bigint;
 BEGIN
     SELECT * INTO w FROM @extschema@.worker_status s WHERE s.database = pg_catalog.current_database() LIMIT 1;
     component := 'worker';
@@ -60,6 +62,44 @@ BEGIN
         END IF;
         RETURN NEXT;
     END LOOP;
+    -- amqp_outbox.standby_names: messages and acknowledgements leave only once these standbys
+    -- have the commits; one that is gone or behind holds them back.
+    -- (Not this server's own cluster_name: after a promotion the list it inherited names it.)
+    SELECT pg_catalog.array_agg(pg_catalog.btrim(x))
+           FILTER (WHERE pg_catalog.btrim(x) <> ''
+                     AND pg_catalog.btrim(x) IS DISTINCT FROM pg_catalog.current_setting('cluster_name')) INTO names
+      FROM pg_catalog.unnest(pg_catalog.string_to_array(
+               coalesce(pg_catalog.current_setting('amqp_outbox.standby_names', true), ''), ',')) AS x;
+    IF names IS NOT NULL AND NOT pg_catalog.pg_is_in_recovery() THEN
+        IF '*' = ANY (names) THEN
+            SELECT pg_catalog.array_agg(r.application_name ORDER BY r.application_name) INTO names
+              FROM pg_catalog.pg_stat_replication r WHERE r.flush_lsn IS NOT NULL;
+            IF names IS NULL THEN
+                component := 'standbys';
+                status := 'critical';
+                detail := 'amqp_outbox.standby_names is * and no standby is connected: nothing leaves the database';
+                RETURN NEXT;
+            END IF;
+        END IF;
+        FOR b IN SELECT n.n AS name, r.flush_lsn, r.flush_lag
+                   FROM pg_catalog.unnest(names) AS n(n)
+                   LEFT JOIN pg_catalog.pg_stat_replication r
+                          ON r.application_name OPERATOR(pg_catalog.=) n.n AND r.flush_lsn IS NOT NULL
+        LOOP
+            component := 'standby ' OPERATOR(pg_catalog.||) b.name;
+            IF b.flush_lsn IS NULL THEN
+                status := 'critical';
+                detail := pg_catalog.format('%s is not connected: messages and acknowledgements wait for it (amqp_outbox.standby_names)', b.name);
+            ELSE
+                lag := pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), b.flush_lsn)::bigint;
+                status := CASE WHEN coalesce(b.flush_lag, '0') > interval '5 seconds' OR lag > 16777216
+                               THEN 'warning' ELSE 'ok' END;
+                detail := pg_catalog.format('%s flushed, %s bytes behind, flush lag %s', b.name, lag,
+                                            coalesce(b.flush_lag::text, '0'));
+            END IF;
+            RETURN NEXT;
+        END LOOP;
+    END IF;
     -- Reads at most 10,001 outbox rows and the oldest by the primary key, so that a probe stays
     -- cheap with millions of messages pending (beyond 10,000: the planner's estimate).
     SELECT pg_catalog.count(*) INTO n
@@ -114,7 +154,7 @@ BEGIN
 END
 $health$;
 COMMENT ON FUNCTION @extschema@.health() IS
-    'One row per check (outbox worker, subscription worker, launcher, each broker, outbox age, parked, monitor, late, lost, failed) with status ok, warning or critical, for probes and exporters. Cheap at any size: it reads no more than 10,001 outbox rows and the monitor''s counts.';
+    'One row per check (outbox worker, subscription worker, launcher, each broker, each standby named by amqp_outbox.standby_names, outbox age, parked, monitor, late, lost, failed) with status ok, warning or critical, for probes and exporters. Cheap at any size: it reads no more than 10,001 outbox rows and the monitor''s counts.';
 
 REVOKE ALL ON FUNCTION @extschema@.health() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.health() TO pg_monitor;

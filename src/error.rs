@@ -44,6 +44,8 @@ pub enum OutboxError {
     },
     /// A traceparent that is not W3C trace context (version-traceid-parentid-flags).
     InvalidTraceparent(String),
+    /// A negative timeout.
+    NegativeTimeout,
 }
 
 impl OutboxError {
@@ -54,7 +56,7 @@ impl OutboxError {
             NullArgument(_) => ERRCODE_NULL_VALUE_NOT_ALLOWED,
             UnknownBroker(_) => ERRCODE_UNDEFINED_OBJECT,
             TooLong { .. } | TagTooLong { .. } => ERRCODE_STRING_DATA_RIGHT_TRUNCATION,
-            InvalidTraceparent(_) => ERRCODE_INVALID_PARAMETER_VALUE,
+            InvalidTraceparent(_) | NegativeTimeout => ERRCODE_INVALID_PARAMETER_VALUE,
             InvalidDeliveryMode(_)
             | InvalidHeaders(_)
             | InvalidExchangeType(_)
@@ -102,6 +104,7 @@ impl OutboxError {
             TagTooLong { what, bytes, max } => {
                 format!("amqp_outbox: {what} is {bytes} bytes long; at most {max} are allowed")
             }
+            NegativeTimeout => "amqp_outbox: timeout must not be negative".to_string(),
             InvalidTraceparent(v) => format!(
                 "amqp_outbox: invalid traceparent \"{v}\"; expected W3C trace context: 00-<32 hex>-<16 hex>-<2 hex>, lower case"
             ),

@@ -37,6 +37,7 @@ pub static INBOX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 pub static SYSTEM_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static HOST_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static TRACEPARENT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static STANDBY_NAMES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 /// Minutes (settings accept units: '15d').
 pub static RECONCILE_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(15 * 24 * 60);
 pub static STATS_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(400 * 24 * 60);
@@ -273,6 +274,14 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    GucRegistry::define_string_guc(
+        c"amqp_outbox.standby_names",
+        c"Standbys that must have flushed a commit before a message it made leaves for the broker (empty = none).",
+        c"Their application_name in pg_stat_replication, comma-separated, or * for every standby connected now (at least one). A standby that is down or behind holds messages back, never drops them; application commits never wait.",
+        &STANDBY_NAMES,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     GucRegistry::define_int_guc(
         c"amqp_outbox.inbox_batch_size",
         c"Messages a subscription handles in one transaction at most (one subtransaction each).",
@@ -387,6 +396,7 @@ pub struct WorkerSettings {
     pub delete_after: Option<Duration>,
     pub max_pending: i32,
     pub randomize_hosts: bool,
+    pub standby_names: String,
 }
 
 impl WorkerSettings {
@@ -418,6 +428,7 @@ impl WorkerSettings {
             delete_after: Some(ms(&TEST_DELETE_AFTER)).filter(|d| !d.is_zero()),
             max_pending: MAX_PENDING.get(),
             randomize_hosts: RANDOMIZE_HOSTS.get(),
+            standby_names: text(&STANDBY_NAMES).unwrap_or_default(),
         }
     }
 }

@@ -48,6 +48,8 @@ pub struct Routes {
     pub quorum: Route,
     /// Latency runs (a consumer is attached).
     pub latency: Route,
+    /// The standby section's latency runs (a consumer of its own).
+    pub standby: Route,
 }
 
 pub struct Env {
@@ -155,6 +157,7 @@ impl Env {
             classic: Route::new("classic", false),
             quorum: Route::new("quorum", true),
             latency: Route::new("latency", false),
+            standby: Route::new("standby", false),
         };
         let env = Env {
             cluster,
@@ -181,6 +184,7 @@ impl Env {
             self.routes.classic.clone(),
             self.routes.quorum.clone(),
             self.routes.latency.clone(),
+            self.routes.standby.clone(),
         ]
     }
 

@@ -6,7 +6,7 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,consume,capacity,monitor,profile` to run a subset;
+//! latency,scale,growth,consume,capacity,monitor,standby,profile` to run a subset;
 //! `BENCH_SCALE_N` messages per large backlog and `BENCH_SCALE_REPS` backlogs in the scale phase;
 //! `BENCH_CONSUME_N` messages per consume run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
 //! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_MONITOR_OPEN`, `BENCH_MONITOR_RATE`,
@@ -24,6 +24,7 @@ mod pgbench;
 mod phases;
 mod raw;
 mod report;
+mod standby;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -285,7 +286,7 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 9] = [
+    let all: [(&str, Phase); 10] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
@@ -294,6 +295,7 @@ fn main() {
         ("consume", consume::consume),
         ("capacity", capacity::capacity),
         ("monitor", monitor::monitor),
+        ("standby", standby::standby),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();

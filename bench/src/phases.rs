@@ -695,7 +695,7 @@ pub fn drain(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
 
 /// The padding of [`outbox_paced`]'s bodies: about `BODY_SIZE` bytes with the timestamp and
 /// marker in front ("<16 digits> m " + pad).
-fn paced_pad() -> String {
+pub(crate) fn paced_pad() -> String {
     payload(BODY_SIZE - 19)
 }
 
@@ -820,13 +820,13 @@ impl PacedOutbox {
 }
 
 #[derive(Clone, Copy, Debug, Default)]
-struct Pcts {
-    p50: f64,
-    p99: f64,
-    max: f64,
+pub(crate) struct Pcts {
+    pub(crate) p50: f64,
+    pub(crate) p99: f64,
+    pub(crate) max: f64,
 }
 
-fn pcts(s: &Samples) -> Pcts {
+pub(crate) fn pcts(s: &Samples) -> Pcts {
     let mut v = s.us.clone();
     v.sort_unstable();
     Pcts {

@@ -8,5 +8,6 @@ mod outbox_row;
 mod parked;
 mod publish;
 pub(crate) mod run_as;
+mod standbys;
 mod status;
 mod topology;

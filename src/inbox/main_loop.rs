@@ -14,6 +14,7 @@ use crate::shmem;
 use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
+use crate::worker::standbys::{self, StandbyWait};
 use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
 use amqp_outbox_broker::LogLevel;
 use pgrx::prelude::*;
@@ -52,6 +53,9 @@ pub struct Inbox {
     reloaded_at: Instant,
     /// The message whose handler ended the previous worker of this database, if one did.
     left_behind: Option<(Ended, String, String)>,
+    /// Acknowledgements waiting for `amqp_outbox.standby_names` to have the handlers' commits:
+    /// until then a failover could lose an effect whose message the broker already dropped.
+    standbys: StandbyWait<InboxCommand>,
 }
 
 impl Inbox {
@@ -70,10 +74,12 @@ impl Inbox {
             empty_at: BTreeMap::new(),
             reloaded_at: Instant::now(),
             left_behind: handler_trap::take(),
+            standbys: StandbyWait::new(standbys::ACKNOWLEDGEMENTS),
         }
     }
 
     pub fn run(mut self) -> ! {
+        self.standbys.configure(&self.settings.standby_names);
         loop {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: subscription worker shutting down");
@@ -85,12 +91,16 @@ impl Inbox {
             if pg::reload_config_if_requested() {
                 self.settings = WorkerSettings::snapshot();
                 self.need_reload = true;
+                let now_free = self.standbys.configure(&self.settings.standby_names);
+                self.send_all(now_free);
             }
             if shmem::take_inbox_reload() {
                 self.need_reload = true;
             }
             self.take_events();
             self.note_caught_up();
+            let flushed = self.standbys.poll();
+            self.send_all(flushed);
             self.step();
             if self.missing {
                 log!("amqp_outbox: extension not installed in this database; the subscription worker exits");
@@ -98,13 +108,16 @@ impl Inbox {
                 // SAFETY: the main thread, between transactions; never returns.
                 unsafe { pg_sys::proc_exit(0) };
             }
-            let timeout = if !self.pending.is_empty() {
+            let mut timeout = if !self.pending.is_empty() {
                 Duration::ZERO
             } else {
                 self.retry_at
                     .map_or(NAPTIME, |t| t.saturating_duration_since(Instant::now()))
                     .min(NAPTIME)
             };
+            if let Some(look) = self.standbys.look_within() {
+                timeout = timeout.min(look);
+            }
             if !timeout.is_zero() {
                 pg::wait(Some(self.handle.wake_fd()), timeout);
             }
@@ -339,13 +352,27 @@ impl Inbox {
         if rotate_due && self.present {
             self.rotate();
         }
-        // Only now is the work committed: acknowledge it.
-        for ((subscription, epoch), delivery_tags) in acks {
-            self.handle.send(InboxCommand::Ack {
+        // Only now is the work committed: acknowledge it (once the standbys have it, when
+        // amqp_outbox.standby_names names some).
+        let acks: Vec<InboxCommand> = acks
+            .into_iter()
+            .map(|((subscription, epoch), delivery_tags)| InboxCommand::Ack {
                 subscription,
                 epoch,
                 delivery_tags,
-            });
+            })
+            .collect();
+        let ready = if self.standbys.active() {
+            self.standbys.hold(acks)
+        } else {
+            acks
+        };
+        self.send_all(ready);
+    }
+
+    fn send_all(&self, commands: Vec<InboxCommand>) {
+        for command in commands {
+            self.handle.send(command);
         }
     }
 }

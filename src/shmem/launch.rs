@@ -142,6 +142,9 @@ impl Unserved {
     }
 }
 
+/// Messages waiting this long for the standbys show in `amqp.worker_status.state`.
+const STANDBY_WAIT_SHOWN_MS: u64 = 1000;
+
 /// The pids of a database's outbox worker, subscription worker and monitor (0: none).
 pub type Pids = (i32, i32, i32);
 
@@ -161,8 +164,13 @@ pub fn served() -> Vec<(u32, &'static str, &'static Counters, Pids)> {
                 s.inbox_pid.load(Ordering::Acquire),
                 s.monitor_pid.load(Ordering::Acquire),
             );
+            let waiting_since = s.counters.standby_wait_since_ms.load(Ordering::Relaxed);
             let state = if s.paused_until_ms.load(Ordering::Acquire) > now_ms() {
                 "paused"
+            } else if waiting_since != 0
+                && now_ms().saturating_sub(waiting_since) >= STANDBY_WAIT_SHOWN_MS
+            {
+                "waiting for standbys (amqp_outbox.standby_names)"
             } else if pids.0 != 0 && pids.1 != 0 && pids.2 != 0 {
                 "running"
             } else {
@@ -235,6 +243,7 @@ pub fn assign_slot(i: usize, database: u32, probe_only: bool) {
         resent_timeout,
         steps,
         commit_wakeups,
+        standby_wait_since_ms,
     } = &s.counters;
     for c in [
         published,
@@ -246,6 +255,7 @@ pub fn assign_slot(i: usize, database: u32, probe_only: bool) {
         resent_timeout,
         steps,
         commit_wakeups,
+        standby_wait_since_ms,
     ] {
         c.store(0, Ordering::Relaxed);
     }

@@ -145,6 +145,8 @@ pub struct Counters {
     pub steps: AtomicU64,
     /// Commits that woke the worker (it had asked for the next commit's wake-up).
     pub commit_wakeups: AtomicU64,
+    /// Since when (Unix ms) claimed messages wait for `amqp_outbox.standby_names`; 0: none.
+    pub standby_wait_since_ms: AtomicU64,
 }
 
 /// Messages the worker has in flight, for `amqp.message_status`. Larger windows show only the

@@ -39,6 +39,9 @@ pub struct Entry {
     pub confirmed: bool,
     /// Its acknowledgement record was seen on the acknowledgement queue.
     pub acked: bool,
+    /// Claimed, waiting for the standbys (`amqp_outbox.standby_names`): not sent yet, so not
+    /// timed out either.
+    pub held: bool,
 }
 
 pub struct BrokerFlight {
@@ -218,6 +221,7 @@ impl Flight {
             bytes,
             confirmed: false,
             acked: false,
+            held: false,
         };
         self.changes += 1;
         match self.entries.insert(id, entry) {
@@ -229,6 +233,29 @@ impl Flight {
             }
             // Sent again while still tracked (a resend): its old counts go.
             Some(_) => self.recount(),
+        }
+    }
+
+    /// These claimed messages wait for the standbys before they are sent.
+    pub fn hold(&mut self, ids: impl IntoIterator<Item = i64>) {
+        for id in ids {
+            if let Some(e) = self.entries.get_mut(&id) {
+                e.held = true;
+            }
+        }
+    }
+
+    /// These held messages go to the broker now: their time in flight starts.
+    pub fn send_held(&mut self, ids: impl IntoIterator<Item = i64>) {
+        let (now, unix) = (Instant::now(), unix_now());
+        for id in ids {
+            if let Some(e) = self.entries.get_mut(&id) {
+                if e.held {
+                    e.held = false;
+                    e.sent_at = now;
+                    e.sent_unix = unix;
+                }
+            }
         }
     }
 
@@ -440,6 +467,9 @@ impl Flight {
             .entries
             .iter()
             .filter(|(_, e)| {
+                if e.held {
+                    return false;
+                }
                 let broker = brokers.get(&e.broker_id);
                 if broker.is_some_and(|b| b.blocked) {
                     return false;

@@ -12,6 +12,7 @@ use super::presence::Presence;
 use super::scan_floor::ScanFloor;
 use super::settle::{self, Settlement};
 use super::shrink::Shrink;
+use super::standbys::{self, StandbyWait};
 use super::status::{Status, STATUS_EVERY};
 use crate::gucs::WorkerSettings;
 use crate::shmem;
@@ -49,6 +50,8 @@ pub struct Worker {
     stepped_at: Option<Instant>,
     /// The commit rate, and from it how long commits gather before a claim.
     gather: Gather,
+    /// Claimed batches waiting for `amqp_outbox.standby_names`.
+    standbys: StandbyWait<Command>,
     /// The last claim filled its batch: claim again without sleeping.
     more_work: bool,
     /// The last claim took everything due, when [`Flight::released`] was this.
@@ -75,6 +78,7 @@ impl Worker {
             swept_at: Instant::now(),
             stepped_at: None,
             gather: Gather::default(),
+            standbys: StandbyWait::new(standbys::MESSAGES),
             more_work: false,
             claimed_all: None,
             due_to_claim: false,
@@ -82,6 +86,9 @@ impl Worker {
     }
 
     pub fn run(mut self) -> ! {
+        let now_free = self.standbys.configure(&self.settings.standby_names);
+        let now_free = standbys::sent(&mut self.flight, now_free);
+        self.send_all(now_free);
         loop {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: worker shutting down");
@@ -94,6 +101,9 @@ impl Worker {
                 self.settings = WorkerSettings::snapshot();
                 Faults::configure(&self.settings, &mut self.flight);
                 self.brokers.request_reload();
+                let now_free = self.standbys.configure(&self.settings.standby_names);
+                let now_free = standbys::sent(&mut self.flight, now_free);
+                self.send_all(now_free);
             }
             let requests = shmem::take_requests();
             if requests.reload {
@@ -108,6 +118,9 @@ impl Worker {
                 &mut self.status,
             );
             self.sweep(&mut settlement);
+            let flushed = self.standbys.poll();
+            let flushed = standbys::sent(&mut self.flight, flushed);
+            self.send_all(flushed);
             if pg::in_recovery() {
                 // A standby publishes nothing; after promotion this loop takes over.
                 pg::wait(None, self.settings.naptime);
@@ -117,7 +130,7 @@ impl Worker {
                 self.delete_delivered(false);
                 self.status.report(&self.flight);
                 let timeout = self.deletes_due(DISABLED_STEP_EVERY);
-                pg::wait(Some(self.handle.wake_fd()), timeout);
+                self.wait(timeout);
                 continue;
             }
             if self.nothing_to_claim(&settlement) {
@@ -126,7 +139,8 @@ impl Worker {
                 // back by the gathering gap.
                 self.delete_delivered(false);
                 let reported = self.status.report(&self.flight);
-                pg::wait(Some(self.handle.wake_fd()), self.timeout(reported));
+                let timeout = self.timeout(reported);
+                self.wait(timeout);
                 continue;
             }
             if !self.more_work {
@@ -171,11 +185,9 @@ impl Worker {
                 && self.flight.len() == 0
                 && self.settings.enabled
                 && self.presence.present();
-            for command in claimed.commands {
-                if !self.handle.send(command) {
-                    error!("amqp_outbox: the AMQP thread has stopped");
-                }
-            }
+            let ready =
+                standbys::hold_claimed(&mut self.standbys, claimed.commands, &mut self.flight);
+            self.send_all(ready);
             // After the claimed messages are on their way: in front of the claim, the DELETE
             // would delay them (the claim skips the delivered rows until then).
             self.delete_delivered(false);
@@ -184,7 +196,8 @@ impl Worker {
             }
             let reported = self.status.report(&self.flight);
             // Events are drained at the top of the loop, whatever woke the worker.
-            pg::wait(Some(self.handle.wake_fd()), self.timeout(reported));
+            let timeout = self.timeout(reported);
+            self.wait(timeout);
         }
     }
 
@@ -238,6 +251,23 @@ impl Worker {
             timeout = Duration::ZERO;
         }
         timeout
+    }
+
+    /// Waits for a commit, an event or `timeout` (shorter while a batch waits for the
+    /// standbys).
+    fn wait(&self, mut timeout: Duration) {
+        if let Some(look) = self.standbys.look_within() {
+            timeout = timeout.min(look);
+        }
+        pg::wait(Some(self.handle.wake_fd()), timeout);
+    }
+
+    fn send_all(&self, commands: Vec<Command>) {
+        for command in commands {
+            if !self.handle.send(command) {
+                error!("amqp_outbox: the AMQP thread has stopped");
+            }
+        }
     }
 
     /// `timeout`, or less if delivered rows come due for their DELETE before.

@@ -28,6 +28,8 @@ pub(crate) mod queries;
 mod scan_floor;
 mod settle;
 mod shrink;
+pub(crate) mod standby_gate;
+pub(crate) mod standbys;
 mod status;
 mod step;
 

@@ -2267,6 +2267,10 @@ fn a_handler_that_traps_the_cancel_is_ended_and_its_message_recorded_as_failed()
     // No timeout at all: pg_terminate_backend() still ends the handler.
     pair.cluster.set_setting("amqp_outbox.handler_timeout", "0");
     pair.cluster.reload();
+    // The worker takes the reload at its next turn; stubborn-2 must not reach it before (a
+    // loaded machine has delayed the postmaster's signal past the delivery, and the old 500 ms
+    // timeout then ended the handler instead of pg_terminate_backend()).
+    std::thread::sleep(Duration::from_secs(1));
     pair.publish_bodies("", &q.queue, &["stubborn-2".to_string()]);
     let c = &mut pair.consumer;
     eventually(ARRIVAL, "the handler of stubborn-2 running", || {

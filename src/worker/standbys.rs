@@ -1,0 +1,219 @@
+//! The workers' side of `amqp_outbox.standby_names`: what would leave the database (the outbox
+//! worker's claimed batches, the subscription worker's acknowledgements) waits here, with the
+//! WAL insert position taken after what it depends on committed, until the named standbys have
+//! flushed past it (read from `pg_stat_get_wal_senders()` while anything waits). The rule
+//! itself is in [`super::standby_gate`].
+
+use super::flight::Flight;
+use super::pg;
+use super::standby_gate::{Held, Standbys};
+use amqp_outbox_broker::Command;
+use pgrx::prelude::*;
+use std::time::{Duration, Instant};
+
+/// How often the standbys' positions are read while a batch waits: a local standby flushes
+/// within a millisecond or two, and each look is a short transaction.
+pub const LOOK_EVERY: Duration = Duration::from_millis(1);
+/// A batch waiting this long is logged as a WARNING (then once a minute while it lasts).
+const WARN_AFTER: Duration = Duration::from_secs(10);
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Items (commands for the broker) waiting for the standbys, with the rule and its timing.
+pub struct StandbyWait<T> {
+    standbys: Standbys,
+    held: Held<T>,
+    /// What waits, for the log ("message(s)", "acknowledgement(s)").
+    what: &'static str,
+    looked_at: Option<Instant>,
+    /// Since when the oldest held batch waits.
+    waiting_since: Option<Instant>,
+    warned_at: Option<Instant>,
+}
+
+impl<T> StandbyWait<T> {
+    pub fn new(what: &'static str) -> Self {
+        StandbyWait {
+            standbys: Standbys::Off,
+            held: Held::default(),
+            what,
+            looked_at: None,
+            waiting_since: None,
+            warned_at: None,
+        }
+    }
+
+    /// Takes the setting; returns what waited if it no longer has to (the setting cleared).
+    pub fn configure(&mut self, setting: &str) -> Vec<T> {
+        let standbys = Standbys::parse(setting, &own_name());
+        if standbys != self.standbys && self.what == MESSAGES {
+            log!("amqp_outbox: amqp_outbox.standby_names is now \"{setting}\"");
+        }
+        self.standbys = standbys;
+        if self.standbys.is_off() && !self.held.is_empty() {
+            self.waiting_since = None;
+            self.show();
+            return self.held.release_all();
+        }
+        Vec::new()
+    }
+
+    pub fn active(&self) -> bool {
+        !self.standbys.is_off()
+    }
+
+    /// Holds `items` until the standbys have flushed the WAL insert position now (taken after
+    /// whatever the items depend on committed); returns what may go at once.
+    pub fn hold(&mut self, items: Vec<T>) -> Vec<T> {
+        if items.is_empty() {
+            return items;
+        }
+        // SAFETY: the main thread; reads the shared insert position under its spinlock.
+        let lsn = unsafe { pg_sys::GetXLogInsertRecPtr() };
+        if self.held.is_empty() {
+            self.waiting_since = Some(Instant::now());
+        }
+        self.held.hold(lsn, items);
+        // A standby on the same machine has often flushed already.
+        self.look()
+    }
+
+    /// Looks at the standbys if something waits and a look is due; returns what may go now.
+    pub fn poll(&mut self) -> Vec<T> {
+        if self.held.is_empty() || self.looked_at.is_some_and(|t| t.elapsed() < LOOK_EVERY) {
+            return Vec::new();
+        }
+        self.look()
+    }
+
+    /// How soon the loop must look again (something waits).
+    pub fn look_within(&self) -> Option<Duration> {
+        (!self.held.is_empty()).then_some(LOOK_EVERY)
+    }
+
+    fn look(&mut self) -> Vec<T> {
+        self.looked_at = Some(Instant::now());
+        let connected = pg::transaction("amqp_outbox: standby positions", positions);
+        let released = self.held.release(self.standbys.flushed(&connected));
+        if self.held.is_empty() {
+            self.waiting_since = None;
+            self.warned_at = None;
+        } else if !released.is_empty() {
+            self.waiting_since = Some(Instant::now());
+        } else {
+            self.warn_if_long(&connected);
+        }
+        self.show();
+        released
+    }
+
+    /// The outbox worker's wait, for `amqp.worker_status.state`.
+    fn show(&self) {
+        if self.what != MESSAGES {
+            return;
+        }
+        let since = self.waiting_since.map_or(0, |t| {
+            crate::shmem::launch::now_ms().saturating_sub(t.elapsed().as_millis() as u64)
+        });
+        if let Some(c) = crate::shmem::counters() {
+            c.standby_wait_since_ms
+                .store(since, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn warn_if_long(&mut self, connected: &[(String, u64)]) {
+        let Some(since) = self.waiting_since else {
+            return;
+        };
+        if since.elapsed() < WARN_AFTER || self.warned_at.is_some_and(|t| t.elapsed() < WARN_EVERY)
+        {
+            return;
+        }
+        self.warned_at = Some(Instant::now());
+        let missing = self.standbys.missing(connected);
+        let why = if missing.is_empty() {
+            "behind".to_string()
+        } else {
+            format!("not connected: {}", missing.join(", "))
+        };
+        warning!(
+            "amqp_outbox: {} {} wait for amqp_outbox.standby_names since {} s ({why})",
+            self.held.len(),
+            self.what,
+            since.elapsed().as_secs()
+        );
+    }
+}
+
+/// What the outbox worker holds.
+pub const MESSAGES: &str = "message(s)";
+/// What the subscription worker holds.
+pub const ACKNOWLEDGEMENTS: &str = "acknowledgement(s) of handled deliveries";
+
+/// The outbox worker's claimed commands: held (and their flight timing stopped) while the
+/// standbys lack their commits; returns what may go now.
+pub fn hold_claimed(
+    wait: &mut StandbyWait<Command>,
+    commands: Vec<Command>,
+    flight: &mut Flight,
+) -> Vec<Command> {
+    if !wait.active() || commands.is_empty() {
+        return commands;
+    }
+    flight.hold(ids(&commands));
+    let ready = wait.hold(commands);
+    sent(flight, ready)
+}
+
+/// Commands released from the wait: their time in flight starts now.
+pub fn sent(flight: &mut Flight, commands: Vec<Command>) -> Vec<Command> {
+    flight.send_held(ids(&commands));
+    commands
+}
+
+fn ids(commands: &[Command]) -> Vec<i64> {
+    commands
+        .iter()
+        .flat_map(|c| match c {
+            Command::Publish { messages, .. } => messages.iter().map(|m| m.id).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// This server's `cluster_name` (empty when unset).
+pub(crate) fn own_name() -> String {
+    // SAFETY: a GUC's string, NULL or NUL-terminated, read on the thread that owns it.
+    unsafe {
+        let p = pg_sys::cluster_name;
+        if p.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// Each connected standby's `application_name` and flush position (in a transaction; the
+/// caller must be allowed to see them: a superuser, or `pg_read_all_stats`).
+pub(crate) fn positions() -> Vec<(String, u64)> {
+    const SQL: &str = "SELECT coalesce(a.application_name, ''), \
+                              (w.flush_lsn OPERATOR(pg_catalog.-) '0/0'::pg_catalog.pg_lsn)::pg_catalog.int8 \
+                         FROM pg_catalog.pg_stat_get_wal_senders() w \
+                        CROSS JOIN LATERAL pg_catalog.pg_stat_get_activity(w.pid) a \
+                        WHERE w.flush_lsn IS NOT NULL";
+    let result: Result<Vec<(String, u64)>, pgrx::spi::Error> = Spi::connect(|client| {
+        let mut out = Vec::new();
+        for row in client.select(SQL, None, &[])? {
+            let name: Option<String> = row.get(1)?;
+            let lsn: Option<i64> = row.get(2)?;
+            if let (Some(name), Some(lsn)) = (name, lsn) {
+                out.push((name, lsn.max(0) as u64));
+            }
+        }
+        Ok(out)
+    });
+    match result {
+        Ok(p) => p,
+        Err(e) => error!("amqp_outbox: worker query failed: {e}"),
+    }
+}
