@@ -18,6 +18,8 @@
 #              self-test (each check fails on a planted omission). Build-free: the comparison
 #              with the installed catalog runs in the end-to-end test docs_examples, after
 #              `make install-test` (docs/contributing.md)
+#   changelog  packaging/debian/changelog is what scripts/debian_changelog.py makes of
+#              CHANGELOG.md (the one place a release's changes are written)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -120,9 +122,10 @@ run clippy check_clippy
 run no-pgrx check_no_pgrx
 run pg_guard check_pg_guard
 run docs python3 scripts/docs_check.py
+run changelog python3 scripts/debian_changelog.py --check
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "make lint: FAILED: ${failed[*]}" >&2
     exit 1
 fi
-echo "make lint: all passed (sql fmt clippy no-pgrx pg_guard docs)"
+echo "make lint: all passed (sql fmt clippy no-pgrx pg_guard docs changelog)"
