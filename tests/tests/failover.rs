@@ -42,21 +42,7 @@ fn standby_of(w: &mut World) -> (Standby, Client) {
     let sc = eventually(ARRIVAL, "the standby to accept connections", || {
         standby.client(&db)
     });
-    let client = &mut w.client;
-    eventually(ARRIVAL, "the standby streaming under its name", || {
-        let n: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'",
-                &[&STANDBY],
-            )
-            .map_err(|e| e.to_string())?
-            .get(0);
-        if n == 1 {
-            Ok(())
-        } else {
-            Err("not streaming yet".to_string())
-        }
-    });
+    wait_walsenders(&mut w.client, "the standby streaming under its name", 1);
     (standby, sc)
 }
 
@@ -71,19 +57,23 @@ fn cut_replication(w: &mut World, standby: &Standby, sc: &mut Client) {
         .expect("write postgresql.auto.conf");
     sc.batch_execute("SELECT pg_reload_conf()")
         .expect("reload the standby");
-    let client = &mut w.client;
-    eventually(ARRIVAL, "the standby to disconnect", || {
-        let n: i64 = client
+    wait_walsenders(&mut w.client, "the standby to disconnect", 0);
+}
+
+/// Waits until `n` walsenders stream to [`STANDBY`].
+fn wait_walsenders(client: &mut Client, what: &str, n: i64) {
+    eventually(ARRIVAL, what, || {
+        let now: i64 = client
             .query_one(
-                "SELECT count(*) FROM pg_stat_replication WHERE application_name = $1",
+                "SELECT count(*) FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'",
                 &[&STANDBY],
             )
             .map_err(|e| e.to_string())?
             .get(0);
-        if n == 0 {
+        if now == n {
             Ok(())
         } else {
-            Err("still connected".to_string())
+            Err(format!("{now} streaming"))
         }
     });
 }
