@@ -108,18 +108,23 @@ impl Inbox {
                 // SAFETY: the main thread, between transactions; never returns.
                 unsafe { pg_sys::proc_exit(0) };
             }
-            let mut timeout = if !self.pending.is_empty() {
+            let timeout = if !self.pending.is_empty() {
                 Duration::ZERO
             } else {
                 self.retry_at
                     .map_or(NAPTIME, |t| t.saturating_duration_since(Instant::now()))
                     .min(NAPTIME)
             };
-            if let Some(look) = self.standbys.look_within() {
-                timeout = timeout.min(look);
-            }
-            if !timeout.is_zero() {
-                pg::wait(Some(self.handle.wake_fd()), timeout);
+            match self.standbys.look_within() {
+                // Shorter than a latch wait can be: sleep, then take what came meanwhile.
+                Some(look) if timeout > look => {
+                    std::thread::sleep(look);
+                    pg::wait(Some(self.handle.wake_fd()), Duration::ZERO);
+                }
+                _ if !timeout.is_zero() => {
+                    pg::wait(Some(self.handle.wake_fd()), timeout);
+                }
+                _ => {}
             }
         }
     }

@@ -255,11 +255,17 @@ impl Worker {
 
     /// Waits for a commit, an event or `timeout` (shorter while a batch waits for the
     /// standbys).
-    fn wait(&self, mut timeout: Duration) {
-        if let Some(look) = self.standbys.look_within() {
-            timeout = timeout.min(look);
+    fn wait(&self, timeout: Duration) {
+        match self.standbys.look_within() {
+            // Shorter than a latch wait can be: sleep, then take what came meanwhile.
+            Some(look) if timeout > look => {
+                std::thread::sleep(look);
+                pg::wait(Some(self.handle.wake_fd()), Duration::ZERO);
+            }
+            _ => {
+                pg::wait(Some(self.handle.wake_fd()), timeout);
+            }
         }
-        pg::wait(Some(self.handle.wake_fd()), timeout);
     }
 
     fn send_all(&self, commands: Vec<Command>) {

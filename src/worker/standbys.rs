@@ -9,11 +9,12 @@ use super::pg;
 use super::standby_gate::{Held, Standbys};
 use amqp_outbox_broker::Command;
 use pgrx::prelude::*;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// How often the standbys' positions are read while a batch waits: a local standby flushes
-/// within a millisecond or two, and each look is a short transaction.
-pub const LOOK_EVERY: Duration = Duration::from_millis(1);
+/// within a millisecond, and a look reads shared memory (the walsenders' slots).
+pub const LOOK_EVERY: Duration = Duration::from_micros(200);
 /// A batch waiting this long is logged as a WARNING (then once a minute while it lasts).
 const WARN_AFTER: Duration = Duration::from_secs(10);
 const WARN_EVERY: Duration = Duration::from_secs(60);
@@ -21,6 +22,9 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// Items (commands for the broker) waiting for the standbys, with the rule and its timing.
 pub struct StandbyWait<T> {
     standbys: Standbys,
+    /// The `application_name` of each walsender's standby, by walsender pid (read again when
+    /// a walsender appears that is not here).
+    names: HashMap<i32, String>,
     held: Held<T>,
     /// What waits, for the log ("message(s)", "acknowledgement(s)").
     what: &'static str,
@@ -34,6 +38,7 @@ impl<T> StandbyWait<T> {
     pub fn new(what: &'static str) -> Self {
         StandbyWait {
             standbys: Standbys::Off,
+            names: HashMap::new(),
             held: Held::default(),
             what,
             looked_at: None,
@@ -92,7 +97,14 @@ impl<T> StandbyWait<T> {
 
     fn look(&mut self) -> Vec<T> {
         self.looked_at = Some(Instant::now());
-        let connected = pg::transaction("amqp_outbox: standby positions", positions);
+        let flushes = walsender_flushes();
+        if flushes.iter().any(|(pid, _)| !self.names.contains_key(pid)) {
+            self.names = pg::transaction("amqp_outbox: standby names", names_by_pid);
+        }
+        let connected: Vec<(String, u64)> = flushes
+            .iter()
+            .filter_map(|(pid, lsn)| self.names.get(pid).map(|n| (n.clone(), *lsn)))
+            .collect();
         let released = self.held.release(self.standbys.flushed(&connected));
         if self.held.is_empty() {
             self.waiting_since = None;
@@ -190,6 +202,50 @@ pub(crate) fn own_name() -> String {
         } else {
             std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
         }
+    }
+}
+
+/// Each walsender's pid and the flush position its standby reported, from shared memory: no
+/// transaction, so that a batch waiting for a standby can be looked at often.
+fn walsender_flushes() -> Vec<(i32, u64)> {
+    // SAFETY: WalSndCtl is set up by the postmaster before any backend runs and lives as long as
+    // the server; it has max_wal_senders slots. Each field is read alone, without the slot's
+    // spinlock: a pid and an aligned 8-byte position cannot be read torn, and a position only
+    // grows, so a stale read only delays the release.
+    unsafe {
+        let ctl = pg_sys::WalSndCtl;
+        if ctl.is_null() {
+            return Vec::new();
+        }
+        let first = (*ctl).walsnds.as_ptr();
+        (0..pg_sys::max_wal_senders.max(0) as usize)
+            .filter_map(|i| {
+                let w = first.add(i);
+                let pid = std::ptr::read_volatile(std::ptr::addr_of!((*w).pid));
+                let flush = std::ptr::read_volatile(std::ptr::addr_of!((*w).flush));
+                (pid != 0 && flush != 0).then_some((pid, flush))
+            })
+            .collect()
+    }
+}
+
+/// The `application_name` of each walsender's standby, by walsender pid (in a transaction).
+fn names_by_pid() -> HashMap<i32, String> {
+    const SQL: &str = "SELECT w.pid, coalesce(a.application_name, '') \
+                         FROM pg_catalog.pg_stat_get_wal_senders() w \
+                        CROSS JOIN LATERAL pg_catalog.pg_stat_get_activity(w.pid) a";
+    let result: Result<HashMap<i32, String>, pgrx::spi::Error> = Spi::connect(|client| {
+        let mut out = HashMap::new();
+        for row in client.select(SQL, None, &[])? {
+            if let (Some(pid), Some(name)) = (row.get::<i32>(1)?, row.get::<String>(2)?) {
+                out.insert(pid, name);
+            }
+        }
+        Ok(out)
+    });
+    match result {
+        Ok(names) => names,
+        Err(e) => error!("amqp_outbox: worker query failed: {e}"),
     }
 }
 
