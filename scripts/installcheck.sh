@@ -20,7 +20,7 @@ PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
 PG_REGRESS="$PKGLIBDIR/pgxs/src/test/regress/pg_regress"
 SRC="$ROOT/pg_regress"
 
-[ -x "$PG_REGRESS" ] || die "pg_regress not found at $PG_REGRESS (install postgresql-server-dev-15)"
+[ -x "$PG_REGRESS" ] || die "pg_regress not found at $PG_REGRESS (PostgreSQL 15: install postgresql-server-dev-15; 16-18: scripts/pg_versions.sh)"
 [ -f "$PKGLIBDIR/amqp_outbox.so" ] || die "amqp_outbox is not installed in $PKGLIBDIR: run make install"
 
 # Where pg_regress works: the checkout itself, or (as root) a copy owned by postgres.
