@@ -90,8 +90,9 @@ installcheck:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck.sh
 
 # The extension's pure-Rust logic (no server needed).
+# (With PG=NN, the extension's unit tests are built with that version's pgrx feature.)
 test-unit:
-	$(CARGO) test -p amqp_outbox --lib
+	$(CARGO) test -p amqp_outbox --lib $(if $(PG),--no-default-features --features pg$(PG))
 	$(CARGO) test -p amqp_outbox_bench
 
 test-broker:
