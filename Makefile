@@ -7,6 +7,10 @@
 #   make test            make lint, then every tier: install-test, installcheck, broker unit
 #                        tests, end-to-end tests (including the fast fault-injection cases of
 #                        tests/tests/faults/), then test-package
+#   make test PG=17      the same against another PostgreSQL major (15 to 18; 16-18 are private
+#                        installs under .pg/ that scripts/pg_versions.sh fetches)
+#   make test-versions   on each of PostgreSQL 15-18 (PG_VERSIONS): install-test, installcheck and
+#                        a representative end-to-end subset (E2E_SUBSET), then a table
 #   make package         the Debian package target/package/postgresql-15-amqp-outbox_<version>_<arch>.deb
 #                        (a user's release build, no fault-injection; sources in packaging/debian/)
 #   make test-package    builds the package, installs it with apt-get, checks its files, runs
@@ -25,6 +29,17 @@
 # PGXS habits: PG_CONFIG selects the PostgreSQL (make install PG_CONFIG=/path/to/pg_config).
 
 PG_CONFIG ?= pg_config
+# PG=16 (15, 16, 17 or 18) selects a PostgreSQL major instead: 15 is the system's (Debian's
+# packages, scripts/setup.sh), 16-18 private installs under .pg/ that scripts/pg_versions.sh
+# fetches (checksum-verified) the first time. `make test PG=17` runs every tier against it with
+# private clusters; without PG, PG_CONFIG decides as before.
+PG ?=
+ifneq ($(PG),)
+override PG_CONFIG := $(shell scripts/pg_versions.sh pg-config $(PG))
+ifeq ($(PG_CONFIG),)
+$(error scripts/pg_versions.sh found no pg_config for PG=$(PG) (supported: 15 16 17 18))
+endif
+endif
 # Debian's pg_config on the PATH is a wrapper; the real one lives in --bindir.
 PG_BINDIR      := $(shell $(PG_CONFIG) --bindir 2>/dev/null)
 ifeq ($(PG_BINDIR),)
@@ -40,7 +55,7 @@ CARGO ?= cargo
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
 # `make sql`: see GENERATED_UPDATES.
-.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e fmt lint run stop clean package test-package
+.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e test-e2e-subset test-versions fmt lint run stop clean package test-package
 
 all: build
 
@@ -75,8 +90,9 @@ installcheck:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck.sh
 
 # The extension's pure-Rust logic (no server needed).
+# (With PG=NN, the extension's unit tests are built with that version's pgrx feature.)
 test-unit:
-	$(CARGO) test -p amqp_outbox --lib
+	$(CARGO) test -p amqp_outbox --lib $(if $(PG),--no-default-features --features pg$(PG))
 	$(CARGO) test -p amqp_outbox_bench
 
 test-broker:
@@ -131,6 +147,35 @@ test: lint
 		echo "make test: FAILED:$$failed | passed:$${passed:- none} | skipped:$${skipped:- none}"; exit 1; \
 	fi; \
 	echo "make test: all passed:$$passed"
+
+# Every supported major (PG_VERSIONS): install a test build into it, pg_regress, then a
+# representative end-to-end subset (E2E_SUBSET: publish and rollback, a killed worker, a broker
+# stopped mid-stream, a poison message, a subscription, consume_once, the launcher, dump and
+# restore, the update from 0.1.0), each against private clusters of that version. A table of
+# tier, version and duration at the end; a failed install skips that version's other tiers.
+# (For 15 the install goes into the system's PostgreSQL, as `make test` does.)
+PG_VERSIONS ?= 15 16 17 18
+E2E_SUBSET_TESTS := --test worker --test inbox --test launcher --test lifecycle
+E2E_SUBSET := committed_message_arrives_once_with_properties_and_headers rollback_publishes_nothing \
+	worker_killed_mid_stream_comes_back_and_nothing_is_lost broker_stop_app_mid_stream_loses_nothing \
+	unroutable_message_is_parked_while_later_messages_arrive effects_are_exactly_once_with_duplicates \
+	consume_once_race_gives_exactly_one_true every_database_with_the_extension_is_served_and_dropping_one_is_not_blocked \
+	dump_and_restore_keep_every_message_its_id_and_the_configuration update_from_the_previous_version_keeps_every_message_and_its_id
+test-e2e-subset:
+	PG_CONFIG=$(PG_CONFIG_REAL) $(CARGO) test -p amqp_outbox_e2e $(E2E_SUBSET_TESTS) -- $(E2E_SUBSET)
+
+test-versions:
+	@results=; rc=0; \
+	for v in $(PG_VERSIONS); do \
+		for t in install-test installcheck test-e2e-subset; do \
+			echo "==> PostgreSQL $$v: make $$t"; start=$$(date +%s); \
+			if $(MAKE) --no-print-directory $$t PG=$$v; then st=ok; else st=FAILED; rc=1; fi; \
+			results="$$results$$v $$t $$st $$(( $$(date +%s) - start ))s\n"; \
+			if [ "$$st" != ok ] && [ "$$t" = install-test ]; then results="$$results$$v (rest skipped)\n"; break; fi; \
+		done; \
+	done; \
+	echo; echo "make test-versions:"; printf "$$results" | awk '{ printf "  PostgreSQL %-3s %-16s %-7s %s\n", $$1, $$2, $$3, $$4 }'; \
+	exit $$rc
 
 fmt:
 	$(CARGO) fmt --all -- --check

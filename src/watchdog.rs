@@ -47,7 +47,7 @@ pub fn install() {
     // flags, an atomic and the process's latch, as PostgreSQL's own `die` does. The exit
     // callback runs while shared memory is attached.
     unsafe {
-        pg_sys::pqsignal(libc::SIGTERM, Some(on_sigterm));
+        crate::pg_compat::pqsignal(libc::SIGTERM, Some(on_sigterm));
         pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(0));
     }
 }

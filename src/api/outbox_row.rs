@@ -255,7 +255,7 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
             return general("its CHECK constraints are not the extension's");
         }
         let mut index = [None; COLS];
-        let attrs = (*desc).attrs.as_slice((*desc).natts as usize);
+        let attrs = crate::pg_compat::tuple_desc_attrs(desc);
         for (i, att) in attrs.iter().enumerate() {
             if att.attisdropped {
                 continue;
@@ -285,7 +285,7 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
         let Some(id_attnum) = index[Col::Id as usize] else {
             return general("a column the extension made is missing");
         };
-        let sequence = pg_sys::getIdentitySequence(relid, id_attnum as i16 + 1, true);
+        let sequence = crate::pg_compat::identity_sequence(rel, id_attnum as i16 + 1, true);
         if sequence == pg_sys::InvalidOid {
             return general("its id is not an identity column");
         }
@@ -427,15 +427,7 @@ unsafe fn write(
                 .into_pg();
             pg_sys::InitResultRelInfo(info, rel, 1, std::ptr::null_mut(), 0);
             pg_sys::ExecOpenIndices(info, false);
-            pg_sys::ExecInsertIndexTuples(
-                info,
-                slot,
-                estate,
-                false,
-                false,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            );
+            crate::pg_compat::insert_index_tuples(info, slot, estate);
             pg_sys::ExecCloseIndices(info);
             pg_sys::FreeExecutorState(estate);
         }

@@ -86,7 +86,7 @@ impl Inbox {
                 self.handle.shutdown(Duration::from_secs(2));
                 // SAFETY: the main thread, between transactions; never returns. The launcher
                 // starts it again unless its database is going away.
-                unsafe { pg_sys::proc_exit(0) };
+                unsafe { crate::pg_compat::proc_exit(0) };
             }
             if pg::reload_config_if_requested() {
                 self.settings = WorkerSettings::snapshot();
@@ -106,7 +106,7 @@ impl Inbox {
                 log!("amqp_outbox: extension not installed in this database; the subscription worker exits");
                 self.handle.shutdown(Duration::from_secs(2));
                 // SAFETY: the main thread, between transactions; never returns.
-                unsafe { pg_sys::proc_exit(0) };
+                unsafe { crate::pg_compat::proc_exit(0) };
             }
             let timeout = if !self.pending.is_empty() {
                 Duration::ZERO

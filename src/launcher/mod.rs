@@ -142,7 +142,7 @@ pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
     log!("amqp_outbox: launcher stopping (terminated); the postmaster starts it again unless the server is shutting down");
     // SAFETY: the launcher's main thread, between transactions; proc_exit runs the exit
     // callbacks (ours included) and never returns.
-    unsafe { pg_sys::proc_exit(1) };
+    unsafe { crate::pg_compat::proc_exit(1) };
 }
 
 /// Whether a `CREATE EXTENSION` committed in `database` between the counts `since` and `now`

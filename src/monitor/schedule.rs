@@ -53,7 +53,7 @@ impl Monitor {
                 log!("amqp_outbox: monitor shutting down");
                 // SAFETY: the main thread, between transactions; never returns. The launcher
                 // starts it again unless its database is going away.
-                unsafe { pg_sys::proc_exit(0) };
+                unsafe { crate::pg_compat::proc_exit(0) };
             }
             if pg::reload_config_if_requested() {
                 settings = WorkerSettings::snapshot();
@@ -75,7 +75,7 @@ impl Monitor {
                         "amqp_outbox: extension not installed in this database; the monitor exits"
                     );
                     // SAFETY: as above.
-                    unsafe { pg_sys::proc_exit(0) };
+                    unsafe { crate::pg_compat::proc_exit(0) };
                 }
             }
             let rest = ROUND_EVERY.saturating_sub(started.elapsed());

@@ -327,7 +327,7 @@ impl Worker {
         self.handle.shutdown(Duration::from_secs(2));
         // SAFETY: the main thread, between transactions; proc_exit runs PostgreSQL's exit
         // callbacks (ours included) and never returns.
-        unsafe { pg_sys::proc_exit(0) }
+        unsafe { crate::pg_compat::proc_exit(0) }
     }
 
     /// Disabled, with nothing to record and no configuration to reload: a commit's wake-up is

@@ -46,7 +46,7 @@ pub(crate) fn connect_to_slot_database(arg: pg_sys::Datum) -> String {
     let oid = shmem::launch::database_of_slot(slot);
     if oid == 0 {
         // SAFETY: the main thread, before any transaction; proc_exit never returns.
-        unsafe { pg_sys::proc_exit(0) };
+        unsafe { crate::pg_compat::proc_exit(0) };
     }
     // Raises FATAL when the database is gone (dropped meanwhile): the launcher sees the worker
     // stop and finds the database no longer there.
@@ -92,7 +92,7 @@ pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
             "amqp_outbox: another {what} worker already serves database \"{database}\"; this one exits"
         );
         // SAFETY: the main thread, before any transaction; proc_exit never returns.
-        unsafe { pg_sys::proc_exit(0) };
+        unsafe { crate::pg_compat::proc_exit(0) };
     }
 }
 
