@@ -427,6 +427,17 @@ fn lost_silent_and_failed_messages_are_classified_resent_and_compensated() {
         .expect("the users monitor")
         .get(0);
     send_signal(pid, libc::SIGKILL).expect("SIGKILL the monitor");
+    // The postmaster answers a killed backend by ending every other one: wait for that before
+    // connecting again (a connection made before it would be closed under the test).
+    let users = &mut rig.users;
+    eventually(
+        UP,
+        "the crash restart to end the old connection",
+        || match users.batch_execute("SELECT 1") {
+            Err(_) => Ok(()),
+            Ok(()) => Err("still connected".to_string()),
+        },
+    );
     rig.reconnect();
     wait_status(
         &mut rig.users,
