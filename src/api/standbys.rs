@@ -37,9 +37,10 @@ fn wait_for_standbys(timeout: default!(Option<Interval>, "'10 seconds'")) -> boo
         return true;
     }
     let started = Instant::now();
+    let mut positions = standbys::StandbyPositions::default();
     loop {
         if standbys
-            .flushed(&standbys::positions())
+            .flushed(&positions.read(standbys::names_by_pid))
             .is_some_and(|flushed| flushed >= target)
         {
             return true;

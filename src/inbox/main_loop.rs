@@ -115,16 +115,8 @@ impl Inbox {
                     .map_or(NAPTIME, |t| t.saturating_duration_since(Instant::now()))
                     .min(NAPTIME)
             };
-            match self.standbys.look_within() {
-                // Shorter than a latch wait can be: sleep, then take what came meanwhile.
-                Some(look) if timeout > look => {
-                    std::thread::sleep(look);
-                    pg::wait(Some(self.handle.wake_fd()), Duration::ZERO);
-                }
-                _ if !timeout.is_zero() => {
-                    pg::wait(Some(self.handle.wake_fd()), timeout);
-                }
-                _ => {}
+            if !timeout.is_zero() {
+                self.standbys.wait(self.handle.wake_fd(), timeout);
             }
         }
     }

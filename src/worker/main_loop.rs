@@ -256,16 +256,7 @@ impl Worker {
     /// Waits for a commit, an event or `timeout` (shorter while a batch waits for the
     /// standbys).
     fn wait(&self, timeout: Duration) {
-        match self.standbys.look_within() {
-            // Shorter than a latch wait can be: sleep, then take what came meanwhile.
-            Some(look) if timeout > look => {
-                std::thread::sleep(look);
-                pg::wait(Some(self.handle.wake_fd()), Duration::ZERO);
-            }
-            _ => {
-                pg::wait(Some(self.handle.wake_fd()), timeout);
-            }
-        }
+        self.standbys.wait(self.handle.wake_fd(), timeout);
     }
 
     fn send_all(&self, commands: Vec<Command>) {

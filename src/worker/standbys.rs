@@ -22,9 +22,7 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// Items (commands for the broker) waiting for the standbys, with the rule and its timing.
 pub struct StandbyWait<T> {
     standbys: Standbys,
-    /// The `application_name` of each walsender's standby, by walsender pid (read again when
-    /// a walsender appears that is not here).
-    names: HashMap<i32, String>,
+    positions: StandbyPositions,
     held: Held<T>,
     /// What waits, for the log ("message(s)", "acknowledgement(s)").
     what: &'static str,
@@ -38,7 +36,7 @@ impl<T> StandbyWait<T> {
     pub fn new(what: &'static str) -> Self {
         StandbyWait {
             standbys: Standbys::Off,
-            names: HashMap::new(),
+            positions: StandbyPositions::default(),
             held: Held::default(),
             what,
             looked_at: None,
@@ -90,21 +88,23 @@ impl<T> StandbyWait<T> {
         self.look()
     }
 
-    /// How soon the loop must look again (something waits).
-    pub fn look_within(&self) -> Option<Duration> {
-        (!self.held.is_empty()).then_some(LOOK_EVERY)
+    /// Waits on the latch and `fd` for at most `timeout`; while something waits for the
+    /// standbys, for one look's interval instead, which is shorter than a latch wait can be:
+    /// a sleep, then whatever came meanwhile is taken.
+    pub fn wait(&self, fd: std::os::fd::RawFd, timeout: Duration) {
+        if !self.held.is_empty() && timeout > LOOK_EVERY {
+            std::thread::sleep(LOOK_EVERY);
+            pg::wait(Some(fd), Duration::ZERO);
+        } else {
+            pg::wait(Some(fd), timeout);
+        }
     }
 
     fn look(&mut self) -> Vec<T> {
         self.looked_at = Some(Instant::now());
-        let flushes = walsender_flushes();
-        if flushes.iter().any(|(pid, _)| !self.names.contains_key(pid)) {
-            self.names = pg::transaction("amqp_outbox: standby names", names_by_pid);
-        }
-        let connected: Vec<(String, u64)> = flushes
-            .iter()
-            .filter_map(|(pid, lsn)| self.names.get(pid).map(|n| (n.clone(), *lsn)))
-            .collect();
+        let connected = self
+            .positions
+            .read(|| pg::transaction("amqp_outbox: standby names", names_by_pid));
         let released = self.held.release(self.standbys.flushed(&connected));
         if self.held.is_empty() {
             self.waiting_since = None;
@@ -229,8 +229,9 @@ fn walsender_flushes() -> Vec<(i32, u64)> {
     }
 }
 
-/// The `application_name` of each walsender's standby, by walsender pid (in a transaction).
-fn names_by_pid() -> HashMap<i32, String> {
+/// The `application_name` of each walsender's standby, by walsender pid (in a transaction; the
+/// caller must be allowed to see them: a superuser, or `pg_read_all_stats`).
+pub(crate) fn names_by_pid() -> HashMap<i32, String> {
     const SQL: &str = "SELECT w.pid, coalesce(a.application_name, '') \
                          FROM pg_catalog.pg_stat_get_wal_senders() w \
                         CROSS JOIN LATERAL pg_catalog.pg_stat_get_activity(w.pid) a";
@@ -249,27 +250,26 @@ fn names_by_pid() -> HashMap<i32, String> {
     }
 }
 
-/// Each connected standby's `application_name` and flush position (in a transaction; the
-/// caller must be allowed to see them: a superuser, or `pg_read_all_stats`).
-pub(crate) fn positions() -> Vec<(String, u64)> {
-    const SQL: &str = "SELECT coalesce(a.application_name, ''), \
-                              (w.flush_lsn OPERATOR(pg_catalog.-) '0/0'::pg_catalog.pg_lsn)::pg_catalog.int8 \
-                         FROM pg_catalog.pg_stat_get_wal_senders() w \
-                        CROSS JOIN LATERAL pg_catalog.pg_stat_get_activity(w.pid) a \
-                        WHERE w.flush_lsn IS NOT NULL";
-    let result: Result<Vec<(String, u64)>, pgrx::spi::Error> = Spi::connect(|client| {
-        let mut out = Vec::new();
-        for row in client.select(SQL, None, &[])? {
-            let name: Option<String> = row.get(1)?;
-            let lsn: Option<i64> = row.get(2)?;
-            if let (Some(name), Some(lsn)) = (name, lsn) {
-                out.push((name, lsn.max(0) as u64));
-            }
+/// Each connected standby's `application_name` and flush position: the positions from shared
+/// memory at every read, the names by walsender pid, read again (with `names`, a query the
+/// caller runs in a transaction) only when a walsender appears that is not known yet.
+#[derive(Default)]
+pub(crate) struct StandbyPositions {
+    names: HashMap<i32, String>,
+}
+
+impl StandbyPositions {
+    pub(crate) fn read(
+        &mut self,
+        names: impl FnOnce() -> HashMap<i32, String>,
+    ) -> Vec<(String, u64)> {
+        let flushes = walsender_flushes();
+        if flushes.iter().any(|(pid, _)| !self.names.contains_key(pid)) {
+            self.names = names();
         }
-        Ok(out)
-    });
-    match result {
-        Ok(p) => p,
-        Err(e) => error!("amqp_outbox: worker query failed: {e}"),
+        flushes
+            .iter()
+            .filter_map(|(pid, lsn)| self.names.get(pid).map(|n| (n.clone(), *lsn)))
+            .collect()
     }
 }
