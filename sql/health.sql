@@ -123,6 +123,23 @@ BEGIN
     status := CASE WHEN n = 0 THEN 'ok' ELSE 'warning' END;
     detail := pg_catalog.format('%s parked message(s)', n);
     RETURN NEXT;
+    -- Keys of ordered subscriptions that wait for a failed message (amqp.inbox_failed): warned
+    -- about once the oldest waits longer than amqp_outbox.blocked_key_warning.
+    FOR b IN SELECT f.subscription AS sub, pg_catalog.count(DISTINCT f.ordering_key) AS keys,
+                    pg_catalog.min(f.first_failed_at) AS since
+               FROM @extschema@.inbox_failed f
+              WHERE f.ordering_key IS NOT NULL AND f.dead_lettered_at IS NULL
+              GROUP BY f.subscription ORDER BY f.subscription
+    LOOP
+        component := 'blocked keys ' OPERATOR(pg_catalog.||) b.sub;
+        status := CASE WHEN pg_catalog.now() OPERATOR(pg_catalog.-) b.since
+                            >= coalesce(pg_catalog.current_setting('amqp_outbox.blocked_key_warning', true),
+                                        '5min')::interval
+                       THEN 'warning' ELSE 'ok' END;
+        detail := pg_catalog.format('%s key(s) wait for a failed message (amqp.inbox_failed), the oldest since %s',
+                                    b.keys, pg_catalog.date_trunc('second', b.since));
+        RETURN NEXT;
+    END LOOP;
     -- The monitored messages, as the monitor last counted them (amqp._monitor_summary).
     SELECT pg_catalog.max(s.counted_at) INTO counted FROM @extschema@._monitor_summary s;
     component := 'monitor';
@@ -154,7 +171,7 @@ BEGIN
 END
 $health$;
 COMMENT ON FUNCTION @extschema@.health() IS
-    'One row per check (outbox worker, subscription worker, launcher, each broker, each standby named by amqp_outbox.standby_names, outbox age, parked, monitor, late, lost, failed) with status ok, warning or critical, for probes and exporters. Cheap at any size: it reads no more than 10,001 outbox rows and the monitor''s counts.';
+    'One row per check (outbox worker, subscription worker, launcher, each broker, each standby named by amqp_outbox.standby_names, outbox age, parked, keys of ordered subscriptions blocked by a failed message, monitor, late, lost, failed) with status ok, warning or critical, for probes and exporters. Cheap at any size: it reads no more than 10,001 outbox rows and the monitor''s counts.';
 
 REVOKE ALL ON FUNCTION @extschema@.health() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.health() TO pg_monitor;

@@ -189,12 +189,20 @@ CREATE TABLE @extschema@.subscription (
     owner regrole NOT NULL DEFAULT CURRENT_USER::regrole,
     paused boolean NOT NULL DEFAULT false,
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- Messages in progress at once, each in its own transaction (lanes: worker processes).
+    parallelism integer NOT NULL DEFAULT 1,
+    -- 'none', 'business_key' (the x-amqp-outbox-business-key header) or 'header:<name>':
+    -- messages with the same key are handled one after another, in the order they arrived.
+    ordering text NOT NULL DEFAULT 'none',
     CONSTRAINT subscription_name_valid CHECK (subscription <> '' AND pg_catalog.octet_length(subscription) <= 200),
     CONSTRAINT subscription_queue_valid CHECK (queue <> '' AND pg_catalog.octet_length(queue) <= 255),
     CONSTRAINT subscription_prefetch_range CHECK (prefetch BETWEEN 1 AND 65535),
     CONSTRAINT subscription_max_attempts_range CHECK (max_attempts BETWEEN 1 AND 1000000),
     CONSTRAINT subscription_dead_letter_exchange_valid
-        CHECK (dead_letter_exchange <> '' AND pg_catalog.octet_length(dead_letter_exchange) <= 255)
+        CHECK (dead_letter_exchange <> '' AND pg_catalog.octet_length(dead_letter_exchange) <= 255),
+    CONSTRAINT subscription_parallelism_range CHECK (parallelism BETWEEN 1 AND 16),
+    CONSTRAINT subscription_ordering_valid CHECK (ordering IN ('none', 'business_key')
+        OR (ordering LIKE 'header:%' AND pg_catalog.octet_length(ordering) BETWEEN 8 AND 262))
 );
 COMMENT ON TABLE @extschema@.subscription IS
     'Queues consumed by the subscription worker (amqp.subscribe()); each message is handled by handler(amqp.delivery) exactly once.';
@@ -244,105 +252,47 @@ CREATE TABLE @extschema@.inbox_failed (
     last_sqlstate text,
     dead_lettered_at timestamptz,
     user_id text,
+    -- The message's key under its subscription's ordering: while it is here and not dead, later
+    -- messages with the same key wait (amqp.inbox_waiting).
+    ordering_key text,
     UNIQUE (subscription, message_id)
 );
 COMMENT ON TABLE @extschema@.inbox_failed IS
     'Consumed messages whose handler failed: retried with backoff, dead-lettered after max_attempts, removed once handled. Never lost.';
 CREATE INDEX inbox_failed_due ON @extschema@.inbox_failed (next_attempt_at)
     WHERE dead_lettered_at IS NULL;
+CREATE INDEX inbox_failed_blocking ON @extschema@.inbox_failed (subscription, ordering_key)
+    WHERE ordering_key IS NOT NULL AND dead_lettered_at IS NULL;
 
-CREATE VIEW @extschema@.subscription_status AS
-    SELECT s.subscription, s.broker_id, s.queue, s.handler, s.owner,
-           CASE WHEN s.paused THEN 'paused'
-                WHEN st.connected THEN 'consuming'
-                WHEN st.last_error IS NOT NULL THEN 'error'
-                ELSE 'connecting' END AS state,
-           COALESCE(st.connected, false) AS consumer_connected,
-           st.host, st.state_since,
-           COALESCE(st.delivered, 0) AS delivered,
-           COALESCE(st.handled, 0) AS handled,
-           COALESCE(st.duplicates, 0) AS duplicates,
-           COALESCE(st.failed, 0) AS failed,
-           COALESCE(st.dead_lettered, 0) AS dead_lettered,
-           (SELECT pg_catalog.count(*) FROM @extschema@.inbox_failed f
-             WHERE f.subscription = s.subscription AND f.dead_lettered_at IS NULL) AS retrying,
-           (SELECT pg_catalog.count(*) FROM @extschema@.inbox_failed f
-             WHERE f.subscription = s.subscription AND f.dead_lettered_at IS NOT NULL) AS dead,
-           st.last_error, st.last_error_at,
-           st.queue_ready AS lag, st.queue_seen_at AS lag_seen_at,
-           st.last_handled_at
-      FROM @extschema@.subscription s
-      LEFT JOIN @extschema@._subscription_state st USING (subscription);
-COMMENT ON VIEW @extschema@.subscription_status IS
-    'Each subscription: state (consuming, connecting, error, paused), counters since it was made, messages retrying or dead-lettered, last error, and lag (messages ready in the queue, as the broker last reported).';
-
-CREATE FUNCTION @extschema@.subscribe(
-    subscription text, broker_id integer, queue text, handler regprocedure,
-    prefetch integer DEFAULT 100, max_attempts integer DEFAULT 10,
-    dead_letter_exchange text DEFAULT NULL) RETURNS void
-    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $subscribe$
-DECLARE
-    h record;
-BEGIN
-    IF subscription IS NULL OR broker_id IS NULL OR queue IS NULL OR handler IS NULL
-       OR prefetch IS NULL OR max_attempts IS NULL THEN
-        RAISE EXCEPTION 'amqp_outbox: % must not be NULL',
-            CASE WHEN subscription IS NULL THEN 'subscription' WHEN broker_id IS NULL THEN 'broker_id'
-                 WHEN queue IS NULL THEN 'queue' WHEN handler IS NULL THEN 'handler'
-                 WHEN prefetch IS NULL THEN 'prefetch' ELSE 'max_attempts' END
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    IF subscription = '' OR octet_length(subscription) > 200 THEN
-        RAISE EXCEPTION 'amqp_outbox: a subscription name must have 1 to 200 bytes'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF queue = '' OR octet_length(queue) > 255 THEN
-        RAISE EXCEPTION 'amqp_outbox: a queue name must have 1 to 255 bytes'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF dead_letter_exchange = '' OR octet_length(dead_letter_exchange) > 255 THEN
-        RAISE EXCEPTION 'amqp_outbox: dead_letter_exchange must have 1 to 255 bytes (or be NULL for none)'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF prefetch NOT BETWEEN 1 AND 65535 THEN
-        RAISE EXCEPTION 'amqp_outbox: prefetch must be between 1 and 65535, not %', prefetch
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF max_attempts NOT BETWEEN 1 AND 1000000 THEN
-        RAISE EXCEPTION 'amqp_outbox: max_attempts must be between 1 and 1000000, not %', max_attempts
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF NOT EXISTS (SELECT FROM @extschema@.broker b WHERE b.broker_id = subscribe.broker_id) THEN
-        RAISE EXCEPTION 'amqp_outbox: broker % does not exist in amqp.broker', broker_id
-            USING ERRCODE = 'undefined_object';
-    END IF;
-    SELECT p.prokind, p.prorettype, p.pronargs, p.proargtypes, p.proretset INTO h
-      FROM pg_catalog.pg_proc p WHERE p.oid = handler;
-    IF h.prokind <> 'f' OR h.pronargs <> 1 OR h.proargtypes[0] <> '@extschema@.delivery'::regtype
-       OR h.prorettype <> 'void'::regtype OR h.proretset THEN
-        RAISE EXCEPTION 'amqp_outbox: handler % must be a function (amqp.delivery) RETURNS void', handler
-            USING ERRCODE = 'invalid_function_definition',
-                  HINT = 'CREATE FUNCTION my_handler(d amqp.delivery) RETURNS void ...';
-    END IF;
-    IF NOT pg_catalog.has_function_privilege(handler, 'EXECUTE') THEN
-        RAISE EXCEPTION 'amqp_outbox: permission denied to execute handler %', handler
-            USING ERRCODE = 'insufficient_privilege',
-                  HINT = 'The handler runs with the rights of the role that subscribes.';
-    END IF;
-    IF EXISTS (SELECT FROM @extschema@.subscription s WHERE s.subscription = subscribe.subscription) THEN
-        RAISE EXCEPTION 'amqp_outbox: subscription "%" already exists', subscription
-            USING ERRCODE = 'duplicate_object',
-                  HINT = 'amqp.unsubscribe() it first, or choose another name.';
-    END IF;
-    INSERT INTO @extschema@.subscription
-        (subscription, broker_id, queue, handler, prefetch, max_attempts, dead_letter_exchange, owner)
-    VALUES (subscribe.subscription, subscribe.broker_id, subscribe.queue, subscribe.handler,
-            subscribe.prefetch, subscribe.max_attempts, subscribe.dead_letter_exchange,
-            CURRENT_USER::regrole);
-END
-$subscribe$;
-COMMENT ON FUNCTION @extschema@.subscribe(text, integer, text, regprocedure, integer, integer, text) IS
-    'Consumes queue on broker_id: each message is handled once by handler(amqp.delivery), in a transaction with its consumption record, and acknowledged only after it committed.';
+-- Messages of subscriptions with lanes (parallelism above 1, or an ordering), taken from the
+-- queue and waiting for a lane. The broker keeps each unacknowledged until its row is gone
+-- (handled, a duplicate, or moved to amqp.inbox_failed), so this table is at most prefetch
+-- rows per subscription and is not dumped: what it holds is still in the queue.
+CREATE TABLE @extschema@.inbox_waiting (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    subscription text NOT NULL,
+    message_id text NOT NULL,
+    ordering_key text,
+    exchange text NOT NULL,
+    routing_key text NOT NULL,
+    body bytea NOT NULL,
+    headers jsonb,
+    content_type text,
+    correlation_id text,
+    reply_to text,
+    "timestamp" timestamptz,
+    user_id text,
+    redelivered boolean NOT NULL DEFAULT false,
+    received_at timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- Its handler ended the lane that ran it (1: past the hard timeout, 2: terminated): it is
+    -- recorded as failed instead of run again.
+    ended smallint,
+    UNIQUE (subscription, message_id)
+);
+COMMENT ON TABLE @extschema@.inbox_waiting IS
+    'Messages of subscriptions with lanes (parallelism, ordering) received and waiting for a lane; still unacknowledged in the queue until handled.';
+CREATE INDEX inbox_waiting_key ON @extschema@.inbox_waiting (subscription, ordering_key, id)
+    WHERE ordering_key IS NOT NULL;
 
 CREATE FUNCTION @extschema@._subscription_or_raise(name text) RETURNS void
     LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $find$
@@ -356,17 +306,6 @@ BEGIN
     END IF;
 END
 $find$;
-
-CREATE FUNCTION @extschema@.unsubscribe(subscription text) RETURNS void
-    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $unsubscribe$
-BEGIN
-    PERFORM @extschema@._subscription_or_raise(subscription);
-    DELETE FROM @extschema@.subscription s WHERE s.subscription = unsubscribe.subscription;
-    DELETE FROM @extschema@._subscription_state s WHERE s.subscription = unsubscribe.subscription;
-END
-$unsubscribe$;
-COMMENT ON FUNCTION @extschema@.unsubscribe(text) IS
-    'Stops consuming (unacknowledged messages go back to the queue) and removes the subscription; its failed messages stay in amqp.inbox_failed.';
 
 CREATE FUNCTION @extschema@.pause_subscription(subscription text) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $pause$
@@ -458,8 +397,7 @@ GRANT amqp_outbox_publisher TO amqp_outbox_consumer;
 GRANT amqp_outbox_consumer TO amqp_outbox_admin;
 REVOKE ALL ON FUNCTION @extschema@.body_text(@extschema@.delivery),
     @extschema@._uuid7_time(text), @extschema@.send_receipt(integer, text, text, boolean, text),
-    @extschema@.subscribe(text, integer, text, regprocedure, integer, integer, text),
-    @extschema@.unsubscribe(text), @extschema@.pause_subscription(text),
+    @extschema@.pause_subscription(text),
     @extschema@.resume_subscription(text), @extschema@.inbox_retry(text, text),
     @extschema@.rotate_consumption(), @extschema@._archive_day(date),
     @extschema@._subscription_or_raise(text) FROM PUBLIC;
@@ -473,12 +411,11 @@ GRANT SELECT ON @extschema@._consumed_a, @extschema@._consumed_b TO amqp_outbox_
 GRANT SELECT ON @extschema@._consumed_since, @extschema@.consumption_archive, @extschema@.consumption
     TO amqp_outbox_consumer;
 GRANT EXECUTE ON FUNCTION
-    @extschema@.subscribe(text, integer, text, regprocedure, integer, integer, text),
-    @extschema@.unsubscribe(text), @extschema@.pause_subscription(text),
+    @extschema@.pause_subscription(text),
     @extschema@.resume_subscription(text), @extschema@.inbox_retry(text, text),
     @extschema@.rotate_consumption(), @extschema@._subscription_or_raise(text)
     TO amqp_outbox_admin;
 GRANT SELECT, INSERT, UPDATE, DELETE ON @extschema@.subscription TO amqp_outbox_admin;
 GRANT SELECT, DELETE ON @extschema@._subscription_state TO amqp_outbox_admin;
 GRANT SELECT, UPDATE, DELETE ON @extschema@.inbox_failed TO amqp_outbox_admin;
-GRANT SELECT ON @extschema@.subscription_status TO amqp_outbox_admin, pg_monitor;
+GRANT SELECT ON @extschema@.inbox_waiting TO amqp_outbox_admin;

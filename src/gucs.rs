@@ -33,6 +33,8 @@ pub static DEDUP_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(90 * 24 * 6
 pub static RECEIPTS_EXCHANGE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(None);
 pub static INBOX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
+/// Seconds (settings accept units: '5min').
+pub static BLOCKED_KEY_WARNING: GucSetting<i32> = GucSetting::<i32>::new(300);
 /// Tags: empty means the default (the database's name, the host's name).
 pub static SYSTEM_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static HOST_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
@@ -245,6 +247,16 @@ pub fn init(preloading: bool) {
         i32::MAX,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.blocked_key_warning",
+        c"How long a key of an ordered subscription may wait for a failed message before amqp.health() warns.",
+        c"While a message with a key is in amqp.inbox_failed (not dead), later messages with that key wait. 0 warns at once.",
+        &BLOCKED_KEY_WARNING,
+        0,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_S,
     );
     GucRegistry::define_int_guc(
         c"amqp_outbox.dedup_window",

@@ -27,9 +27,14 @@ pgrx::pg_module_magic!();
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
 extension_sql_file!(
+    "../sql/subscriptions.sql",
+    name = "subscriptions",
+    requires = ["inbox"]
+);
+extension_sql_file!(
     "../sql/consume_once.sql",
     name = "consume_once",
-    requires = ["inbox"]
+    requires = ["subscriptions"]
 );
 extension_sql_file!(
     "../sql/reconcile.sql",

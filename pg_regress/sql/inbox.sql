@@ -84,6 +84,40 @@ SELECT state FROM amqp.subscription_status;
 SELECT amqp.resume_subscription('orders');
 SELECT state FROM amqp.subscription_status;
 
+-- Lanes: parallelism and ordering, at subscribe() and later; bad values change nothing.
+SELECT amqp.subscribe('lanes', 1, 'lanes.q', 'inbox_handler(amqp.delivery)',
+                      parallelism => 4, ordering => 'business_key');
+SELECT amqp.alter_subscription('lanes', ordering => 'header:tenant');
+SELECT amqp.alter_subscription('lanes', prefetch => 20, max_attempts => 5);
+SELECT subscription, parallelism, ordering, prefetch, max_attempts FROM amqp.subscription
+ WHERE subscription = 'lanes';
+SELECT parallelism, ordering, waiting, oldest_waiting_at, blocked_keys, blocked_since
+  FROM amqp.subscription_status WHERE subscription = 'lanes';
+\set VERBOSITY sqlstate
+SELECT amqp.subscribe('s3', 1, 'q', 'inbox_handler(amqp.delivery)', parallelism => 0);
+SELECT amqp.subscribe('s3', 1, 'q', 'inbox_handler(amqp.delivery)', parallelism => 17);
+SELECT amqp.subscribe('s3', 1, 'q', 'inbox_handler(amqp.delivery)', parallelism => NULL);
+SELECT amqp.subscribe('s3', 1, 'q', 'inbox_handler(amqp.delivery)', ordering => 'by_key');
+SELECT amqp.subscribe('s3', 1, 'q', 'inbox_handler(amqp.delivery)', ordering => 'header:');
+SELECT amqp.subscribe('s3', 1, 'q', 'inbox_handler(amqp.delivery)', ordering => NULL);
+SELECT amqp.alter_subscription('lanes', parallelism => 0);
+SELECT amqp.alter_subscription('lanes', ordering => 'header:' || repeat('h', 256));
+SELECT amqp.alter_subscription('lanes', prefetch => 0);
+SELECT amqp.alter_subscription('lanes', max_attempts => 0);
+SELECT amqp.alter_subscription('nope', parallelism => 2);
+UPDATE amqp.subscription SET parallelism = 99 WHERE subscription = 'lanes';
+UPDATE amqp.subscription SET ordering = 'sometimes' WHERE subscription = 'lanes';
+\set VERBOSITY terse
+SELECT count(*) FILTER (WHERE subscription = 's3') AS s3, max(parallelism) AS parallelism,
+       max(ordering) AS ordering
+  FROM amqp.subscription;
+-- What waits for a lane goes with unsubscribe() (it is still unacknowledged in the queue).
+INSERT INTO amqp.inbox_waiting (subscription, message_id, exchange, routing_key, body)
+VALUES ('lanes', 'w-1', 'x', 'k', 'b');
+SELECT waiting FROM amqp.subscription_status WHERE subscription = 'lanes';
+SELECT amqp.unsubscribe('lanes');
+SELECT count(*) AS waiting_left FROM amqp.inbox_waiting;
+
 -- Failed messages: retried on request, dead ones included.
 INSERT INTO amqp.inbox_failed (subscription, message_id, exchange, routing_key, body, last_error,
                                attempts, next_attempt_at, dead_lettered_at)

@@ -43,15 +43,15 @@ pub enum Outcome {
 const MAYBE_CANNOT_RUN: [&str; 3] = ["42883", "42704", "42501"];
 
 /// Handles `messages` in the current transaction. Returns, for each, what happened.
-/// `left`: the message whose handler ended the previous worker (see [`watchdog`]), if any: it
-/// is recorded as failed when it comes, without running its handler again.
+/// `left`: messages whose handler ended a previous worker or lane (see [`watchdog`]): each is
+/// recorded as failed when it comes, without running its handler again.
 pub fn handle_all(
     client: &mut SpiClient<'_>,
     subs: &std::collections::BTreeMap<String, Sub>,
     messages: &[Message],
     rules: &Rules,
     book: &mut Book,
-    left: &mut Option<(Ended, String, String)>,
+    left: &mut Vec<(Ended, String, String)>,
 ) -> SpiResult<Vec<Outcome>> {
     let mut out = Vec::with_capacity(messages.len());
     // Deferred constraints and constraint triggers a handler queues are checked at the end of
@@ -92,8 +92,12 @@ pub fn handle_all(
             Some(id) => id.clone(),
             None => queries::derived_message_id(client, m.digest_input())?,
         };
-        let resolve = m.delivery.is_none() || has_failed.contains(&sub.name);
-        let outcome = match left.take_if(|(_, s, id)| *s == sub.name && *id == message_id) {
+        let resolve = m.retry || has_failed.contains(&sub.name);
+        let trapped = left
+            .iter()
+            .position(|(_, s, id)| *s == sub.name && *id == message_id)
+            .map(|i| left.remove(i));
+        let outcome = match trapped {
             Some((ended, _, _)) => Err(Caught {
                 sqlstate: "57014".into(),
                 message: watchdog::reason(ended).into(),
@@ -109,7 +113,7 @@ pub fn handle_all(
             }
             Ok(false) => {
                 book.entry(&sub.name).duplicates += 1;
-                if m.delivery.is_none() {
+                if m.retry {
                     // A retry whose message got through meanwhile (a redelivered copy).
                     queries::resolve_failed(client, &sub.name, &message_id)?;
                 }

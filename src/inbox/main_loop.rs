@@ -31,6 +31,9 @@ const ROTATE_RETRY: Duration = Duration::from_secs(5);
 /// How often subscriptions that cannot run (a handler or owner gone, a privilege revoked) are
 /// read again: what fixes them (CREATE FUNCTION, GRANT) tells the worker nothing.
 const RECHECK_PROBLEMS: Duration = Duration::from_secs(5);
+/// How often the rows of deliveries handed to lanes are looked at when no lane said it
+/// committed (a wake-up lost to a lane's restart).
+const STAGED_CHECK: Duration = Duration::from_secs(1);
 
 pub struct Inbox {
     handle: InboxHandle,
@@ -52,7 +55,12 @@ pub struct Inbox {
     /// When the subscriptions were last read.
     reloaded_at: Instant,
     /// The message whose handler ended the previous worker of this database, if one did.
-    left_behind: Option<(Ended, String, String)>,
+    left_behind: Vec<(Ended, String, String)>,
+    /// Deliveries put into `amqp.inbox_waiting` for lanes, by row id: acknowledged once their
+    /// row is gone (handled, a duplicate, or kept in amqp.inbox_failed).
+    staged: BTreeMap<i64, Vec<(String, u64, u64)>>,
+    /// When the rows of `staged` were last looked at.
+    staged_checked: Instant,
     /// Acknowledgements waiting for `amqp_outbox.standby_names` to have the handlers' commits:
     /// until then a failover could lose an effect whose message the broker already dropped.
     standbys: StandbyWait<InboxCommand>,
@@ -73,7 +81,9 @@ impl Inbox {
             retry_at: Some(Instant::now()),
             empty_at: BTreeMap::new(),
             reloaded_at: Instant::now(),
-            left_behind: handler_trap::take(),
+            left_behind: handler_trap::take().into_iter().collect(),
+            staged: BTreeMap::new(),
+            staged_checked: Instant::now(),
             standbys: StandbyWait::new(standbys::ACKNOWLEDGEMENTS),
         }
     }
@@ -178,9 +188,13 @@ impl Inbox {
     /// depth reports; a failed one is kept in amqp.inbox_failed, handled too.)
     fn note_caught_up(&mut self) {
         let pending = &self.pending;
+        let staged = &self.staged;
         let book = &mut self.book;
         self.empty_at.retain(|sub, at| {
-            if pending.iter().any(|m| &m.subscription == sub) {
+            // Handed to a lane is not handled yet.
+            if pending.iter().any(|m| &m.subscription == sub)
+                || staged.values().flatten().any(|(s, _, _)| s == sub)
+            {
                 return true;
             }
             book.entry(sub).caught_up = Some(*at);
@@ -246,14 +260,19 @@ impl Inbox {
         if !self.subs.problems.is_empty() && self.reloaded_at.elapsed() >= RECHECK_PROBLEMS {
             self.need_reload = true;
         }
+        let lanes_committed = shmem::take_lane_progress();
+        let check_staged = !self.staged.is_empty()
+            && (lanes_committed || self.staged_checked.elapsed() >= STAGED_CHECK);
         if self.pending.is_empty()
             && !self.need_reload
             && !rotate_due
             && !retry_due
+            && !check_staged
             && self.book.is_empty()
         {
             return;
         }
+        let mut wake_lanes = false;
         // At most half of the smallest prefetch per transaction: while one half is handled,
         // the broker refills the half acknowledged before, instead of waiting for a whole batch.
         let half_prefetch = self
@@ -295,6 +314,9 @@ impl Inbox {
                     if let Some(configs) = self.subs.reload(client, &self.settings)? {
                         self.handle.send(InboxCommand::Configure(configs));
                     }
+                    shmem::set_lanes_wanted(queries::lanes_wanted(client)?);
+                    shmem::bump_subscriptions_generation();
+                    wake_lanes = true;
                     for (name, why) in self.subs.problems.clone() {
                         let e = self.book.entry(&name);
                         e.connection = Some((false, None));
@@ -302,13 +324,52 @@ impl Inbox {
                     }
                     self.retry_at = Some(Instant::now());
                 }
-                let mut work = batch;
+                // Messages of subscriptions with lanes wait for them in amqp.inbox_waiting,
+                // unacknowledged until their row is gone.
+                let (for_lanes, mut work): (Vec<Message>, Vec<Message>) =
+                    batch.into_iter().partition(|m| {
+                        self.subs
+                            .active
+                            .get(&m.subscription)
+                            .is_some_and(|s| s.has_lanes())
+                    });
+                for mut m in for_lanes {
+                    let Some(sub) = self.subs.active.get(&m.subscription) else {
+                        continue;
+                    };
+                    let message_id = match &m.message_id {
+                        Some(id) => id.clone(),
+                        None => queries::derived_message_id(client, m.digest_input())?,
+                    };
+                    m.key = sub.key_of(&m);
+                    let id = queries::stage(client, &m, &message_id)?;
+                    if let Some((epoch, tag)) = m.delivery {
+                        self.staged.entry(id).or_default().push((
+                            m.subscription.clone(),
+                            epoch,
+                            tag,
+                        ));
+                    }
+                    self.book.entry(&m.subscription).delivered += 1;
+                    wake_lanes = true;
+                }
+                if check_staged || (lanes_committed && !self.staged.is_empty()) {
+                    self.staged_checked = Instant::now();
+                    let ids: Vec<i64> = self.staged.keys().copied().collect();
+                    for id in queries::gone_from_waiting(client, ids)? {
+                        for (sub, epoch, tag) in self.staged.remove(&id).unwrap_or_default() {
+                            acks.entry((sub, epoch)).or_default().push(tag);
+                        }
+                    }
+                }
                 let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
                 if retry_due && work.len() < batch_size {
                     let names: Vec<String> = self.subs.active.keys().cloned().collect();
                     let due =
                         queries::due_retries(client, names, (batch_size - work.len()) as i64)?;
                     let took_all = due.len() < batch_size - work.len();
+                    // A retry that succeeds may free its key for the lanes.
+                    wake_lanes |= due.iter().any(|m| m.key.is_some());
                     work.extend(due);
                     self.retry_at = if took_all { None } else { Some(Instant::now()) };
                 }
@@ -346,6 +407,9 @@ impl Inbox {
             })
             .unwrap_or_else(|e| error!("amqp_outbox: subscription worker: {e}"));
         });
+        if wake_lanes {
+            shmem::wake_lanes();
+        }
         if rotate_due && self.present {
             self.rotate();
         }

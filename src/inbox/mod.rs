@@ -7,11 +7,14 @@
 //! - [`handling`]: one transaction handling a batch of messages, one subtransaction each.
 //! - [`guarded`]: a subtransaction that catches the handler's error, with a time bound.
 //! - [`book`]: counters and connection states, written to `amqp._subscription_state`.
+//! - [`lane`]: the lanes, processes that handle the messages of subscriptions with a
+//!   parallelism or an ordering, which the subscription worker hands them.
 //! - [`queries`]: every SQL statement of the subscription worker; [`types`]: what they carry.
 
 mod book;
 pub(crate) mod guarded;
 mod handling;
+mod lane;
 mod main_loop;
 mod queries;
 mod subscriptions;

@@ -2,7 +2,7 @@
 //! statement with a name in its text (the handler call) takes it from PostgreSQL's own quoting
 //! (`format('%I.%I')`), never from a value.
 
-use super::types::{Message, Sub};
+use super::types::{Message, Ordering, Sub};
 use crate::worker::queries::run_kept;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
@@ -27,7 +27,7 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
                     (SELECT format('%I.%I', n.nspname, p.proname) \
                        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
                       WHERE p.oid = s.handler::oid), \
-                    {RUNS_AS_PROBLEM} \
+                    {RUNS_AS_PROBLEM}, s.parallelism, s.ordering \
                FROM amqp.subscription s WHERE NOT s.paused ORDER BY s.subscription"
         ),
         None,
@@ -52,6 +52,10 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
                 )
             }),
             problem,
+            parallelism: usize::try_from(r.get::<i32>(10)?.unwrap_or(1))
+                .unwrap_or(1)
+                .clamp(1, crate::shmem::MAX_LANES),
+            ordering: Ordering::parse(r.get::<&str>(11)?.unwrap_or("none")),
         });
     }
     Ok(out)
@@ -164,7 +168,7 @@ pub fn record_failure(
     delays: Vec<i64>,
 ) -> SpiResult<FailedRecord> {
     let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
-    let args: [DatumWithOid; 16] = [
+    let args: [DatumWithOid; 17] = [
         m.subscription.as_str().into(),
         message_id.into(),
         m.exchange.as_str().into(),
@@ -181,15 +185,16 @@ pub fn record_failure(
         delays.into(),
         m.attempt.into(),
         m.user_id.as_deref().into(),
+        m.key.as_deref().into(),
     ];
     let table = client.update(
         "INSERT INTO amqp.inbox_failed AS f \
              (subscription, message_id, exchange, routing_key, body, headers, content_type, \
               correlation_id, reply_to, \"timestamp\", last_error, last_sqlstate, attempts, \
-              next_attempt_at, dead_lettered_at, user_id) \
+              next_attempt_at, dead_lettered_at, user_id, ordering_key) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, to_timestamp($10), $11, $12, $15, \
                  clock_timestamp() + $14[least($15, cardinality($14))] * interval '1 microsecond', \
-                 CASE WHEN $15 >= $13 THEN clock_timestamp() END, $16) \
+                 CASE WHEN $15 >= $13 THEN clock_timestamp() END, $16, $17) \
          ON CONFLICT (subscription, message_id) DO UPDATE \
             SET attempts = f.attempts + 1, \
                 last_failed_at = clock_timestamp(), \
@@ -301,24 +306,17 @@ pub fn due_retries(
     let rows = client.select(
         "SELECT subscription, message_id, exchange, routing_key, body, headers::text, \
                 content_type, correlation_id, reply_to, extract(epoch FROM \"timestamp\")::float8, \
-                attempts, user_id \
+                attempts, user_id, ordering_key \
            FROM amqp.inbox_failed \
           WHERE dead_lettered_at IS NULL AND next_attempt_at <= clock_timestamp() \
             AND subscription = ANY($1) \
-          ORDER BY next_attempt_at LIMIT $2",
+          ORDER BY next_attempt_at, id LIMIT $2",
         None,
         &args,
     )?;
     let mut out = Vec::new();
     for r in rows {
-        let headers = r
-            .get::<String>(6)?
-            .and_then(|h| serde_json::from_str::<serde_json::Value>(&h).ok())
-            .and_then(|v| match v {
-                serde_json::Value::Object(m) => Some(m),
-                _ => None,
-            })
-            .unwrap_or_default();
+        let headers = headers_of(r.get::<String>(6)?);
         out.push(Message {
             subscription: r.get::<String>(1)?.unwrap_or_default(),
             message_id: r.get::<String>(2)?,
@@ -334,9 +332,183 @@ pub fn due_retries(
             redelivered: true,
             delivery: None,
             attempt: r.get::<i32>(11)?.unwrap_or(0) + 1,
+            retry: true,
+            key: r.get::<String>(13)?,
+            waiting_id: None,
         });
     }
     Ok(out)
+}
+
+/// The headers' JSON text, as an object (anything else: none).
+fn headers_of(text: Option<String>) -> serde_json::Map<String, serde_json::Value> {
+    text.and_then(|h| serde_json::from_str::<serde_json::Value>(&h).ok())
+        .and_then(|v| match v {
+            serde_json::Value::Object(m) => Some(m),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// Puts a delivery of a subscription with lanes into `amqp.inbox_waiting`; returns its row's
+/// id (the row it already has when it was delivered again while it waits).
+pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiResult<i64> {
+    let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
+    let args: [DatumWithOid; 13] = [
+        m.subscription.as_str().into(),
+        message_id.into(),
+        m.key.as_deref().into(),
+        m.exchange.as_str().into(),
+        m.routing_key.as_str().into(),
+        m.body.as_slice().into(),
+        headers.into(),
+        m.content_type.as_deref().into(),
+        m.correlation_id.as_deref().into(),
+        m.reply_to.as_deref().into(),
+        m.timestamp.map(|t| t as f64).into(),
+        m.user_id.as_deref().into(),
+        m.redelivered.into(),
+    ];
+    run_kept(
+        client,
+        "INSERT INTO amqp.inbox_waiting AS w \
+             (subscription, message_id, ordering_key, exchange, routing_key, body, headers, \
+              content_type, correlation_id, reply_to, \"timestamp\", user_id, redelivered) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11), $12, $13) \
+         ON CONFLICT (subscription, message_id) DO UPDATE SET redelivered = true \
+         RETURNING w.id",
+        &args,
+        true,
+        |t| Ok(t.first().get_one::<i64>()?.unwrap_or(0)),
+    )
+}
+
+/// Which of these `amqp.inbox_waiting` rows are gone (handled, duplicates, failed).
+pub fn gone_from_waiting(client: &mut SpiClient<'_>, ids: Vec<i64>) -> SpiResult<Vec<i64>> {
+    let args: [DatumWithOid; 1] = [ids.into()];
+    run_kept(
+        client,
+        "SELECT x FROM unnest($1::int8[]) AS x \
+          WHERE NOT EXISTS (SELECT FROM amqp.inbox_waiting w WHERE w.id = x)",
+        &args,
+        false,
+        |t| {
+            let mut out = Vec::new();
+            for r in t {
+                if let Some(id) = r.get::<i64>(1)? {
+                    out.push(id);
+                }
+            }
+            Ok(out)
+        },
+    )
+}
+
+/// Claims up to `limit` waiting messages of these subscriptions for a lane, oldest first: a
+/// message with a key only when no earlier message with that key waits or is in progress (a
+/// locked row is still there) and none has failed (not yet dead). Rows other lanes hold are
+/// skipped. Returns them with whether their handler ended a lane before (see `ended`).
+pub fn claim_waiting(
+    client: &mut SpiClient<'_>,
+    subs: Vec<String>,
+    limit: i64,
+) -> SpiResult<Vec<(Message, Option<i16>)>> {
+    let args: [DatumWithOid; 2] = [subs.into(), limit.into()];
+    run_kept(
+        client,
+        "SELECT w.id, w.subscription, w.message_id, w.exchange, w.routing_key, w.body, \
+                w.headers::text, w.content_type, w.correlation_id, w.reply_to, \
+                extract(epoch FROM w.\"timestamp\")::float8, w.user_id, w.redelivered, \
+                w.ordering_key, w.ended \
+           FROM amqp.inbox_waiting w \
+          WHERE w.subscription = ANY($1) \
+            AND (w.ordering_key IS NULL \
+                 OR (NOT EXISTS (SELECT FROM amqp.inbox_waiting e \
+                                  WHERE e.subscription = w.subscription \
+                                    AND e.ordering_key = w.ordering_key AND e.id < w.id) \
+                     AND NOT EXISTS (SELECT FROM amqp.inbox_failed f \
+                                      WHERE f.subscription = w.subscription \
+                                        AND f.ordering_key = w.ordering_key \
+                                        AND f.dead_lettered_at IS NULL))) \
+          ORDER BY w.id LIMIT $2 \
+          FOR UPDATE OF w SKIP LOCKED",
+        &args,
+        true,
+        |t| {
+            let mut out = Vec::new();
+            for r in t {
+                let m = Message {
+                    subscription: r.get::<String>(2)?.unwrap_or_default(),
+                    message_id: r.get::<String>(3)?,
+                    exchange: r.get::<String>(4)?.unwrap_or_default(),
+                    routing_key: r.get::<String>(5)?.unwrap_or_default(),
+                    body: r.get::<Vec<u8>>(6)?.unwrap_or_default(),
+                    headers: headers_of(r.get::<String>(7)?),
+                    content_type: r.get::<String>(8)?,
+                    correlation_id: r.get::<String>(9)?,
+                    reply_to: r.get::<String>(10)?,
+                    timestamp: r.get::<f64>(11)?.map(|t| t.max(0.0) as u64),
+                    user_id: r.get::<String>(12)?,
+                    redelivered: r.get::<bool>(13)?.unwrap_or(false),
+                    delivery: None,
+                    attempt: 1,
+                    retry: false,
+                    key: r.get::<String>(14)?,
+                    waiting_id: r.get::<i64>(1)?,
+                };
+                out.push((m, r.get::<i16>(15)?));
+            }
+            Ok(out)
+        },
+    )
+}
+
+/// Removes handled (or failed, or duplicate) messages from `amqp.inbox_waiting`.
+pub fn done_waiting(client: &mut SpiClient<'_>, ids: Vec<i64>) -> SpiResult<()> {
+    let args: [DatumWithOid; 1] = [ids.into()];
+    run_kept(
+        client,
+        "DELETE FROM amqp.inbox_waiting WHERE id = ANY($1)",
+        &args,
+        true,
+        |_| Ok(()),
+    )
+}
+
+/// The handler of this waiting message ended a lane (`ended`: 1 timeout, 2 terminated): the
+/// next lane to take it records it as failed instead of running it again.
+pub fn mark_ended(
+    client: &mut SpiClient<'_>,
+    sub: &str,
+    message_id: &str,
+    ended: i16,
+) -> SpiResult<()> {
+    client
+        .update(
+            "UPDATE amqp.inbox_waiting SET ended = $3 WHERE subscription = $1 AND message_id = $2",
+            None,
+            &[sub.into(), message_id.into(), ended.into()],
+        )
+        .map(drop)
+}
+
+/// How many lanes the subscriptions want: the largest parallelism of those with lanes, and one
+/// while messages wait for a subscription that has none any more (its parallelism or ordering
+/// was changed back).
+pub fn lanes_wanted(client: &SpiClient<'_>) -> SpiResult<usize> {
+    let n = client
+        .select(
+            "SELECT greatest( \
+                 (SELECT max(parallelism) FROM amqp.subscription \
+                   WHERE NOT paused AND (parallelism > 1 OR ordering <> 'none')), \
+                 (SELECT 1 FROM amqp.inbox_waiting LIMIT 1))",
+            None,
+            &[],
+        )?
+        .first()
+        .get_one::<i32>()?
+        .unwrap_or(0);
+    Ok(usize::try_from(n).unwrap_or(0))
 }
 
 /// Seconds until the next failed message is due (None: none waiting).

@@ -21,6 +21,65 @@ pub struct Sub {
     /// Why the handler cannot run as its owner: the function or the owner is gone, or the owner
     /// may not execute it. Its messages then stay in the queue.
     pub problem: Option<String>,
+    /// Messages in progress at once (1 to `MAX_LANES`).
+    pub parallelism: usize,
+    pub ordering: Ordering,
+}
+
+/// Which messages of a subscription must be handled one after another.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Ordering {
+    None,
+    /// Messages with the same value of this header, in the order they arrived.
+    Header(String),
+}
+
+impl Ordering {
+    /// The column's text: 'none', 'business_key' or 'header:<name>'.
+    pub fn parse(text: &str) -> Ordering {
+        match text {
+            "business_key" => Ordering::Header(HEADER_BUSINESS_KEY.to_string()),
+            _ => text
+                .strip_prefix("header:")
+                .filter(|h| !h.is_empty())
+                .map_or(Ordering::None, |h| Ordering::Header(h.to_string())),
+        }
+    }
+}
+
+/// A key longer than this is kept as its digest (an index entry must stay small).
+const KEY_MAX: usize = 200;
+
+impl Sub {
+    /// Its messages go through lanes (`amqp.inbox_waiting`) rather than being handled by the
+    /// subscription worker as they arrive.
+    pub fn has_lanes(&self) -> bool {
+        self.parallelism > 1 || self.ordering != Ordering::None
+    }
+
+    /// The message's ordering key: the header's value (a string as it is, anything else as its
+    /// JSON text); `None` for no ordering, no header or a JSON null. A long key, or one that
+    /// PostgreSQL text cannot hold, becomes its SHA-256.
+    pub fn key_of(&self, m: &Message) -> Option<String> {
+        let Ordering::Header(name) = &self.ordering else {
+            return None;
+        };
+        let key = match m.headers.get(name)? {
+            serde_json::Value::Null => return None,
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if key.len() <= KEY_MAX && !key.contains('\0') {
+            return Some(key);
+        }
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(key.as_bytes());
+        Some(format!("sha256:{}", hex(&digest)))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A message to handle: a delivery from the broker, or a failed one retried from the table.
@@ -43,6 +102,12 @@ pub struct Message {
     pub delivery: Option<(u64, u64)>,
     /// 1 for the first try.
     pub attempt: i32,
+    /// Retried from `amqp.inbox_failed`.
+    pub retry: bool,
+    /// Its key under the subscription's ordering (messages handled by lanes).
+    pub key: Option<String>,
+    /// Its row in `amqp.inbox_waiting` (messages handled by lanes).
+    pub waiting_id: Option<i64>,
 }
 
 impl From<Delivery> for Message {
@@ -62,6 +127,9 @@ impl From<Delivery> for Message {
             redelivered: d.redelivered,
             delivery: Some((d.epoch, d.delivery_tag)),
             attempt: 1,
+            retry: false,
+            key: None,
+            waiting_id: None,
         }
     }
 }
@@ -80,6 +148,7 @@ fn is_broker_header(name: &str) -> bool {
 /// The header a receipt carries (see amqp.send_receipt): no receipt answers a receipt.
 const HEADER_RECEIPT_FOR: &str = "x-amqp-outbox-receipt-for";
 const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
+const HEADER_BUSINESS_KEY: &str = "x-amqp-outbox-business-key";
 const HEADER_TRACEPARENT: &str = "traceparent";
 
 impl Message {
@@ -146,7 +215,54 @@ mod tests {
             redelivered: false,
             delivery: Some((1, 1)),
             attempt: 1,
+            retry: false,
+            key: None,
+            waiting_id: None,
         }
+    }
+
+    fn sub(ordering: &str) -> Sub {
+        Sub {
+            name: "s".into(),
+            broker_id: 1,
+            queue: "q".into(),
+            prefetch: 10,
+            max_attempts: 1,
+            dead_letter_exchange: None,
+            owner: pg_sys::InvalidOid,
+            call: None,
+            problem: None,
+            parallelism: 1,
+            ordering: Ordering::parse(ordering),
+        }
+    }
+
+    #[test]
+    fn the_key_comes_from_the_header_the_ordering_names() {
+        let m = message(json!({"x-amqp-outbox-business-key": "order-7", "tenant": 3}));
+        assert_eq!(sub("business_key").key_of(&m).as_deref(), Some("order-7"));
+        assert_eq!(sub("header:tenant").key_of(&m).as_deref(), Some("3"));
+        assert_eq!(sub("header:missing").key_of(&m), None);
+        assert_eq!(sub("none").key_of(&m), None);
+        assert!(!sub("none").has_lanes());
+        assert!(sub("business_key").has_lanes());
+        // Unknown text is no ordering (the table's CHECK allows nothing else).
+        assert_eq!(Ordering::parse("header:"), Ordering::None);
+    }
+
+    #[test]
+    fn a_long_or_nul_key_becomes_its_digest() {
+        let long = "k".repeat(10_000);
+        let m = message(json!({ "x-amqp-outbox-business-key": long }));
+        let key = sub("business_key").key_of(&m).unwrap_or_default();
+        assert!(key.starts_with("sha256:") && key.len() == 7 + 64, "{key}");
+        let nul = message(json!({ "x-amqp-outbox-business-key": "a\u{0}b" }));
+        let key = sub("business_key").key_of(&nul).unwrap_or_default();
+        assert!(key.starts_with("sha256:"), "{key}");
+        assert_eq!(
+            sub("business_key").key_of(&message(json!({ "x-amqp-outbox-business-key": null }))),
+            None
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The launcher: one background worker, registered at server start and connected to no
 //! database, that gives every database with the extension its three workers (outbox,
-//! subscriptions, monitor) — databases allowed by `amqp_outbox.database`, at most
-//! `amqp_outbox.max_workers` of them.
+//! subscriptions, monitor) and the lanes its subscription worker asks for — databases allowed
+//! by `amqp_outbox.database`, at most `amqp_outbox.max_workers` of them.
 //!
 //! It looks at `pg_database` when woken (a committed `CREATE EXTENSION`, a worker that started
 //! or stopped, a database statement that paused a database, a reload) and otherwise once a
@@ -17,8 +17,8 @@ mod slots;
 mod workers;
 
 use crate::gucs;
-use crate::shmem::launch::{self, Unserved};
-use crate::shmem::MAX_DATABASES;
+use crate::shmem::launch::{self, SlotView, Unserved};
+use crate::shmem::{MAX_DATABASES, MAX_LANES};
 use catalog::Database;
 use pgrx::bgworkers::SignalWakeFlags;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
@@ -33,6 +33,17 @@ const LAUNCHER_RESTART: Duration = Duration::from_secs(1);
 const RESCAN_EVERY: Duration = Duration::from_secs(60);
 /// A worker that stopped (terminated, failed) is started again after this.
 const RESTART_AFTER: Duration = Duration::from_secs(2);
+/// A lane that stopped is started again after this.
+const LANE_RESTART: Duration = Duration::from_secs(1);
+
+/// What tending a database's lanes left to do.
+enum Lanes {
+    Done,
+    /// A lane that stopped is started again then.
+    LookAgain(Duration),
+    /// No background worker slot was free (`max_worker_processes`).
+    NoSlot,
+}
 /// Probes running at once: a server with many databases must not take every background worker
 /// slot to look for the extension.
 const MAX_PROBES: usize = 2;
@@ -61,6 +72,10 @@ struct Served {
     outbox: Tracked,
     inbox: Tracked,
     monitor: Tracked,
+    /// Its lanes, as many as its subscription worker wants (see `shmem::set_lanes_wanted`).
+    lanes: [Tracked; MAX_LANES],
+    /// When one of its lanes was found stopped.
+    lanes_stopped_at: Option<Instant>,
     /// When a worker of it was found stopped (restart after `RESTART_AFTER`).
     stopped_at: Option<Instant>,
     /// `CREATE EXTENSION` count when its workers were last started: a commit after that
@@ -77,7 +92,54 @@ impl Served {
             Kind::Outbox => &mut self.outbox,
             Kind::Inbox => &mut self.inbox,
             Kind::Monitor => &mut self.monitor,
+            Kind::Lane(n) => &mut self.lanes[n % MAX_LANES],
         }
+    }
+
+    fn stop_lanes(&mut self, view: &SlotView) -> bool {
+        let mut any = false;
+        for n in 0..MAX_LANES {
+            if self.lanes[n].alive(Kind::Lane(n), view) {
+                self.lanes[n].stop(Kind::Lane(n), view);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Starts the lanes wanted that do not run (a new one at once, one that stopped after
+    /// [`LANE_RESTART`]) and stops those no longer wanted.
+    fn tend_lanes(&mut self, slot: usize, view: &SlotView) -> Lanes {
+        let mut out = Lanes::Done;
+        for n in 0..MAX_LANES {
+            let kind = Kind::Lane(n);
+            let alive = self.lanes[n].alive(kind, view);
+            if n >= view.lanes_wanted {
+                if alive {
+                    self.lanes[n].stop(kind, view);
+                }
+                continue;
+            }
+            if alive {
+                continue;
+            }
+            if self.lanes[n].started() {
+                // It stopped: not in a loop with a lane that fails at once.
+                let since = *self.lanes_stopped_at.get_or_insert_with(Instant::now);
+                let due = LANE_RESTART.saturating_sub(since.elapsed());
+                if !due.is_zero() {
+                    out = Lanes::LookAgain(due);
+                    continue;
+                }
+            }
+            if !self.lanes[n].start(kind, slot, &self.db.name) {
+                return Lanes::NoSlot;
+            }
+        }
+        if matches!(out, Lanes::Done) {
+            self.lanes_stopped_at = None;
+        }
+        out
     }
 }
 
@@ -171,6 +233,8 @@ impl Launcher {
                     outbox: Tracked::default(),
                     inbox: Tracked::default(),
                     monitor: Tracked::default(),
+                    lanes: Default::default(),
+                    lanes_stopped_at: None,
                     stopped_at: None,
                     created_at_start: self.created_seen,
                     probe: false,
@@ -253,7 +317,8 @@ impl Launcher {
         if !alive[0] && view.absent {
             // No extension there any more (DROP EXTENSION). Its other workers go too.
             self.known.remove(&entry.db.oid);
-            if alive[1] || alive[2] {
+            let lanes = entry.stop_lanes(&view);
+            if alive[1] || alive[2] || lanes {
                 entry.inbox.stop(Kind::Inbox, &view);
                 entry.monitor.stop(Kind::Monitor, &view);
                 return Some(RESTART_AFTER);
@@ -265,7 +330,8 @@ impl Launcher {
             return None;
         }
         if !keep {
-            if alive.iter().any(|a| *a) {
+            let lanes = entry.stop_lanes(&view);
+            if alive.iter().any(|a| *a) || lanes {
                 for k in Kind::ALL {
                     entry.tracked(k).stop(k, &view);
                 }
@@ -280,6 +346,19 @@ impl Launcher {
         }
         if alive.iter().all(|a| *a) {
             entry.stopped_at = None;
+            match entry.tend_lanes(i, &view) {
+                Lanes::Done => {}
+                Lanes::LookAgain(t) => return Some(t),
+                Lanes::NoSlot => {
+                    if self.start_warned.insert(entry.db.oid) {
+                        warning!(
+                            "amqp_outbox: cannot start a lane for database \"{}\": no background worker slot free (raise max_worker_processes)",
+                            entry.db.name
+                        );
+                    }
+                    return Some(RESTART_AFTER);
+                }
+            }
             self.start_warned.remove(&entry.db.oid);
             return None;
         }
@@ -348,6 +427,8 @@ impl Launcher {
                 outbox: Tracked::default(),
                 inbox: Tracked::default(),
                 monitor: Tracked::default(),
+                lanes: Default::default(),
+                lanes_stopped_at: None,
                 stopped_at: None,
                 created_at_start: self.created_seen,
                 probe,

@@ -1,4 +1,5 @@
-//! Starting and stopping one database's three workers as dynamic background workers. They are
+//! Starting and stopping one database's workers (three, and its lanes) as dynamic background
+//! workers. They are
 //! never restarted by the postmaster: the launcher decides (a database without the extension,
 //! a paused or dropped database must stay without workers).
 
@@ -14,6 +15,8 @@ pub enum Kind {
     Outbox,
     Inbox,
     Monitor,
+    /// Lane n (0-based): runs handlers of subscriptions with a parallelism or an ordering.
+    Lane(usize),
 }
 
 impl Kind {
@@ -36,6 +39,18 @@ impl Kind {
                 "amqp_outbox monitor",
                 "amqp_outbox_monitor_main",
             ),
+            Kind::Lane(n) => (
+                format!("amqp_outbox lane {} for {database}", n + 1),
+                "amqp_outbox lane",
+                "amqp_outbox_lane_main",
+            ),
+        }
+    }
+
+    fn argument(self, slot: usize) -> i32 {
+        match self {
+            Kind::Lane(n) => crate::worker::lane_argument(slot, n),
+            _ => slot as i32,
         }
     }
 
@@ -44,6 +59,7 @@ impl Kind {
             Kind::Outbox => view.outbox_pid,
             Kind::Inbox => view.inbox_pid,
             Kind::Monitor => view.monitor_pid,
+            Kind::Lane(n) => view.lane_pids.get(n).copied().unwrap_or(0),
         }
     }
 }
@@ -63,6 +79,11 @@ impl Tracked {
         by_handle || kind.pid(view) != 0
     }
 
+    /// This launcher started it (it may have stopped since).
+    pub fn started(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// Starts the worker for the database in `slot`. `false`: no background worker slot left
     /// (`max_worker_processes`).
     pub fn start(&mut self, kind: Kind, slot: usize, database: &str) -> bool {
@@ -73,7 +94,7 @@ impl Tracked {
             .set_type(type_)
             .set_library("amqp_outbox")
             .set_function(function)
-            .set_argument((slot as i32).into_datum())
+            .set_argument(kind.argument(slot).into_datum())
             .set_extra(database)
             .enable_spi_access()
             .set_start_time(BgWorkerStartTime::RecoveryFinished)

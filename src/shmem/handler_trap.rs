@@ -1,11 +1,12 @@
-//! The message a subscription worker was handling when it was ended from inside its handler
-//! (the hard handler timeout, or `pg_terminate_backend()`): written as that worker exits, read
-//! by the next one, which records the message as failed instead of running its handler again
-//! (it would end the worker again, in a loop).
+//! The message a subscription worker or lane was handling when it was ended from inside its
+//! handler (the hard handler timeout, or `pg_terminate_backend()`): written as that process
+//! exits, read by the next one in its place, which records the message as failed instead of
+//! running its handler again (it would end the process again, in a loop).
 
-use super::{slot_index, PerDb};
+use super::{slot_index, PerDb, MAX_LANES};
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgLwLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const SUBSCRIPTION_MAX: usize = 200;
 const MESSAGE_ID_MAX: usize = 256;
@@ -44,8 +45,26 @@ impl Default for Trap {
 // process.
 unsafe impl PGRXSharedMemory for Trap {}
 
+/// One trap per process that runs handlers: the subscription worker (0), then each lane.
+#[derive(Clone, Copy, Default)]
+pub struct Traps([Trap; 1 + MAX_LANES]);
+// SAFETY: plain `Copy` data (see `Trap`).
+unsafe impl PGRXSharedMemory for Traps {}
+
 // SAFETY: the name is unique: each `amqp_outbox_*` shared-memory name is used once, here.
-static TRAPS: PgLwLock<PerDb<Trap>> = unsafe { PgLwLock::new(c"amqp_outbox_handler_traps") };
+static TRAPS: PgLwLock<PerDb<Traps>> = unsafe { PgLwLock::new(c"amqp_outbox_handler_traps") };
+
+/// This process's trap: 0 for the subscription worker, 1 + n for lane n.
+static MINE: AtomicUsize = AtomicUsize::new(0);
+
+/// A lane uses its own trap (set once at its start).
+pub fn use_lane_trap(lane: usize) {
+    MINE.store(1 + lane.min(MAX_LANES - 1), Ordering::Relaxed);
+}
+
+fn mine() -> usize {
+    MINE.load(Ordering::Relaxed)
+}
 
 pub(super) fn init() {
     pg_shmem_init!(TRAPS);
@@ -61,7 +80,7 @@ pub fn set(ended: Ended, subscription: &str, message_id: &str) {
         return;
     }
     let mut all = TRAPS.exclusive();
-    let t = &mut all.0[i];
+    let t = &mut all.0[i].0[mine()];
     t.ended = match ended {
         Ended::Timeout => 1,
         Ended::Terminated => 2,
@@ -74,14 +93,14 @@ pub fn set(ended: Ended, subscription: &str, message_id: &str) {
 
 /// Slot `i` serves another database now: what its previous one left goes.
 pub(super) fn clear(i: usize) {
-    TRAPS.exclusive().0[i] = Trap::default();
+    TRAPS.exclusive().0[i] = Traps::default();
 }
 
 /// What the previous worker of this database left, if anything; clears it.
 pub fn take() -> Option<(Ended, String, String)> {
     let i = slot_index()?;
     let mut all = TRAPS.exclusive();
-    let t = std::mem::take(&mut all.0[i]);
+    let t = std::mem::take(&mut all.0[i].0[mine()]);
     let ended = match t.ended {
         1 => Ended::Timeout,
         2 => Ended::Terminated,

@@ -5,7 +5,7 @@
 use super::created_ring::CreatedRing;
 use super::{
     set_latch, BrokerStates, Counters, InFlightTable, Requests, BROKER_STATES, IN_FLIGHT,
-    MAX_DATABASES, REQUESTS, SLOTS,
+    MAX_DATABASES, MAX_LANES, REQUESTS, SLOTS,
 };
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic};
@@ -193,6 +193,8 @@ pub struct SlotView {
     pub outbox_pid: i32,
     pub inbox_pid: i32,
     pub monitor_pid: i32,
+    pub lane_pids: [i32; MAX_LANES],
+    pub lanes_wanted: usize,
     pub absent: bool,
     pub paused: bool,
     /// A launcher served the database here (all its workers; not only a probe).
@@ -202,7 +204,10 @@ pub struct SlotView {
 impl SlotView {
     /// A worker of any kind holds this slot.
     pub fn has_worker(&self) -> bool {
-        self.outbox_pid != 0 || self.inbox_pid != 0 || self.monitor_pid != 0
+        self.outbox_pid != 0
+            || self.inbox_pid != 0
+            || self.monitor_pid != 0
+            || self.lane_pids.iter().any(|p| *p != 0)
     }
 }
 
@@ -215,6 +220,8 @@ pub fn slot_view(i: usize) -> SlotView {
         outbox_pid: s.pid.load(Ordering::Acquire),
         inbox_pid: s.inbox_pid.load(Ordering::Acquire),
         monitor_pid: s.monitor_pid.load(Ordering::Acquire),
+        lane_pids: std::array::from_fn(|n| s.lane_pid[n].load(Ordering::Acquire)),
+        lanes_wanted: s.lanes_wanted.load(Ordering::Acquire) as usize,
         absent: s.absent.load(Ordering::Acquire),
         paused: s.paused_until_ms.load(Ordering::Acquire) > now_ms(),
         served: s.served.load(Ordering::Acquire),
@@ -233,6 +240,7 @@ pub fn assign_slot(i: usize, database: u32, probe_only: bool) {
         return;
     }
     s.paused_until_ms.store(0, Ordering::Release);
+    s.lanes_wanted.store(0, Ordering::Release);
     let Counters {
         published,
         confirmed,
@@ -307,7 +315,8 @@ pub fn pause(database: u32, for_at_most: Option<Duration>) -> Vec<i32> {
     let until = for_at_most.map_or(0, |d| now_ms() + d.as_millis() as u64);
     s.paused_until_ms.store(until, Ordering::Release);
     [&s.pid, &s.inbox_pid, &s.monitor_pid]
-        .iter()
+        .into_iter()
+        .chain(s.lane_pid.iter())
         .map(|p| p.load(Ordering::Acquire))
         .filter(|p| *p != 0)
         .collect()

@@ -16,6 +16,11 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize
 /// one subscription worker each. Everything below exists once per database.
 pub const MAX_DATABASES: usize = 32;
 
+/// Lanes of one database at most: worker processes that handle the messages of subscriptions
+/// with a parallelism or an ordering (see `inbox::lane`). A subscription's parallelism is at
+/// most this.
+pub const MAX_LANES: usize = 16;
+
 /// One database's workers, as the other processes see them. The launcher assigns a slot to a
 /// database and starts its workers with the slot's index; backends find theirs by database oid.
 #[derive(Default)]
@@ -57,6 +62,16 @@ pub struct DbSlot {
     /// The monitor (reconciliation) of this database: latch and pid.
     monitor_latch: AtomicUsize,
     monitor_pid: AtomicI32,
+    /// Its lanes (see [`MAX_LANES`]): latch and pid of each.
+    lane_latch: [AtomicUsize; MAX_LANES],
+    lane_pid: [AtomicI32; MAX_LANES],
+    /// How many lanes the subscription worker wants running (the launcher starts them).
+    lanes_wanted: AtomicU32,
+    /// A lane committed work: the subscription worker looks which of its deliveries are done.
+    lanes_progress: AtomicBool,
+    /// Bumped by the subscription worker each time it read the subscriptions again: lanes
+    /// read them again too.
+    subscriptions_generation: AtomicU64,
 }
 
 /// One `T` per database slot, in shared memory.
@@ -351,6 +366,8 @@ pub enum WorkerKind {
     Outbox,
     Inbox,
     Monitor,
+    /// Lane `n` (0-based, below [`MAX_LANES`]).
+    Lane(usize),
 }
 
 /// A worker announces itself in its slot (after [`set_worker_slot`]): its pid and latch.
@@ -386,7 +403,52 @@ fn worker_fields(s: &DbSlot, kind: WorkerKind) -> (&AtomicUsize, &AtomicI32) {
         WorkerKind::Outbox => (&s.latch, &s.pid),
         WorkerKind::Inbox => (&s.inbox_latch, &s.inbox_pid),
         WorkerKind::Monitor => (&s.monitor_latch, &s.monitor_pid),
+        WorkerKind::Lane(n) => (&s.lane_latch[n % MAX_LANES], &s.lane_pid[n % MAX_LANES]),
     }
+}
+
+/// The subscription worker wants `n` lanes: tells the launcher when that changed.
+pub fn set_lanes_wanted(n: usize) {
+    if let Some(s) = slot() {
+        let n = n.min(MAX_LANES) as u32;
+        if s.lanes_wanted.swap(n, Ordering::AcqRel) != n {
+            launch::wake_launcher();
+        }
+    }
+}
+
+/// Wakes this database's lanes (messages wait for them, or a key may have become free).
+pub fn wake_lanes() {
+    if let Some(s) = slot() {
+        for l in &s.lane_latch {
+            set_latch(l);
+        }
+    }
+}
+
+/// A lane committed work: the subscription worker acknowledges what is done.
+pub fn note_lane_progress() {
+    if let Some(s) = slot() {
+        if !s.lanes_progress.swap(true, Ordering::AcqRel) {
+            set_latch(&s.inbox_latch);
+        }
+    }
+}
+
+/// Whether a lane committed work since the subscription worker last asked; clears it.
+pub fn take_lane_progress() -> bool {
+    slot().is_some_and(|s| s.lanes_progress.swap(false, Ordering::AcqRel))
+}
+
+/// The subscription worker read the subscriptions again.
+pub fn bump_subscriptions_generation() {
+    if let Some(s) = slot() {
+        s.subscriptions_generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+pub fn subscriptions_generation() -> u64 {
+    slot().map_or(0, |s| s.subscriptions_generation.load(Ordering::Acquire))
 }
 
 pub fn counters() -> Option<&'static Counters> {

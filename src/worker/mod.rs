@@ -37,11 +37,23 @@ use crate::shmem;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
+/// A worker's argument: its slot in the low byte; a lane's number (plus one) above it.
+const SLOT_MASK: usize = 0xff;
+
+pub(crate) fn lane_argument(slot: usize, lane: usize) -> i32 {
+    ((lane + 1) << 8 | (slot & SLOT_MASK)) as i32
+}
+
+/// The lane number in a lane's argument (see [`lane_argument`]).
+pub(crate) fn lane_of_argument(arg: pg_sys::Datum) -> usize {
+    (arg.value() >> 8).saturating_sub(1)
+}
+
 /// Connects a database's worker (started by the launcher with its slot as argument) to the
 /// slot's database; returns the database's name (the worker's bgw_extra). Exits at once when
 /// the slot no longer names a database.
 pub(crate) fn connect_to_slot_database(arg: pg_sys::Datum) -> String {
-    let slot = arg.value();
+    let slot = arg.value() & SLOT_MASK;
     shmem::set_worker_slot(slot);
     let oid = shmem::launch::database_of_slot(slot);
     if oid == 0 {
@@ -56,7 +68,7 @@ pub(crate) fn connect_to_slot_database(arg: pg_sys::Datum) -> String {
 
 /// Run by PostgreSQL as a worker exits: SQL functions must stop setting a latch that is gone,
 /// and the launcher learns that the worker stopped. `arg`: the kind (0 outbox, 1 subscriptions,
-/// 2 monitor).
+/// 2 monitor, 3 + n lane n).
 #[pg_guard]
 extern "C-unwind" fn unregister_on_exit(_code: i32, arg: pg_sys::Datum) {
     // SAFETY: reads this process's pid, a plain global.
@@ -68,7 +80,8 @@ fn kind_of(n: usize) -> shmem::WorkerKind {
     match n {
         0 => shmem::WorkerKind::Outbox,
         1 => shmem::WorkerKind::Inbox,
-        _ => shmem::WorkerKind::Monitor,
+        2 => shmem::WorkerKind::Monitor,
+        lane => shmem::WorkerKind::Lane(lane - 3),
     }
 }
 
@@ -79,6 +92,7 @@ pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
         shmem::WorkerKind::Outbox => (0usize, "outbox"),
         shmem::WorkerKind::Inbox => (1, "subscription"),
         shmem::WorkerKind::Monitor => (2, "monitor"),
+        shmem::WorkerKind::Lane(n) => (3 + n, "lane"),
     };
     // SAFETY: the main thread of a connected worker: MyLatch and MyProcPid are its own, valid
     // until it exits. The exit callback is registered first, so no path leaves a hold behind;

@@ -1,0 +1,228 @@
+//! A lane: one of a database's processes that handle the messages of subscriptions with a
+//! parallelism or an ordering. The subscription worker receives those messages and puts them
+//! into `amqp.inbox_waiting` (unacknowledged); each lane claims some (`FOR UPDATE SKIP
+//! LOCKED`), handles them in its own transaction exactly as the subscription worker handles
+//! its own (consumption record, handler as the owner, receipt, failure kept in
+//! `amqp.inbox_failed`) and deletes their rows; the subscription worker then acknowledges
+//! them. Lane n serves the subscriptions whose parallelism is above n, so a subscription has
+//! at most `parallelism` messages in progress; a key's next message is claimable only once no
+//! earlier message with that key waits, runs or has failed (see `queries::claim_waiting`).
+//! Lanes are started and restarted by the launcher, as many as the subscription worker asks
+//! for.
+
+use super::book::Book;
+use super::handling::{self, Outcome, Rules};
+use super::queries;
+use super::types::Sub;
+use crate::gucs::{self, WorkerSettings};
+use crate::shmem;
+use crate::shmem::handler_trap::{self, Ended};
+use crate::worker::pg;
+use crate::worker::queries as outbox_queries;
+use pgrx::prelude::*;
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::time::{Duration, Instant};
+
+/// Longest sleep when nothing wakes the lane.
+const NAPTIME: Duration = Duration::from_secs(1);
+/// Messages one transaction of a lane takes at most.
+const LANE_BATCH: usize = 8;
+/// How often a busy lane writes its counters (with the work of that transaction).
+const BOOK_EVERY: Duration = Duration::from_secs(1);
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn amqp_outbox_lane_main(arg: pg_sys::Datum) {
+    let lane = crate::worker::lane_of_argument(arg).min(shmem::MAX_LANES - 1);
+    // Before the watchdog is installed: a handler that ends this lane is remembered in the
+    // lane's own trap.
+    handler_trap::use_lane_trap(lane);
+    let database = super::start_user_code_process(arg);
+    // Its message is acknowledged once this commit is durable (as the subscription worker's).
+    pg::pin(c"synchronous_commit", c"on");
+    // Shown in pg_stat_activity, where amqp.subscription_status counts the lanes.
+    if let Ok(name) = CString::new(format!("amqp_outbox lane {}", lane + 1)) {
+        pg::pin(c"application_name", &name);
+    }
+    crate::worker::announce(shmem::WorkerKind::Lane(lane), &database);
+    log!(
+        "amqp_outbox: lane {} started for database \"{database}\"",
+        lane + 1
+    );
+    Lane::new(lane).run()
+}
+
+struct Lane {
+    /// 0-based: serves subscriptions whose parallelism is above it.
+    n: usize,
+    settings: WorkerSettings,
+    subs: BTreeMap<String, Sub>,
+    /// `shmem::subscriptions_generation` when the subscriptions were read (`None`: not yet).
+    generation: Option<u64>,
+    book: Book,
+    booked_at: Instant,
+    /// Messages whose handler ended a previous lane here.
+    left: Vec<(Ended, String, String)>,
+    /// What this lane's previous process left in its trap, to be marked on its row.
+    trapped: Option<(Ended, String, String)>,
+}
+
+impl Lane {
+    fn new(n: usize) -> Self {
+        Lane {
+            n,
+            settings: WorkerSettings::snapshot(),
+            subs: BTreeMap::new(),
+            generation: None,
+            book: Book::default(),
+            booked_at: Instant::now(),
+            left: Vec::new(),
+            trapped: handler_trap::take(),
+        }
+    }
+
+    fn run(mut self) -> ! {
+        loop {
+            if pg::shutdown_requested() {
+                log!("amqp_outbox: lane {} shutting down", self.n + 1);
+                // SAFETY: the main thread, between transactions; never returns. The launcher
+                // starts it again while its database wants it.
+                unsafe { crate::pg_compat::proc_exit(0) };
+            }
+            if pg::reload_config_if_requested() {
+                self.settings = WorkerSettings::snapshot();
+            }
+            if !self.step() {
+                pg::wait(None, NAPTIME);
+            }
+        }
+    }
+
+    fn rules(&self) -> Rules {
+        Rules {
+            handler_timeout: Duration::from_millis(gucs::HANDLER_TIMEOUT.get().max(0) as u64),
+            receipts: gucs::RECEIPTS_EXCHANGE
+                .get()
+                .is_some_and(|e| !e.as_bytes().is_empty()),
+            backoff: self.settings.retry_backoff(),
+        }
+    }
+
+    /// The subscriptions this lane takes messages of, and how many per transaction: few
+    /// enough that the other lanes of a subscription find some too.
+    fn serving(&self) -> (Vec<String>, usize) {
+        let mut names = Vec::new();
+        let mut limit = LANE_BATCH;
+        for s in self.subs.values().filter(|s| s.call.is_some()) {
+            // Lane 0 also empties what waits for a subscription that has no lanes any more.
+            if s.parallelism > self.n || (self.n == 0 && !s.has_lanes()) {
+                names.push(s.name.clone());
+                limit = limit.min((usize::from(s.prefetch) / (2 * s.parallelism)).max(1));
+            }
+        }
+        (names, limit)
+    }
+
+    /// One transaction: claim, handle, delete. Returns whether it handled anything.
+    fn step(&mut self) -> bool {
+        let generation = shmem::subscriptions_generation();
+        let rules = self.rules();
+        let mut handled = 0usize;
+        let mut keyed = false;
+        pg::transaction("amqp_outbox lane", || {
+            if !outbox_queries::extension_exists() || outbox_queries::version_mismatch().is_some() {
+                self.generation = None;
+                return;
+            }
+            Spi::connect_mut(|client| -> pgrx::spi::SpiResult<()> {
+                if self.generation != Some(generation) {
+                    outbox_queries::forget_plans();
+                    self.subs = queries::load_subscriptions(client)?
+                        .into_iter()
+                        .map(|s| (s.name.clone(), s))
+                        .collect();
+                    self.generation = Some(generation);
+                }
+                if let Some((ended, sub, id)) = self.trapped.take() {
+                    let code = match ended {
+                        Ended::Timeout => 1,
+                        Ended::Terminated => 2,
+                    };
+                    queries::mark_ended(client, &sub, &id, code)?;
+                }
+                let (names, limit) = self.serving();
+                if names.is_empty() {
+                    return self.flush_book(client, true);
+                }
+                let claimed = queries::claim_waiting(client, names, limit as i64)?;
+                if claimed.is_empty() {
+                    return self.flush_book(client, true);
+                }
+                let mut messages = Vec::with_capacity(claimed.len());
+                for (m, ended) in claimed {
+                    if let (Some(code), Some(id)) = (ended, m.message_id.clone()) {
+                        let why = if code == 1 {
+                            Ended::Timeout
+                        } else {
+                            Ended::Terminated
+                        };
+                        self.left.push((why, m.subscription.clone(), id));
+                    }
+                    keyed |= m.key.is_some();
+                    messages.push(m);
+                }
+                let outcomes = handling::handle_all(
+                    client,
+                    &self.subs,
+                    &messages,
+                    &rules,
+                    &mut self.book,
+                    &mut self.left,
+                )?;
+                let mut done = Vec::with_capacity(messages.len());
+                for (m, o) in messages.iter().zip(outcomes) {
+                    match o {
+                        // Stays waiting: its subscription is gone or paused (the row goes with
+                        // amqp.unsubscribe()), or asked to stop.
+                        Outcome::Dropped => {}
+                        // Stays waiting; the subscriptions are read again (this one then is
+                        // not served until it can run).
+                        Outcome::CannotRun => self.generation = None,
+                        Outcome::Handled | Outcome::Duplicate | Outcome::Failed => {
+                            done.extend(m.waiting_id);
+                        }
+                    }
+                }
+                handled = done.len();
+                queries::done_waiting(client, done)?;
+                self.flush_book(client, false)
+            })
+            .unwrap_or_else(|e| error!("amqp_outbox: lane {}: {e}", self.n + 1));
+        });
+        if handled > 0 {
+            // Committed: the subscription worker acknowledges; a key freed here may let
+            // another lane go on.
+            shmem::note_lane_progress();
+            if keyed {
+                shmem::wake_lanes();
+            }
+        }
+        handled > 0
+    }
+
+    /// Writes the counters: when idle (`now`), or at most once per [`BOOK_EVERY`] with work
+    /// (every lane's transaction writing one row per subscription would make the lanes wait
+    /// for each other's commits).
+    fn flush_book(
+        &mut self,
+        client: &mut pgrx::spi::SpiClient<'_>,
+        now: bool,
+    ) -> pgrx::spi::SpiResult<()> {
+        if self.book.is_empty() || (!now && self.booked_at.elapsed() < BOOK_EVERY) {
+            return Ok(());
+        }
+        self.booked_at = Instant::now();
+        self.book.flush(client)
+    }
+}
