@@ -454,6 +454,7 @@ pub const PUBLISH_PLAIN: &str = "SELECT count(amqp.publish($1, $2, $3, \
 /// records its batch number in `public.sent`, so that after a lost connection a batch whose
 /// COMMIT outcome is unknown is looked up, and published again only if it did not commit.
 /// Returns (batches committed, reconnects).
+#[allow(clippy::too_many_arguments)]
 pub fn produce_idempotently(
     conninfo: String,
     publish: &'static str,
