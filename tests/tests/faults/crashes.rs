@@ -82,8 +82,9 @@ fn case02_worker_killed_comes_back_and_loses_nothing() {
 
 /// Every process of the product terminated at once, again and again, under load, as a
 /// maintenance script that ends every backend named like ours would: the launcher, the outbox
-/// worker and the subscription worker all come back each time, nothing committed is lost, and
-/// the subscription (on a second queue bound to the same route) handles each message once.
+/// worker, the subscription worker, the monitor and the subscription's two lanes all come back
+/// each time, nothing committed is lost, and the subscription (on a second queue bound to the
+/// same route, handled by its lanes) handles each message once.
 #[test]
 fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
     let mut rig = Rig::new("2 all processes terminated", base_config());
@@ -104,7 +105,8 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
         .unwrap();
     rig.client
         .execute(
-            "SELECT amqp.subscribe('chaos', $1, $2, 'public.handle(amqp.delivery)')",
+            "SELECT amqp.subscribe('chaos', $1, $2, 'public.handle(amqp.delivery)', \
+                                   parallelism => 2)",
             &[&rig.outbox.broker_id, &sub_queue.queue],
         )
         .unwrap();
@@ -131,7 +133,7 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
     let client = &mut rig.client;
     eventually(
         WORKER_UP,
-        "launcher, outbox worker, subscription worker and monitor back",
+        "launcher, outbox worker, subscription worker, monitor and two lanes back",
         || {
             let kinds: Vec<String> = client
                 .query(
@@ -145,6 +147,8 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
                 .collect();
             let want = [
                 "amqp_outbox",
+                "amqp_outbox lane",
+                "amqp_outbox lane",
                 "amqp_outbox launcher",
                 "amqp_outbox monitor",
                 "amqp_outbox subscriptions",
@@ -172,6 +176,18 @@ fn case02_every_process_terminated_at_once_comes_back_and_loses_nothing() {
         ),
     );
     assert!(terminated.iter().all(|n| *n >= 2), "{terminated:?}");
+    let lanes_used: i64 = rig
+        .client
+        .query_one(
+            "SELECT count(*) FROM amqp.subscription_status WHERE lanes = 2 AND waiting = 0",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        lanes_used, 1,
+        "the subscription's two lanes, nothing left waiting"
+    );
     // The consuming side: every committed message handled, each once.
     let committed = report.committed as i64;
     let client = &mut rig.client;
