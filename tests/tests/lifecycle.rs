@@ -280,6 +280,27 @@ fn reconciliation_state(client: &mut Client) {
         "SELECT count(*) FROM pg_inherits WHERE inhparent IN ('amqp.produced'::regclass, 'amqp.receipt'::regclass)",
     );
     assert_eq!(days, 6, "two days and the default partition, of each table");
+    // The monitor counts the two failed receipts in the statistics (beside the 2 counted
+    // above): before the dump, or the source would count them after it and differ.
+    eventually(
+        Duration::from_secs(60),
+        "the monitor's count of the failed receipts",
+        || {
+            let n: i64 = client
+                .query_one(
+                    "SELECT coalesce(sum(failed), 0)::bigint FROM amqp.daily_stats \
+                      WHERE business_type = 'signup'",
+                    &[],
+                )
+                .map_err(|e| e.to_string())?
+                .get(0);
+            if n == 4 {
+                Ok(())
+            } else {
+                Err(format!("{n} failed counted"))
+            }
+        },
+    );
 }
 
 /// Publishes with `publish_sql` and reads the new row's stored message_id in the same
