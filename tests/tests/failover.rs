@@ -574,16 +574,25 @@ fn worker_state(client: &mut Client) -> Result<(String, Option<i32>), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Waits until the outbox worker `pid` says it has waited for the standbys for a second.
-fn wait_worker_waiting(client: &mut Client, pid: i32) {
-    eventually(
-        ARRIVAL,
-        "the outbox worker waiting for the standby",
-        || match worker_state(client)? {
+/// Waits until the outbox worker `pid` says it has waited for the standbys for a second; fails
+/// at once when a message whose body starts with `held:` arrives meanwhile.
+fn wait_worker_waiting(w: &mut World, pid: i32) {
+    let collector = &w.collector;
+    eventually(ARRIVAL, "the outbox worker waiting for the standby", || {
+        let leaked: Vec<String> = collector
+            .bodies()
+            .into_iter()
+            .filter(|b| b.starts_with("held:"))
+            .collect();
+        assert!(
+            leaked.is_empty(),
+            "published before the standby had them: {leaked:?}"
+        );
+        match worker_state(&mut w.client)? {
             (state, Some(p)) if state == WAITING && p == pid => Ok(()),
             other => Err(format!("{other:?}")),
-        },
-    );
+        }
+    });
 }
 
 /// The bodies `collector` received that start with `prefix`.
@@ -631,17 +640,12 @@ fn held_messages_survive_a_killed_worker(how: Kill, name: &str) {
     let paused = Paused::new(&mut sc);
     publish_recorded(&mut w, "held:", 0..10, &mut ids);
     let old = w.cluster.wait_for_worker(&mut w.client, ARRIVAL);
-    wait_worker_waiting(&mut w.client, old);
-    assert_eq!(
-        received_with(&w, "held:"),
-        Vec::<String>::new(),
-        "published before the standby had them"
-    );
+    wait_worker_waiting(&mut w, old);
 
     let new = kill_worker(&w.cluster, &mut w.client, OUTBOX_WORKER, how);
     // Committed while the new worker runs: held as well.
     publish_recorded(&mut w, "held:", 10..15, &mut ids);
-    wait_worker_waiting(&mut w.client, new);
+    wait_worker_waiting(&mut w, new);
     let client = &mut w.client;
     let collector = &w.collector;
     holds_for(
@@ -942,7 +946,7 @@ fn a_reload_that_clears_standby_names_lets_held_messages_and_acknowledgements_go
     }
     wait_effects(&mut w.client, "handled:", 5);
     let pid = w.cluster.wait_for_worker(&mut w.client, ARRIVAL);
-    wait_worker_waiting(&mut w.client, pid);
+    wait_worker_waiting(&mut w, pid);
     acks_stay_held(
         &node,
         &queue.queue,
