@@ -13,7 +13,7 @@ use crate::raw::{self, LatencyConsumer, RawProps, Samples};
 use crate::report::{median, percentile, Figure, Target};
 use crate::{log, Opts, Run};
 
-const BODY_SIZE: usize = 100;
+pub(crate) const BODY_SIZE: usize = 100;
 const RAW_WINDOW: usize = 1000;
 
 /// Rotates `items` left by `k` (interleaving: each repetition starts with another system).
@@ -24,7 +24,7 @@ pub fn rotated<T: Clone>(items: &[T], k: usize) -> Vec<T> {
 
 /// Extra measurements of a pgbench run with the worker on.
 #[derive(Default, Clone, Copy)]
-struct WorkerDuring {
+pub(crate) struct WorkerDuring {
     /// Messages confirmed per second during the run.
     delivered_per_sec: f64,
     /// The worker's CPU use during the run, in cores.
@@ -36,7 +36,7 @@ struct WorkerDuring {
 }
 
 /// One pgbench run of `system`, leaving the outbox, the plain table and PgQ's tables empty.
-fn pgbench_once(
+pub(crate) fn pgbench_once(
     env: &mut Env,
     system: System,
     load: &Load,
@@ -113,7 +113,7 @@ fn pgbench_once(
     }
 }
 
-fn config_label(load: &Load) -> String {
+pub(crate) fn config_label(load: &Load) -> String {
     let c = if load.clients == 1 {
         "1 client".to_string()
     } else {

@@ -3,10 +3,15 @@
 //! directory, on the same machine), then the latency runs of section 3 (`ack_queue` mode, one
 //! message per transaction, 200 and 2,000 msg/s) with the setting naming that standby and
 //! without it, rotated, side by side; and the standby's own flush lag, sampled every 100 ms
-//! from `pg_stat_replication` during the runs with the setting.
+//! from `pg_stat_replication` during the runs with the setting. Before them, the producer's
+//! throughput as section 1 measures it (pgbench, `amqp.publish()` ÷ a plain INSERT, worker on,
+//! 1 client, 1 message per transaction) with the setting and without it on the same primary,
+//! interleaved, and the ratio between the two.
 //!
-//! Target (#38): the p50 and p99 grow by no more than the standby's flush lag.
+//! Targets (#38): the p50 and p99 grow by no more than the standby's flush lag; producer
+//! throughput does not change (nothing new on the commit path).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,8 +19,11 @@ use std::time::Duration;
 use amqp_outbox_e2e::chaos::Standby;
 use serde_json::json;
 
-use crate::env::Env;
-use crate::phases::{paced_pad, pcts, rotated, PacedOutbox, Pcts};
+use crate::env::{payload, Env};
+use crate::pgbench::{Load, System};
+use crate::phases::{
+    config_label, paced_pad, pcts, pgbench_once, rotated, PacedOutbox, Pcts, BODY_SIZE,
+};
 use crate::raw::LatencyConsumer;
 use crate::report::{median, Figure};
 use crate::{log, Opts, Run};
@@ -33,6 +41,7 @@ pub fn standby(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
     wait_streaming(env)?;
     env.set_enabled(true)?;
     env.set_proof("ack_queue")?;
+    producer_throughput(env, opts, run)?;
     let route = env.routes.standby.clone();
     env.purge(&route.queue)?;
     let consumer = LatencyConsumer::start(&env.amqp_uri(), &route.queue)?;
@@ -111,6 +120,95 @@ pub fn standby(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
     drop(consumer);
     drop(standby);
     run.detail("standby", json!(details));
+    Ok(())
+}
+
+/// One run of the producer-throughput comparison.
+#[derive(Clone, Copy)]
+enum Producer {
+    Insert,
+    /// `amqp.publish()`, worker on, with `standby_names` naming the standby (`true`) or empty.
+    Publish(bool),
+}
+
+/// `amqp.publish()` ÷ plain INSERT (pgbench, worker on, 1 client, 1 message per transaction)
+/// with `standby_names` set and not set, interleaved on the same primary with its standby
+/// streaming; then set ÷ not set. The setting acts only in the worker, after the commit: the
+/// ratio should be 1 within the noise.
+fn producer_throughput(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let load = Load {
+        clients: 1,
+        per_txn: 1,
+        size: BODY_SIZE,
+        secs: opts.secs,
+    };
+    let body = payload(load.size);
+    let mut rows: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let systems = [
+        Producer::Insert,
+        Producer::Publish(false),
+        Producer::Publish(true),
+    ];
+    for rep in 0..opts.reps {
+        for p in rotated(&systems, rep) {
+            let (system, key, label) = match p {
+                Producer::Insert => (System::Insert, "insert", "plain INSERT".to_string()),
+                Producer::Publish(gated) => {
+                    set_standby_names(env, if gated { NAME } else { "" })?;
+                    let key = if gated {
+                        "publish_set"
+                    } else {
+                        "publish_unset"
+                    };
+                    let label = format!(
+                        "amqp.publish (worker on), standby_names {}",
+                        if gated { NAME } else { "''" }
+                    );
+                    (System::Publish, key, label)
+                }
+            };
+            let (out, _) = pgbench_once(env, system, &load, &body)?;
+            log(format!(
+                "  {} {label}: {:.0} rows/s (latency {:.2} ms)",
+                config_label(&load),
+                out.rows_per_sec,
+                out.latency_ms
+            ));
+            rows.entry(key).or_default().push(out.rows_per_sec);
+        }
+    }
+    set_standby_names(env, "")?;
+    let get = |k: &str| rows.get(k).cloned().unwrap_or_default();
+    let sec = "10 standby";
+    let cfg = format!("{}, a streaming standby", config_label(&load));
+    for (key, what) in [("publish_set", "set"), ("publish_unset", "not set")] {
+        run.fig(
+            Figure::new(
+                sec,
+                &format!("amqp.publish, worker on, standby_names {what} / plain INSERT"),
+                &cfg,
+                "rows/s",
+            )
+            .samples(get(key))
+            .baseline("INSERT", get("insert")),
+        );
+    }
+    let both = Figure::new(
+        sec,
+        "amqp.publish, worker on, standby_names set / not set",
+        &cfg,
+        "rows/s",
+    )
+    .samples(get("publish_set"))
+    .baseline("not set", get("publish_unset"))
+    .note("#38: must not change");
+    log(format!(
+        "  producer throughput, standby_names set / not set: {}",
+        both.ratio()
+            .map_or_else(|| "n/a".to_string(), |r| format!("{r:.3}"))
+    ));
+    run.fig(both);
+    run.detail("standby_producer_rows_per_sec", json!(rows));
     Ok(())
 }
 

@@ -4,14 +4,23 @@
 //! does (the documented trade-off, asserted so the test can fail both ways).
 //!
 //! Each test has its own primary, standby (`pg_basebackup`, own port and directory) and queue on
-//! the shared RabbitMQ; the servers it stops are its own.
+//! the shared RabbitMQ (or on a RabbitMQ node of its own, where it counts unacknowledged
+//! deliveries with `rabbitmqctl`); the servers it stops are its own.
+//!
+//! Also what the workers do with what they hold for a standby that is behind when they are
+//! killed (SIGKILL, `pg_terminate_backend()`): nothing leaves before the standby has it, after
+//! the restart either, and nothing held is lost; and what a reload of the setting does to what
+//! is held.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use amqp_outbox_e2e::chaos::{holds_for, ResultRow, Standby};
-use amqp_outbox_e2e::{eventually, Outbox, PgConfig, Rabbit, StopMode, World};
+use amqp_outbox_e2e::chaos::{holds_for, send_signal, ResultRow, Standby};
+use amqp_outbox_e2e::{
+    eventually, Outbox, PgCluster, PgConfig, PrivateRabbit, Rabbit, StopMode, World,
+};
 use postgres::Client;
 
 const ARRIVAL: Duration = Duration::from_secs(30);
@@ -314,19 +323,7 @@ fn consumer_failover(standby_names: Option<&str>, name: &str) -> Vec<(String, i6
     let rabbit = Rabbit::shared();
     let mut w = World::new(name, config(standby_names), &rabbit);
     let queue = rabbit.declare_queue(name);
-    w.client
-        .batch_execute(
-            "CREATE TABLE effects (body text);
-             CREATE FUNCTION record_effect(d amqp.delivery) RETURNS void LANGUAGE sql
-                 AS $$ INSERT INTO effects VALUES (amqp.body_text(d)) $$;",
-        )
-        .expect("the handler");
-    w.client
-        .execute(
-            "SELECT amqp.subscribe('fo', $1, $2, 'record_effect(amqp.delivery)'::regprocedure)",
-            &[&w.outbox.broker_id, &queue.queue],
-        )
-        .expect("amqp.subscribe");
+    subscribe_effects(&mut w, &queue.queue);
     let (mut standby, mut sc) = standby_of(&mut w);
     let effects = |c: &mut Client, prefix: &str| -> i64 {
         c.query_one(
@@ -444,4 +441,559 @@ fn without_standby_names_a_failover_loses_effects() {
         "without amqp_outbox.standby_names the effects of the cut deliveries are lost: {effects:?}"
     );
     assert_eq!(effects.len(), 10, "the early effects: {effects:?}");
+}
+
+// What the workers hold for a standby that is behind, when they are killed.
+
+/// The outbox worker's backend_type.
+const OUTBOX_WORKER: &str = "amqp_outbox";
+/// The subscription worker's backend_type.
+const SUBSCRIPTION_WORKER: &str = "amqp_outbox subscriptions";
+/// What `amqp.worker_status.state` says while claimed messages wait for a standby.
+const WAITING: &str = "waiting for standbys (amqp_outbox.standby_names)";
+/// How long the tests watch that nothing leaves.
+const WATCH: Duration = Duration::from_secs(3);
+
+/// [`config`] with WAL kept for a standby that falls behind (it has no replication slot).
+fn kill_config(standby_names: &str) -> PgConfig {
+    config(Some(standby_names)).setting("wal_keep_size", "'256MB'")
+}
+
+/// How a test ends a worker.
+#[derive(Clone, Copy, Debug)]
+enum Kill {
+    /// SIGKILL from the OS: the postmaster ends every process of the primary (walsenders
+    /// included) and restarts them after crash recovery.
+    Sigkill,
+    /// `pg_terminate_backend()`: that worker alone ends and is started again.
+    Terminate,
+}
+
+/// The pid of the primary's backend of `backend_type`, if one runs.
+fn backend_pid(client: &mut Client, backend_type: &str) -> Result<Option<i32>, String> {
+    client
+        .batch_execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+        .map_err(|e| e.to_string())?;
+    client
+        .query_opt(
+            "SELECT pid FROM pg_catalog.pg_stat_activity WHERE backend_type = $1",
+            &[&backend_type],
+        )
+        .map(|r| r.map(|r| r.get(0)))
+        .map_err(|e| e.to_string())
+}
+
+/// Ends the primary's `backend_type` process `how` and waits for the one that replaces it;
+/// `client` is connected again where the kill took its connection down. Returns the new pid.
+fn kill_worker(cluster: &PgCluster, client: &mut Client, backend_type: &str, how: Kill) -> i32 {
+    let old = eventually(ARRIVAL, &format!("a {backend_type} process"), || {
+        backend_pid(client, backend_type)?.ok_or_else(|| "none".to_string())
+    });
+    match how {
+        Kill::Sigkill => send_signal(old, libc::SIGKILL).expect("SIGKILL"),
+        Kill::Terminate => {
+            let ended: bool = client
+                .query_one("SELECT pg_terminate_backend($1)", &[&old])
+                .expect("pg_terminate_backend")
+                .get(0);
+            assert!(ended, "pg_terminate_backend({old}) found no such process");
+        }
+    }
+    // A connection made in the instant before the postmaster saw the SIGKILL is closed by the
+    // restart; one that sees the new worker was made after it.
+    let new = eventually(ARRIVAL, &format!("a new {backend_type} process"), || {
+        let pid = match backend_pid(client, backend_type) {
+            Ok(pid) => pid,
+            Err(e) => {
+                *client = cluster.try_client()?;
+                return Err(format!("connected again after: {e}"));
+            }
+        };
+        match pid {
+            Some(pid) if pid != old => Ok(pid),
+            other => Err(format!("{other:?} (killed: {old})")),
+        }
+    });
+    eprintln!("{backend_type} {old} ended by {how:?}; now {new}");
+    new
+}
+
+/// The standby's WAL receiver stopped (SIGSTOP): the standby stays connected (the primary's
+/// walsender keeps its slot until `wal_sender_timeout`) but flushes nothing more, so the primary
+/// sees it behind. Continued (SIGCONT) by [`Paused::resume`] or when dropped, so that a failing
+/// test leaves nothing stopped.
+struct Paused {
+    pid: i32,
+    resumed: bool,
+}
+
+impl Paused {
+    fn new(sc: &mut Client) -> Paused {
+        let pid = eventually(ARRIVAL, "the standby's WAL receiver", || {
+            sc.query_opt(
+                "SELECT pid FROM pg_catalog.pg_stat_wal_receiver WHERE status = 'streaming'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .map(|r| r.get::<_, i32>(0))
+            .ok_or_else(|| "not streaming".to_string())
+        });
+        send_signal(pid, libc::SIGSTOP).expect("SIGSTOP the standby's WAL receiver");
+        Paused {
+            pid,
+            resumed: false,
+        }
+    }
+
+    fn resume(mut self) {
+        self.cont();
+    }
+
+    fn cont(&mut self) {
+        if !self.resumed {
+            self.resumed = true;
+            send_signal(self.pid, libc::SIGCONT).expect("SIGCONT the standby's WAL receiver");
+        }
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        self.cont();
+    }
+}
+
+/// This database's `amqp.worker_status`: (state, worker_pid).
+fn worker_state(client: &mut Client) -> Result<(String, Option<i32>), String> {
+    client
+        .query_one(
+            "SELECT state, worker_pid FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .map_err(|e| e.to_string())
+}
+
+/// Waits until the outbox worker `pid` says it has waited for the standbys for a second; fails
+/// at once when a message whose body starts with `held:` arrives meanwhile.
+fn wait_worker_waiting(w: &mut World, pid: i32) {
+    let collector = &w.collector;
+    eventually(ARRIVAL, "the outbox worker waiting for the standby", || {
+        let leaked: Vec<String> = collector
+            .bodies()
+            .into_iter()
+            .filter(|b| b.starts_with("held:"))
+            .collect();
+        assert!(
+            leaked.is_empty(),
+            "published before the standby had them: {leaked:?}"
+        );
+        match worker_state(&mut w.client)? {
+            (state, Some(p)) if state == WAITING && p == pid => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+}
+
+/// The bodies `collector` received that start with `prefix`.
+fn received_with(w: &World, prefix: &str) -> Vec<String> {
+    w.collector
+        .bodies()
+        .into_iter()
+        .filter(|b| b.starts_with(prefix))
+        .collect()
+}
+
+/// `{prefix}{from}` … published, one transaction each; records each body's `message_id`.
+fn publish_recorded(
+    w: &mut World,
+    prefix: &str,
+    range: std::ops::Range<usize>,
+    ids: &mut BTreeMap<String, String>,
+) {
+    for i in range {
+        let body = format!("{prefix}{i}");
+        let id = w.publish_id(&body);
+        let message_id: String = w
+            .client
+            .query_one("SELECT message_id FROM amqp.message WHERE id = $1", &[&id])
+            .expect("the row's message_id")
+            .get(0);
+        ids.insert(body, message_id);
+    }
+}
+
+/// The outbox worker holds a claimed batch for a standby that is behind (its WAL receiver
+/// stopped) and is killed `how`. Its successor holds them too, and what was committed after;
+/// once the standby has them every one arrives, once, with its row's `message_id`.
+fn held_messages_survive_a_killed_worker(how: Kill, name: &str) {
+    let rabbit = Rabbit::shared();
+    let mut w = World::new(name, kill_config(STANDBY), &rabbit);
+    let (standby, mut sc) = standby_of(&mut w);
+    let mut ids = BTreeMap::new();
+    publish_recorded(&mut w, "before:", 0..5, &mut ids);
+    for body in ids.keys() {
+        w.collector.wait_for_body(body, ARRIVAL);
+    }
+    Outbox::wait_drained(&mut w.client, ARRIVAL);
+
+    let paused = Paused::new(&mut sc);
+    publish_recorded(&mut w, "held:", 0..10, &mut ids);
+    let old = w.cluster.wait_for_worker(&mut w.client, ARRIVAL);
+    wait_worker_waiting(&mut w, old);
+
+    let new = kill_worker(&w.cluster, &mut w.client, OUTBOX_WORKER, how);
+    // Committed while the new worker runs: held as well.
+    publish_recorded(&mut w, "held:", 10..15, &mut ids);
+    wait_worker_waiting(&mut w, new);
+    let client = &mut w.client;
+    let collector = &w.collector;
+    holds_for(
+        WATCH,
+        "nothing held goes out after the restart while the standby is behind",
+        || {
+            let leaked: Vec<String> = collector
+                .bodies()
+                .into_iter()
+                .filter(|b| b.starts_with("held:"))
+                .collect();
+            if !leaked.is_empty() {
+                return Err(format!("published: {leaked:?}"));
+            }
+            match Outbox::rows(client)? {
+                15 => Ok(()),
+                n => Err(format!("{n} rows in the outbox, 15 held")),
+            }
+        },
+    )
+    .unwrap();
+    // The premise: the standby has not flushed the held commits.
+    let behind: bool = w
+        .client
+        .query_one(
+            "SELECT NOT EXISTS (SELECT FROM pg_stat_replication \
+                                WHERE application_name = $1 AND flush_lsn >= pg_current_wal_lsn())",
+            &[&STANDBY],
+        )
+        .expect("pg_stat_replication")
+        .get(0);
+    assert!(behind, "the standby was not behind");
+
+    paused.resume();
+    for body in ids.keys() {
+        w.collector.wait_for_body(body, ARRIVAL);
+    }
+    w.settle();
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for d in w.deliveries() {
+        seen.entry(d.text())
+            .or_default()
+            .push(d.message_id.clone().unwrap_or_default());
+    }
+    // Each message once: a held message had not been handed to the broker when its worker
+    // ended (duplicates come only from messages published and not yet proven delivered).
+    let expected: BTreeMap<String, Vec<String>> = ids
+        .iter()
+        .map(|(body, id)| (body.clone(), vec![id.clone()]))
+        .collect();
+    let copies: usize = seen.values().map(Vec::len).sum();
+    assert_eq!(
+        seen, expected,
+        "every committed message once, with its row's message_id"
+    );
+    drop(standby);
+    ResultRow {
+        case: format!("23 held batch, worker {how:?}"),
+        messages: ids.len(),
+        committed: ids.len(),
+        lost: 0,
+        phantom: 0,
+        duplicates: copies - seen.len(),
+        status: "PASS".into(),
+        note: "standby_names set, the standby's WAL receiver stopped: 10 claimed and held, the outbox worker killed, 5 more committed; none published until the standby had them, then each once with its message_id".into(),
+        ..ResultRow::default()
+    }
+    .record();
+}
+
+#[test]
+fn a_killed_outbox_worker_publishes_nothing_held_before_the_standby_has_it() {
+    held_messages_survive_a_killed_worker(Kill::Sigkill, "failover_held_sigkill");
+}
+
+#[test]
+fn a_terminated_outbox_worker_publishes_nothing_held_before_the_standby_has_it() {
+    held_messages_survive_a_killed_worker(Kill::Terminate, "failover_held_terminate");
+}
+
+/// `effects` and its handler `record_effect`, subscribed as `fo` to `queue`.
+fn subscribe_effects(w: &mut World, queue: &str) {
+    w.client
+        .batch_execute(
+            "CREATE TABLE effects (body text);
+             CREATE FUNCTION record_effect(d amqp.delivery) RETURNS void LANGUAGE sql
+                 AS $$ INSERT INTO effects VALUES (amqp.body_text(d)) $$;",
+        )
+        .expect("the handler");
+    w.client
+        .execute(
+            "SELECT amqp.subscribe('fo', $1, $2, 'record_effect(amqp.delivery)'::regprocedure)",
+            &[&w.outbox.broker_id, &queue],
+        )
+        .expect("amqp.subscribe");
+}
+
+/// (rows, distinct bodies) of `effects` whose body starts with `prefix`.
+fn effect_counts(c: &mut Client, prefix: &str) -> Result<(i64, i64), String> {
+    c.query_one(
+        "SELECT count(*), count(DISTINCT body) FROM effects WHERE body LIKE $1 || '%'",
+        &[&prefix],
+    )
+    .map(|r| (r.get(0), r.get(1)))
+    .map_err(|e| e.to_string())
+}
+
+/// Waits until `n` deliveries starting with `prefix` have had their effect, each once.
+fn wait_effects(c: &mut Client, prefix: &str, n: i64) {
+    eventually(
+        ARRIVAL,
+        &format!("{n} effects of {prefix}*"),
+        || match effect_counts(c, prefix)? {
+            (rows, distinct) if rows == n && distinct == n => Ok(()),
+            other => Err(format!("(rows, distinct) = {other:?}")),
+        },
+    );
+}
+
+/// Subscription `fo`'s (handled, duplicates) counters.
+fn handled_and_duplicates(c: &mut Client) -> Result<(i64, i64), String> {
+    c.query_one(
+        "SELECT handled, duplicates FROM amqp.subscription_status WHERE subscription = 'fo'",
+        &[],
+    )
+    .map(|r| (r.get(0), r.get(1)))
+    .map_err(|e| e.to_string())
+}
+
+/// (ready, unacknowledged, consumers) of `queue` on a private node, from `rabbitmqctl`.
+fn queue_state(node: &PrivateRabbit, queue: &str) -> Result<(u64, u64, u64), String> {
+    let out = node.ctl(&[
+        "list_queues",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+        "consumers",
+        "--quiet",
+        "--no-table-headers",
+    ])?;
+    let fields: Vec<&str> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.first() == Some(&queue))
+        .ok_or_else(|| format!("no {queue} in: {out}"))?;
+    let num = |i: usize| -> Result<u64, String> {
+        fields
+            .get(i)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("unexpected list_queues line: {fields:?}"))
+    };
+    Ok((num(1)?, num(2)?, num(3)?))
+}
+
+/// Waits until `queue` is in `state` (ready, unacknowledged, consumers).
+fn wait_queue(node: &PrivateRabbit, queue: &str, state: (u64, u64, u64), what: &str) {
+    eventually(ARRIVAL, what, || match queue_state(node, queue)? {
+        s if s == state => Ok(()),
+        s => Err(format!("(ready, unacknowledged, consumers) = {s:?}")),
+    });
+}
+
+/// Watches that the subscription's `held` deliveries stay delivered and unacknowledged.
+fn acks_stay_held(node: &PrivateRabbit, queue: &str, held: u64, what: &str) {
+    holds_for(WATCH, what, || match queue_state(node, queue)? {
+        (0, n, 1) if n == held => Ok(()),
+        s => Err(format!(
+            "(ready, unacknowledged, consumers) = {s:?}, {held} acknowledgements held"
+        )),
+    })
+    .unwrap();
+}
+
+/// The subscription worker holds the acknowledgements of deliveries it handled while the
+/// standby is behind, and is ended by `pg_terminate_backend()`, then by SIGKILL. Each time
+/// RabbitMQ delivers those messages again, the inbox recognises them (no effect twice), and
+/// their acknowledgements wait again; once the standby has the effects they go out and the
+/// queue is empty.
+#[test]
+fn a_killed_subscription_worker_acknowledges_nothing_before_the_standby_has_it() {
+    let node = PrivateRabbit::start();
+    let rabbit = node.rabbit();
+    let name = "failover_acks_killed";
+    let mut w = World::new(name, kill_config(STANDBY), &rabbit);
+    let queue = rabbit.declare_queue(name);
+    subscribe_effects(&mut w, &queue.queue);
+    let (standby, mut sc) = standby_of(&mut w);
+    for i in 0..5 {
+        rabbit
+            .publish("", &queue.queue, format!("early:{i}").as_bytes())
+            .expect("publish");
+    }
+    wait_effects(&mut w.client, "early:", 5);
+    wait_queue(
+        &node,
+        &queue.queue,
+        (0, 0, 1),
+        "the early deliveries acknowledged while the standby streams",
+    );
+
+    let paused = Paused::new(&mut sc);
+    for i in 0..10 {
+        rabbit
+            .publish("", &queue.queue, format!("held:{i}").as_bytes())
+            .expect("publish");
+    }
+    wait_effects(&mut w.client, "held:", 10);
+    acks_stay_held(
+        &node,
+        &queue.queue,
+        10,
+        "no acknowledgement before the standby has the effects",
+    );
+    assert_eq!(handled_and_duplicates(&mut w.client), Ok((15, 0)));
+
+    for (round, how) in [Kill::Terminate, Kill::Sigkill].into_iter().enumerate() {
+        kill_worker(&w.cluster, &mut w.client, SUBSCRIPTION_WORKER, how);
+        // RabbitMQ delivers the 10 unacknowledged messages again: duplicates, no new effect.
+        let dups = 10 * (round as i64 + 1);
+        let client = &mut w.client;
+        eventually(
+            ARRIVAL,
+            "the unacknowledged deliveries again, as duplicates",
+            || match handled_and_duplicates(client)? {
+                (15, d) if d == dups => Ok(()),
+                other => Err(format!("(handled, duplicates) = {other:?}")),
+            },
+        );
+        wait_effects(&mut w.client, "held:", 10);
+        // The duplicates' acknowledgements wait for the same standby: it still lacks the
+        // effects they stand for.
+        acks_stay_held(
+            &node,
+            &queue.queue,
+            10,
+            &format!("no acknowledgement after {how:?} while the standby is behind"),
+        );
+    }
+
+    paused.resume();
+    wait_walsenders(&mut w.client, "the standby streaming again", 1);
+    wait_queue(
+        &node,
+        &queue.queue,
+        (0, 0, 1),
+        "every delivery acknowledged once the standby has the effects",
+    );
+    wait_effects(&mut sc, "held:", 10);
+    let effects: Vec<(String, i64)> = w
+        .client
+        .query(
+            "SELECT body, count(*) FROM effects GROUP BY body ORDER BY body",
+            &[],
+        )
+        .expect("effects")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let expected: Vec<(String, i64)> = {
+        let mut v: Vec<String> = (0..5)
+            .map(|i| format!("early:{i}"))
+            .chain((0..10).map(|i| format!("held:{i}")))
+            .collect();
+        v.sort();
+        v.into_iter().map(|b| (b, 1)).collect()
+    };
+    assert_eq!(effects, expected, "each delivery's effect once");
+    assert_eq!(handled_and_duplicates(&mut w.client), Ok((15, 20)));
+    drop(standby);
+    ResultRow {
+        case: "23 held acks, worker killed".into(),
+        messages: 15,
+        committed: 15,
+        lost: 0,
+        duplicates: 0,
+        status: "PASS".into(),
+        note: "standby_names set, the standby's WAL receiver stopped: 10 deliveries handled, their acknowledgements held through pg_terminate_backend and SIGKILL of the subscription worker (each time redelivered, recognised, held again); acknowledged once the standby had them, each effect once".into(),
+        ..ResultRow::default()
+    }
+    .record();
+}
+
+/// A reload that changes `amqp_outbox.standby_names` while messages and acknowledgements wait
+/// for a standby that is not there: to another missing name they keep waiting, to '' they go.
+#[test]
+fn a_reload_that_clears_standby_names_lets_held_messages_and_acknowledgements_go() {
+    let node = PrivateRabbit::start();
+    let rabbit = node.rabbit();
+    let name = "failover_reload_held";
+    let mut w = World::new(name, config(Some("no_such_standby")), &rabbit);
+    let queue = rabbit.declare_queue(name);
+    subscribe_effects(&mut w, &queue.queue);
+    for i in 0..5 {
+        w.publish(&format!("held:{i}"));
+        rabbit
+            .publish("", &queue.queue, format!("handled:{i}").as_bytes())
+            .expect("publish");
+    }
+    wait_effects(&mut w.client, "handled:", 5);
+    let pid = w.cluster.wait_for_worker(&mut w.client, ARRIVAL);
+    wait_worker_waiting(&mut w, pid);
+    acks_stay_held(
+        &node,
+        &queue.queue,
+        5,
+        "no acknowledgement for a standby that is not there",
+    );
+
+    for (setting, gone) in [("still_not_there", false), ("", true)] {
+        let from = w.cluster.log().len();
+        w.cluster
+            .set_setting("amqp_outbox.standby_names", format!("'{setting}'"));
+        w.cluster.reload();
+        let line = format!("amqp_outbox.standby_names is now \"{setting}\"");
+        let cluster = &w.cluster;
+        eventually(ARRIVAL, "the workers to take the reload", || {
+            if cluster.log().get(from..).unwrap_or("").contains(&line) {
+                Ok(())
+            } else {
+                Err(format!("no log line {line:?}"))
+            }
+        });
+        if gone {
+            break;
+        }
+        acks_stay_held(
+            &node,
+            &queue.queue,
+            5,
+            "acknowledgements held after a change to another missing standby",
+        );
+        assert_eq!(
+            received_with(&w, "held:"),
+            Vec::<String>::new(),
+            "published after a change to another missing standby"
+        );
+        assert_eq!(w.rows(), 5, "the held messages stay in the outbox");
+    }
+    for i in 0..5 {
+        w.collector.wait_for_body(&format!("held:{i}"), ARRIVAL);
+    }
+    Outbox::wait_drained(&mut w.client, ARRIVAL);
+    wait_queue(
+        &node,
+        &queue.queue,
+        (0, 0, 1),
+        "the held acknowledgements sent after the setting was cleared",
+    );
+    wait_effects(&mut w.client, "handled:", 5);
+    assert_eq!(handled_and_duplicates(&mut w.client), Ok((5, 0)));
 }
