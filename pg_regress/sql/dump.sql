@@ -10,9 +10,10 @@ SELECT x::regclass AS dumped, c.relkind
  ORDER BY x::regclass::text;
 SELECT extcondition FROM pg_extension WHERE extname = 'amqp_outbox';
 -- No table or sequence of the extension is left out (the list must grow with the schema), but
--- the three that hold the workers' state: _consumed_since (when each hot consumption table was
--- last emptied; a restore restarts it), _subscription_state (status counters) and
--- _monitor_summary (the monitor's counts, made again every few seconds); and the parents of
+-- the four that hold the workers' state: _consumed_since (when each hot consumption table was
+-- last emptied; a restore restarts it), _subscription_state (status counters),
+-- _monitor_summary (the monitor's counts, made again every few seconds) and inbox_waiting
+-- (deliveries waiting for a lane, still unacknowledged in their queue); and the parents of
 -- the tables partitioned by day (the consumption archive, the production log, receipts), which
 -- hold no rows: their day partitions are made at run time, so pg_dump dumps them as tables of
 -- their own, rows included (their default partitions are the extension's, and dumped).

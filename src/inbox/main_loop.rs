@@ -342,13 +342,20 @@ impl Inbox {
                         None => queries::derived_message_id(client, m.digest_input())?,
                     };
                     m.key = sub.key_of(&m);
-                    let id = queries::stage(client, &m, &message_id)?;
+                    let staged = queries::stage(client, &m, &message_id)?;
                     if let Some((epoch, tag)) = m.delivery {
-                        self.staged.entry(id).or_default().push((
-                            m.subscription.clone(),
-                            epoch,
-                            tag,
-                        ));
+                        match staged {
+                            Some(id) => self.staged.entry(id).or_default().push((
+                                m.subscription.clone(),
+                                epoch,
+                                tag,
+                            )),
+                            // A copy of a message whose handling committed meanwhile.
+                            None => acks
+                                .entry((m.subscription.clone(), epoch))
+                                .or_default()
+                                .push(tag),
+                        }
                     }
                     self.book.entry(&m.subscription).delivered += 1;
                     wake_lanes = true;

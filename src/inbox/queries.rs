@@ -351,8 +351,13 @@ fn headers_of(text: Option<String>) -> serde_json::Map<String, serde_json::Value
 }
 
 /// Puts a delivery of a subscription with lanes into `amqp.inbox_waiting`; returns its row's
-/// id (the row it already has when it was delivered again while it waits).
-pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiResult<i64> {
+/// id: the row it already has when it was delivered again while it waits, `None` when that row
+/// went meanwhile (its handling committed: this copy is a duplicate).
+pub fn stage(
+    client: &mut SpiClient<'_>,
+    m: &Message,
+    message_id: &str,
+) -> SpiResult<Option<i64>> {
     let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
     let args: [DatumWithOid; 13] = [
         m.subscription.as_str().into(),
@@ -369,17 +374,30 @@ pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiRe
         m.user_id.as_deref().into(),
         m.redelivered.into(),
     ];
-    run_kept(
+    // DO NOTHING, not DO UPDATE: a lane may hold the row for as long as its handler runs, and
+    // an update would wait for it.
+    let inserted = run_kept(
         client,
-        "INSERT INTO amqp.inbox_waiting AS w \
+        "INSERT INTO amqp.inbox_waiting \
              (subscription, message_id, ordering_key, exchange, routing_key, body, headers, \
               content_type, correlation_id, reply_to, \"timestamp\", user_id, redelivered) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11), $12, $13) \
-         ON CONFLICT (subscription, message_id) DO UPDATE SET redelivered = true \
-         RETURNING w.id",
+         ON CONFLICT (subscription, message_id) DO NOTHING \
+         RETURNING id",
         &args,
         true,
-        |t| Ok(t.first().get_one::<i64>()?.unwrap_or(0)),
+        |t| t.first().get_one::<i64>(),
+    )?;
+    if inserted.is_some() {
+        return Ok(inserted);
+    }
+    let args: [DatumWithOid; 2] = [m.subscription.as_str().into(), message_id.into()];
+    run_kept(
+        client,
+        "SELECT id FROM amqp.inbox_waiting WHERE subscription = $1 AND message_id = $2",
+        &args,
+        false,
+        |t| t.first().get_one::<i64>(),
     )
 }
 
