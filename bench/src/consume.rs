@@ -37,7 +37,7 @@ use crate::phases::rotated;
 use crate::report::{median, Figure, Target};
 use crate::{log, Opts, Run};
 
-const PREFETCH: u16 = 100;
+pub(crate) const PREFETCH: u16 = 100;
 const SUBSCRIPTION: &str = "bench";
 /// The poll of the effect tables (the same for the subscription and the application).
 const POLL: Duration = Duration::from_millis(50);
@@ -67,15 +67,15 @@ impl Who {
 
 /// What the application and ack-only contenders need: a PostgreSQL session for the polls and
 /// the tables, its connection string, and the broker (so they run against any server).
-struct Ctx<'a> {
-    admin: &'a mut postgres::Client,
-    pg_conn: String,
-    amqp: &'a AmqpAdmin,
-    amqp_uri: String,
+pub(crate) struct Ctx<'a> {
+    pub(crate) admin: &'a mut postgres::Client,
+    pub(crate) pg_conn: String,
+    pub(crate) amqp: &'a AmqpAdmin,
+    pub(crate) amqp_uri: String,
 }
 
 impl Ctx<'_> {
-    fn of(env: &mut Env) -> Ctx<'_> {
+    pub(crate) fn of(env: &mut Env) -> Ctx<'_> {
         Ctx {
             pg_conn: env.cluster.connection_string(crate::env::DATABASE),
             amqp_uri: env.amqp_uri(),
@@ -84,26 +84,26 @@ impl Ctx<'_> {
         }
     }
 
-    fn sql(&mut self, sql: &str) -> Result<(), String> {
+    pub(crate) fn sql(&mut self, sql: &str) -> Result<(), String> {
         self.admin
             .batch_execute(sql)
             .map_err(|e| format!("{sql}: {e}"))
     }
 
-    fn queue_len(&self, queue: &str) -> Result<u64, String> {
+    pub(crate) fn queue_len(&self, queue: &str) -> Result<u64, String> {
         self.amqp.queue_len(queue).map(u64::from)
     }
 }
 
 /// One run of one contender.
 #[derive(Clone, Debug)]
-struct Outcome {
-    rate: f64,
-    secs: f64,
+pub(crate) struct Outcome {
+    pub(crate) rate: f64,
+    pub(crate) secs: f64,
     /// Load average (1 min) when the run started.
-    load: f64,
+    pub(crate) load: f64,
     /// Whatever else the contender reports (JSON).
-    extra: serde_json::Value,
+    pub(crate) extra: serde_json::Value,
 }
 
 pub(crate) fn load1() -> f64 {
@@ -121,6 +121,18 @@ fn body(i: u64, pad: &str) -> String {
 /// Fills `queue` (through the default exchange) with `n` persistent messages whose
 /// `message_id`s are `<tag>-<i>`, with up to 1,000 unconfirmed; waits until the queue holds them.
 fn fill(cx: &Ctx, queue: &str, tag: &str, n: u64) -> Result<f64, String> {
+    fill_keyed(cx, queue, tag, n, None)
+}
+
+/// [`fill`], and with `keys`, message `i` carries the business key `k<i % keys>` (the header
+/// the outbox sets from `publish_message(..., business_key => ...)`).
+pub(crate) fn fill_keyed(
+    cx: &Ctx,
+    queue: &str,
+    tag: &str,
+    n: u64,
+    keys: Option<u64>,
+) -> Result<f64, String> {
     cx.amqp.purge_queue(queue)?;
     let pad = payload(40);
     let uri = cx.amqp_uri.clone();
@@ -144,10 +156,18 @@ fn fill(cx: &Ctx, queue: &str, tag: &str, n: u64) -> Result<f64, String> {
                 check(p.await)?;
             }
             let id = format!("{tag}-{i}");
-            let props = BasicProperties::default()
+            let mut props = BasicProperties::default()
                 .with_delivery_mode(2)
                 .with_content_type("application/json".into())
                 .with_message_id(id.as_str().into());
+            if let Some(k) = keys {
+                let mut headers = FieldTable::default();
+                headers.insert(
+                    "x-amqp-outbox-business-key".into(),
+                    lapin::types::AMQPValue::LongString(format!("k{}", i % k.max(1)).into()),
+                );
+                props = props.with_headers(headers);
+            }
             let p = ch
                 .basic_publish(
                     "".into(),
@@ -174,7 +194,7 @@ fn fill(cx: &Ctx, queue: &str, tag: &str, n: u64) -> Result<f64, String> {
     Ok(n as f64 / secs)
 }
 
-fn count(cx: &mut Ctx, table: &str) -> Result<i64, String> {
+pub(crate) fn count(cx: &mut Ctx, table: &str) -> Result<i64, String> {
     cx.admin
         .query_one(&format!("SELECT count(*) FROM public.{table}"), &[])
         .map(|r| r.get(0))
@@ -183,7 +203,7 @@ fn count(cx: &mut Ctx, table: &str) -> Result<i64, String> {
 
 /// Polls `table` every [`POLL`] until it has `n` rows; returns when it first had. `failed`
 /// is asked at each poll for the contender's own error (its task ended early).
-fn wait_rows(
+pub(crate) fn wait_rows(
     cx: &mut Ctx,
     table: &str,
     n: u64,
@@ -219,19 +239,19 @@ fn wait_rows(
 }
 
 /// CPU µs per message of `pid` since `cpu0` (NaN when unknown).
-fn cpu_us_per_msg(pid: Option<i32>, cpu0: Option<f64>, n: u64) -> f64 {
+pub(crate) fn cpu_us_per_msg(pid: Option<i32>, cpu0: Option<f64>, n: u64) -> f64 {
     match (cpu0, pid.and_then(crate::env::proc_cpu_secs)) {
         (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
         _ => f64::NAN,
     }
 }
 
-fn timeout_for(n: u64) -> Duration {
+pub(crate) fn timeout_for(n: u64) -> Duration {
     Duration::from_secs((n / 200).max(180))
 }
 
 /// Waits (bounded) until the number of ready messages in `queue` is `ok`; returns it.
-fn wait_queue(
+pub(crate) fn wait_queue(
     cx: &Ctx,
     queue: &str,
     timeout: Duration,
@@ -250,7 +270,8 @@ fn wait_queue(
 pub(crate) fn subscription_available(env: &mut Env) -> Result<bool, String> {
     env.admin
         .query_one(
-            "SELECT to_regprocedure('amqp.subscribe(text, integer, text, regprocedure, integer, integer, text)') IS NOT NULL",
+            "SELECT EXISTS (SELECT FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+                             WHERE n.nspname = 'amqp' AND p.proname = 'subscribe')",
             &[],
         )
         .map(|r| r.get(0))
@@ -391,7 +412,7 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
 }
 
 /// The application consumer's connections, made before its clock starts.
-struct App {
+pub(crate) struct App {
     pg: tokio_postgres::Client,
     /// Its backend's pid (for its CPU time).
     pid: i32,
@@ -401,7 +422,7 @@ struct App {
     amqp: Connection,
 }
 
-async fn app_connect(pg_conn: &str, amqp_uri: &str) -> Result<App, String> {
+pub(crate) async fn app_connect(pg_conn: &str, amqp_uri: &str) -> Result<App, String> {
     let (pg, conn) = tokio_postgres::connect(pg_conn, tokio_postgres::NoTls)
         .await
         .map_err(|e| format!("app consumer: connecting to PostgreSQL: {e}"))?;
@@ -437,22 +458,41 @@ async fn app_connect(pg_conn: &str, amqp_uri: &str) -> Result<App, String> {
 
 /// What the application consumer counted.
 #[derive(Debug, Default)]
-struct AppCounts {
-    handled: u64,
-    duplicates: u64,
+pub(crate) struct AppCounts {
+    pub(crate) handled: u64,
+    pub(crate) duplicates: u64,
     /// Seconds from its `basic.consume` to its last ack.
-    own_secs: f64,
+    pub(crate) own_secs: f64,
 }
 
 /// The usual way: one transaction per message, then the ack.
 /// Returns the connections too: the caller reads the backend's CPU time before closing them.
-async fn app_consume(mut app: App, queue: String, n: u64) -> Result<(AppCounts, App), String> {
+async fn app_consume(app: App, queue: String, n: u64) -> Result<(AppCounts, App), String> {
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    app_consume_shared(app, queue, n, done, PREFETCH, 0.0).await
+}
+
+/// [`app_consume`] as one of several consumers of `queue` (competing, `prefetch` each): each
+/// message it takes adds one to `done`, and it stops once `done` reaches `n`. `sleep`: seconds
+/// of `pg_sleep` in each message's transaction (a handler's own work).
+pub(crate) async fn app_consume_shared(
+    mut app: App,
+    queue: String,
+    n: u64,
+    done: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    prefetch: u16,
+    sleep: f64,
+) -> Result<(AppCounts, App), String> {
+    use std::sync::atomic::Ordering;
     let t0 = Instant::now();
-    let mut consumer = amqp_admin::start_consumer(&app.amqp, &queue, Some(PREFETCH), false).await?;
+    let mut consumer = amqp_admin::start_consumer(&app.amqp, &queue, Some(prefetch), false).await?;
     let mut c = AppCounts::default();
-    while c.handled + c.duplicates < n {
-        let d = match tokio::time::timeout(STALL, consumer.next()).await {
+    let mut progress = Instant::now();
+    while done.load(Ordering::Acquire) < n {
+        let d = match tokio::time::timeout(Duration::from_millis(200), consumer.next()).await {
             Ok(Some(Ok(d))) => d,
+            // The others may be taking the last ones.
+            Err(_) if progress.elapsed() < STALL => continue,
             other => {
                 return Err(format!(
                     "app consumer: {} of {n} handled, then {other:?}",
@@ -460,6 +500,7 @@ async fn app_consume(mut app: App, queue: String, n: u64) -> Result<(AppCounts, 
                 ))
             }
         };
+        progress = Instant::now();
         let id = d
             .properties
             .message_id()
@@ -476,6 +517,11 @@ async fn app_consume(mut app: App, queue: String, n: u64) -> Result<(AppCounts, 
             .await
             .map_err(|e| format!("app consumer: INSERT INTO app_dedup: {e}"))?;
         if fresh == 1 {
+            if sleep > 0.0 {
+                tx.execute("SELECT pg_sleep($1)", &[&sleep])
+                    .await
+                    .map_err(|e| format!("app consumer: pg_sleep: {e}"))?;
+            }
             tx.execute(&app.effect, &[&id])
                 .await
                 .map_err(|e| format!("app consumer: INSERT INTO app_effect: {e}"))?;
@@ -483,6 +529,7 @@ async fn app_consume(mut app: App, queue: String, n: u64) -> Result<(AppCounts, 
         } else {
             c.duplicates += 1;
         }
+        done.fetch_add(1, Ordering::AcqRel);
         tx.commit()
             .await
             .map_err(|e| format!("app consumer: COMMIT: {e}"))?;
@@ -495,7 +542,7 @@ async fn app_consume(mut app: App, queue: String, n: u64) -> Result<(AppCounts, 
     Ok((c, app))
 }
 
-async fn app_close(app: App) {
+pub(crate) async fn app_close(app: App) {
     let _ = app.amqp.close(200, "done".into()).await;
     drop(app.pg);
     app.pg_task.abort();

@@ -103,6 +103,8 @@ impl Env {
         .setting("shared_buffers", "'256MB'")
         .setting("max_wal_size", "'2GB'")
         .setting("max_connections", "120")
+        // The lanes phase runs 8 lanes beside the database's three workers.
+        .setting("max_worker_processes", "20")
         .setting("log_min_messages", "warning")
         .setting("amqp_outbox.enabled", "on");
         let config = extra_settings()?

@@ -6,9 +6,9 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,consume,capacity,monitor,standby,profile` to run a subset;
+//! latency,scale,growth,consume,capacity,monitor,standby,lanes,profile` to run a subset;
 //! `BENCH_SCALE_N` messages per large backlog and `BENCH_SCALE_REPS` backlogs in the scale phase;
-//! `BENCH_CONSUME_N` messages per consume run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
+//! `BENCH_CONSUME_N` messages per consume run; `BENCH_LANES_N` messages per lanes run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
 //! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_MONITOR_OPEN`, `BENCH_MONITOR_RATE`,
 //! `BENCH_MONITOR_FLOW`, `BENCH_MONITOR_SECS`, `BENCH_MONITOR_REPS`, `BENCH_MONITOR_PENDING`,
 //! `BENCH_MONITOR_CALLS` for the monitor phase; `BENCH_PROFILE=0` to skip perf;
@@ -19,6 +19,7 @@ mod capacity;
 mod charts;
 mod consume;
 mod env;
+mod lanes;
 mod monitor;
 mod pgbench;
 mod phases;
@@ -59,6 +60,8 @@ pub struct Opts {
     /// Messages per run of the consume phase, and its repetitions.
     pub consume_n: u64,
     pub consume_reps: usize,
+    /// Messages per run of the lanes phase (a quarter of it with 10 ms handlers).
+    pub lanes_n: u64,
     /// Rounds of the capacity search per repetition, repetitions, and seconds per window.
     pub capacity_rounds: usize,
     pub capacity_reps: usize,
@@ -104,6 +107,7 @@ impl Opts {
                 size_drains: vec![(4096, 20_000), (65536, 2_000)],
                 consume_n: 20_000,
                 consume_reps: 3,
+                lanes_n: 2_000,
                 capacity_rounds: 7,
                 capacity_reps: 2,
                 capacity_secs: 4,
@@ -133,6 +137,7 @@ impl Opts {
                 size_drains: vec![(4096, 50_000), (65536, 5_000)],
                 consume_n: 100_000,
                 consume_reps: 5,
+                lanes_n: 10_000,
                 capacity_rounds: 8,
                 capacity_reps: 3,
                 capacity_secs: 10,
@@ -153,6 +158,7 @@ impl Opts {
         o.scale_n = num("BENCH_SCALE_N", o.scale_n);
         o.scale_reps = num("BENCH_SCALE_REPS", o.scale_reps as u64).max(1) as usize;
         o.consume_n = num("BENCH_CONSUME_N", o.consume_n);
+        o.lanes_n = num("BENCH_LANES_N", o.lanes_n).max(8);
         o.capacity_rounds = num("BENCH_CAPACITY_ROUNDS", o.capacity_rounds as u64) as usize;
         o.capacity_reps = num("BENCH_CAPACITY_REPS", o.capacity_reps as u64).max(1) as usize;
         o.capacity_secs = num("BENCH_CAPACITY_SECS", o.capacity_secs).max(1);
@@ -286,7 +292,7 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 10] = [
+    let all: [(&str, Phase); 11] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
@@ -296,6 +302,7 @@ fn main() {
         ("capacity", capacity::capacity),
         ("monitor", monitor::monitor),
         ("standby", standby::standby),
+        ("lanes", lanes::lanes),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();

@@ -353,11 +353,7 @@ fn headers_of(text: Option<String>) -> serde_json::Map<String, serde_json::Value
 /// Puts a delivery of a subscription with lanes into `amqp.inbox_waiting`; returns its row's
 /// id: the row it already has when it was delivered again while it waits, `None` when that row
 /// went meanwhile (its handling committed: this copy is a duplicate).
-pub fn stage(
-    client: &mut SpiClient<'_>,
-    m: &Message,
-    message_id: &str,
-) -> SpiResult<Option<i64>> {
+pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiResult<Option<i64>> {
     let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
     let args: [DatumWithOid; 13] = [
         m.subscription.as_str().into(),
