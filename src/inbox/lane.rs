@@ -13,7 +13,7 @@
 use super::book::Book;
 use super::handling::{self, Outcome, Rules};
 use super::queries;
-use super::types::Sub;
+use super::types::{Ordering, Sub};
 use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use crate::shmem::handler_trap::{self, Ended};
@@ -109,19 +109,24 @@ impl Lane {
         }
     }
 
-    /// The subscriptions this lane takes messages of, and how many per transaction: few
-    /// enough that the other lanes of a subscription find some too.
-    fn serving(&self) -> (Vec<String>, usize) {
+    /// The subscriptions this lane takes messages of, how many per transaction at most (few
+    /// enough that the other lanes of a subscription find some too), and the largest
+    /// parallelism among those with an ordering, if any.
+    fn serving(&self) -> (Vec<String>, usize, Option<usize>) {
         let mut names = Vec::new();
         let mut limit = LANE_BATCH;
+        let mut ordered = None;
         for s in self.subs.values().filter(|s| s.call.is_some()) {
             // Lane 0 also empties what waits for a subscription that has no lanes any more.
             if s.parallelism > self.n || (self.n == 0 && !s.has_lanes()) {
                 names.push(s.name.clone());
                 limit = limit.min((usize::from(s.prefetch) / (2 * s.parallelism)).max(1));
+                if s.ordering != Ordering::None {
+                    ordered = ordered.max(Some(s.parallelism));
+                }
             }
         }
-        (names, limit)
+        (names, limit, ordered)
     }
 
     /// One transaction: claim, handle, delete. Returns whether it handled anything.
@@ -129,7 +134,8 @@ impl Lane {
         let generation = shmem::subscriptions_generation();
         let rules = self.rules();
         let mut handled = 0usize;
-        let mut keyed = false;
+        // It took as many as it may: more may be waiting for the other lanes.
+        let mut took_all = false;
         pg::transaction("amqp_outbox lane", || {
             if !outbox_queries::extension_exists() || outbox_queries::version_mismatch().is_some() {
                 self.generation = None;
@@ -151,11 +157,18 @@ impl Lane {
                     };
                     queries::mark_ended(client, &sub, &id, code)?;
                 }
-                let (names, limit) = self.serving();
+                let (names, mut limit, ordered) = self.serving();
                 if names.is_empty() {
                     return self.flush_book(client, true);
                 }
+                if let Some(parallelism) = ordered {
+                    // A lane holds the key of each message it took until it commits: its share
+                    // of the keys that can go now, so that the other lanes find some too.
+                    let heads = queries::claimable(client, names.clone())?;
+                    limit = limit.min(heads.div_ceil(parallelism).max(1));
+                }
                 let claimed = queries::claim_waiting(client, names, limit as i64)?;
+                took_all = claimed.len() >= limit;
                 if claimed.is_empty() {
                     return self.flush_book(client, true);
                 }
@@ -169,7 +182,6 @@ impl Lane {
                         };
                         self.left.push((why, m.subscription.clone(), id));
                     }
-                    keyed |= m.key.is_some();
                     messages.push(m);
                 }
                 let outcomes = handling::handle_all(
@@ -201,10 +213,11 @@ impl Lane {
             .unwrap_or_else(|e| error!("amqp_outbox: lane {}: {e}", self.n + 1));
         });
         if handled > 0 {
-            // Committed: the subscription worker acknowledges; a key freed here may let
-            // another lane go on.
+            // Committed: the subscription worker acknowledges. A key freed here is taken by
+            // this lane's next claim; the others are woken only when there may be more than
+            // that (waking every lane at every commit of a busy key made them contend for it).
             shmem::note_lane_progress();
-            if keyed {
+            if took_all {
                 shmem::wake_lanes();
             }
         }

@@ -350,6 +350,15 @@ fn headers_of(text: Option<String>) -> serde_json::Map<String, serde_json::Value
         .unwrap_or_default()
 }
 
+/// The first column of the first row, `None` when there is no row (`first()` of an empty
+/// table is an error).
+fn first_i64(t: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Option<i64>> {
+    if t.is_empty() {
+        return Ok(None);
+    }
+    t.first().get_one::<i64>()
+}
+
 /// Puts a delivery of a subscription with lanes into `amqp.inbox_waiting`; returns its row's
 /// id: the row it already has when it was delivered again while it waits, `None` when that row
 /// went meanwhile (its handling committed: this copy is a duplicate).
@@ -382,7 +391,7 @@ pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiRe
          RETURNING id",
         &args,
         true,
-        |t| t.first().get_one::<i64>(),
+        |t| first_i64(t),
     )?;
     if inserted.is_some() {
         return Ok(inserted);
@@ -393,7 +402,7 @@ pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiRe
         "SELECT id FROM amqp.inbox_waiting WHERE subscription = $1 AND message_id = $2",
         &args,
         false,
-        |t| t.first().get_one::<i64>(),
+        |t| first_i64(t),
     )
 }
 
@@ -418,6 +427,34 @@ pub fn gone_from_waiting(client: &mut SpiClient<'_>, ids: Vec<i64>) -> SpiResult
     )
 }
 
+/// A message of these subscriptions that may be handled now (see [`claim_waiting`]), in SQL
+/// over `w`: no key, or no earlier message with its key waiting or in progress, and none
+/// failed and not dead.
+const CLAIMABLE: &str = "(w.ordering_key IS NULL \
+     OR (NOT EXISTS (SELECT FROM amqp.inbox_waiting e \
+                      WHERE e.subscription = w.subscription \
+                        AND e.ordering_key = w.ordering_key AND e.id < w.id) \
+         AND NOT EXISTS (SELECT FROM amqp.inbox_failed f \
+                          WHERE f.subscription = w.subscription \
+                            AND f.ordering_key = w.ordering_key \
+                            AND f.dead_lettered_at IS NULL)))";
+
+/// How many waiting messages of these subscriptions may be handled now, those in progress in
+/// other lanes included (at most their prefetch each).
+pub fn claimable(client: &mut SpiClient<'_>, subs: Vec<String>) -> SpiResult<usize> {
+    let args: [DatumWithOid; 1] = [subs.into()];
+    run_kept(
+        client,
+        &format!(
+            "SELECT count(*) FROM amqp.inbox_waiting w \
+              WHERE w.subscription = ANY($1) AND {CLAIMABLE}"
+        ),
+        &args,
+        false,
+        |t| Ok(usize::try_from(t.first().get_one::<i64>()?.unwrap_or(0)).unwrap_or(0)),
+    )
+}
+
 /// Claims up to `limit` waiting messages of these subscriptions for a lane, oldest first: a
 /// message with a key only when no earlier message with that key waits or is in progress (a
 /// locked row is still there) and none has failed (not yet dead). Rows other lanes hold are
@@ -430,22 +467,16 @@ pub fn claim_waiting(
     let args: [DatumWithOid; 2] = [subs.into(), limit.into()];
     run_kept(
         client,
-        "SELECT w.id, w.subscription, w.message_id, w.exchange, w.routing_key, w.body, \
+        &format!(
+            "SELECT w.id, w.subscription, w.message_id, w.exchange, w.routing_key, w.body, \
                 w.headers::text, w.content_type, w.correlation_id, w.reply_to, \
                 extract(epoch FROM w.\"timestamp\")::float8, w.user_id, w.redelivered, \
                 w.ordering_key, w.ended \
            FROM amqp.inbox_waiting w \
-          WHERE w.subscription = ANY($1) \
-            AND (w.ordering_key IS NULL \
-                 OR (NOT EXISTS (SELECT FROM amqp.inbox_waiting e \
-                                  WHERE e.subscription = w.subscription \
-                                    AND e.ordering_key = w.ordering_key AND e.id < w.id) \
-                     AND NOT EXISTS (SELECT FROM amqp.inbox_failed f \
-                                      WHERE f.subscription = w.subscription \
-                                        AND f.ordering_key = w.ordering_key \
-                                        AND f.dead_lettered_at IS NULL))) \
+          WHERE w.subscription = ANY($1) AND {CLAIMABLE} \
           ORDER BY w.id LIMIT $2 \
-          FOR UPDATE OF w SKIP LOCKED",
+          FOR UPDATE OF w SKIP LOCKED"
+        ),
         &args,
         true,
         |t| {
