@@ -46,6 +46,9 @@ pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bo
     // function runs: a function that never returns (the monitor is then ended at its hard
     // deadline) or a crash during it costs that compensation one backoff, not every round.
     let claimed = pg::transaction("amqp_outbox compensation", || {
+        if !guarded::message_table_first() {
+            return Ok(None);
+        }
         guarded::subtransaction(|| {
             Spi::connect_mut(|c| claim(c, backoff))
                 .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
@@ -63,6 +66,9 @@ pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bo
         }
     };
     pg::transaction("amqp_outbox compensation", || {
+        if !guarded::message_table_first() {
+            return;
+        }
         let outcome = guarded::subtransaction(|| {
             Spi::connect_mut(|client| -> SpiResult<bool> {
                 if !still_due(client, &due)? {
