@@ -69,9 +69,9 @@ build:
 # `make lint` checks that the committed result is current.
 # Once a version is released its update script is frozen: its rule and its parts in
 # sql/upgrade/ go, and the script stays as it was (the install-script files change later).
-GENERATED_UPDATES := sql/amqp_outbox--0.6.0--0.7.0.sql
+GENERATED_UPDATES := sql/amqp_outbox--0.7.0--0.8.0.sql
 sql: $(GENERATED_UPDATES)
-sql/amqp_outbox--0.6.0--0.7.0.sql: sql/upgrade/0.6.0--0.7.0.head.sql sql/health.sql
+sql/amqp_outbox--0.7.0--0.8.0.sql: sql/upgrade/0.7.0--0.8.0.head.sql sql/monitor_pass.sql
 	cat $^ > $@
 
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))

@@ -157,7 +157,7 @@ fn next_due(client: &mut SpiClient<'_>) -> SpiResult<Option<Due>> {
                   ORDER BY r.received_at DESC LIMIT 1) \
            FROM amqp.compensation c \
            JOIN amqp.compensation_handler h ON h.business_type = c.business_type \
-           JOIN pg_proc p ON p.oid = h.handler \
+           JOIN pg_proc p ON p.oid = to_regprocedure(h.handler) \
            JOIN pg_namespace n ON n.oid = p.pronamespace \
           WHERE c.next_attempt_at <= clock_timestamp() AND {STILL_DUE} \
           ORDER BY c.next_attempt_at \
