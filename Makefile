@@ -15,10 +15,13 @@
 #   make test-pg-upgrade pg_upgrade of a cluster with the extension and messages waiting, from
 #                        UPGRADE_FROM (default 15-wheel) to UPGRADE_TO (default 18)
 #   make package         the Debian package target/package/postgresql-15-amqp-outbox_<version>_<arch>.deb
-#                        (a user's release build, no fault-injection; sources in packaging/debian/)
+#                        (a user's release build, no fault-injection; sources in packaging/debian/);
+#                        make package PG=17: postgresql-17-amqp-outbox_…, in Debian's layout for 17
 #   make test-package    builds the package, installs it with apt-get, checks its files, runs
 #                        installcheck against it, removes and purges it; puts back the build that
-#                        was installed before (needs root or sudo)
+#                        was installed before (needs root or sudo). With PG=16..18 (no Debian
+#                        package of that PostgreSQL here): checks the archive, installs its files
+#                        into a copy of .pg/<major>, installcheck and a delivery there
 #   make chaos           every fault-injection case (FAULTS.md), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
@@ -151,12 +154,15 @@ test: lint
 	fi; \
 	echo "make test: all passed:$$passed"
 
-# Every supported major (PG_VERSIONS): install a test build into it, pg_regress, then a
-# representative end-to-end subset (E2E_SUBSET: publish and rollback, a killed worker, a broker
-# stopped mid-stream, a poison message, a subscription, consume_once, the launcher, dump and
-# restore, the update from 0.1.0), each against private clusters of that version. A table of
-# tier, version and duration at the end; a failed install skips that version's other tiers.
-# (For 15 the install goes into the system's PostgreSQL, as `make test` does.)
+# Every supported major (PG_VERSIONS): install a test build into it, pg_regress, a representative
+# end-to-end subset (E2E_SUBSET: publish and rollback, a killed worker, a broker stopped
+# mid-stream, a poison message, a subscription, consume_once, the launcher, dump and restore, the
+# update from 0.1.0), each against private clusters of that version, then the package test
+# (test-package: for 16-18 without apt, see scripts/package_test_private.sh); then
+# test-pg-upgrade when UPGRADE_TO is among them. A table of tier, version and duration at the
+# end; a failed install skips that version's other tiers.
+# (For 15 the install goes into the system's PostgreSQL, and its package test installs the
+# package with apt, as `make test` does.)
 PG_VERSIONS ?= 15 16 17 18
 E2E_SUBSET_TESTS := --test worker --test inbox --test launcher --test lifecycle
 E2E_SUBSET := committed_message_arrives_once_with_properties_and_headers rollback_publishes_nothing \
@@ -170,7 +176,7 @@ test-e2e-subset:
 test-versions:
 	@results=; rc=0; \
 	for v in $(PG_VERSIONS); do \
-		for t in install-test installcheck test-e2e-subset; do \
+		for t in install-test installcheck test-e2e-subset test-package; do \
 			echo "==> PostgreSQL $$v: make $$t"; start=$$(date +%s); \
 			if $(MAKE) --no-print-directory $$t PG=$$v; then st=ok; else st=FAILED; rc=1; fi; \
 			results="$$results$$v $$t $$st $$(( $$(date +%s) - start ))s\n"; \
