@@ -157,19 +157,21 @@ test: lint
 # Every supported major (PG_VERSIONS): install a test build into it, pg_regress, a representative
 # end-to-end subset (E2E_SUBSET: publish and rollback, a killed worker, a broker stopped
 # mid-stream, a poison message, a subscription, consume_once, the launcher, dump and restore, the
-# update from 0.1.0), each against private clusters of that version, then the package test
+# updates from 0.1.0 and to 0.8.0, the wait events), each against private clusters of that
+# version, then the package test
 # (test-package: for 16-18 without apt, see scripts/package_test_private.sh); then
 # test-pg-upgrade when UPGRADE_TO is among them. A table of tier, version and duration at the
 # end; a failed install skips that version's other tiers.
 # (For 15 the install goes into the system's PostgreSQL, and its package test installs the
 # package with apt, as `make test` does.)
 PG_VERSIONS ?= 15 16 17 18
-E2E_SUBSET_TESTS := --test worker --test inbox --test launcher --test lifecycle
+E2E_SUBSET_TESTS := --test worker --test inbox --test launcher --test lifecycle --test wait_events
 E2E_SUBSET := committed_message_arrives_once_with_properties_and_headers rollback_publishes_nothing \
 	worker_killed_mid_stream_comes_back_and_nothing_is_lost broker_stop_app_mid_stream_loses_nothing \
 	unroutable_message_is_parked_while_later_messages_arrive effects_are_exactly_once_with_duplicates \
 	consume_once_race_gives_exactly_one_true every_database_with_the_extension_is_served_and_dropping_one_is_not_blocked \
-	dump_and_restore_keep_every_message_its_id_and_the_configuration update_from_the_previous_version_keeps_every_message_and_its_id
+	dump_and_restore_keep_every_message_its_id_and_the_configuration update_from_the_previous_version_keeps_every_message_and_its_id \
+	update_to_0_8_0_keeps_each_handler_by_name each_process_shows_its_own_wait_event_from_postgresql_17
 test-e2e-subset:
 	PG_CONFIG=$(PG_CONFIG_REAL) $(CARGO) test -p amqp_outbox_e2e $(E2E_SUBSET_TESTS) -- $(E2E_SUBSET)
 

@@ -19,6 +19,7 @@ mod monitor;
 mod pg_compat;
 mod shmem;
 mod subtransaction;
+mod wait_event;
 mod watchdog;
 mod worker;
 
