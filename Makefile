@@ -188,7 +188,7 @@ test-versions:
 	if echo " $(PG_VERSIONS) " | grep -q " $(UPGRADE_TO) "; then \
 		echo "==> pg_upgrade from PostgreSQL $(UPGRADE_FROM) to $(UPGRADE_TO): make test-pg-upgrade"; start=$$(date +%s); \
 		if $(MAKE) --no-print-directory test-pg-upgrade; then st=ok; else st=FAILED; rc=1; fi; \
-		results="$$results$(UPGRADE_FROM)->$(UPGRADE_TO) test-pg-upgrade $$st $$(( $$(date +%s) - start ))s\n"; \
+		results="$${results}$(UPGRADE_FROM)->$(UPGRADE_TO) test-pg-upgrade $$st $$(( $$(date +%s) - start ))s\n"; \
 	fi; \
 	echo; echo "make test-versions:"; printf "$$results" | awk '{ printf "  PostgreSQL %-12s %-17s %-7s %s\n", $$1, $$2, $$3, $$4 }'; \
 	exit $$rc
