@@ -10,12 +10,18 @@
 #   make test PG=17      the same against another PostgreSQL major (15 to 18; 16-18 are private
 #                        installs under .pg/ that scripts/pg_versions.sh fetches)
 #   make test-versions   on each of PostgreSQL 15-18 (PG_VERSIONS): install-test, installcheck and
-#                        a representative end-to-end subset (E2E_SUBSET), then a table
+#                        a representative end-to-end subset (E2E_SUBSET); test-pg-upgrade when 18
+#                        is among them; then a table
+#   make test-pg-upgrade pg_upgrade of a cluster with the extension and messages waiting, from
+#                        UPGRADE_FROM (default 15-wheel) to UPGRADE_TO (default 18)
 #   make package         the Debian package target/package/postgresql-15-amqp-outbox_<version>_<arch>.deb
-#                        (a user's release build, no fault-injection; sources in packaging/debian/)
+#                        (a user's release build, no fault-injection; sources in packaging/debian/);
+#                        make package PG=17: postgresql-17-amqp-outbox_…, in Debian's layout for 17
 #   make test-package    builds the package, installs it with apt-get, checks its files, runs
 #                        installcheck against it, removes and purges it; puts back the build that
-#                        was installed before (needs root or sudo)
+#                        was installed before (needs root or sudo). With PG=16..18 (no Debian
+#                        package of that PostgreSQL here): checks the archive, installs its files
+#                        into a copy of .pg/<major>, installcheck and a delivery there
 #   make chaos           every fault-injection case (FAULTS.md), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
@@ -55,7 +61,7 @@ CARGO ?= cargo
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
 # `make sql`: see GENERATED_UPDATES.
-.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e test-e2e-subset test-versions fmt lint run stop clean package test-package
+.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e test-e2e-subset test-versions test-pg-upgrade fmt lint run stop clean package test-package
 
 all: build
 
@@ -71,7 +77,7 @@ build:
 # sql/upgrade/ go, and the script stays as it was (the install-script files change later).
 GENERATED_UPDATES := sql/amqp_outbox--0.7.0--0.8.0.sql
 sql: $(GENERATED_UPDATES)
-sql/amqp_outbox--0.7.0--0.8.0.sql: sql/upgrade/0.7.0--0.8.0.head.sql sql/subscriptions.sql sql/health.sql
+sql/amqp_outbox--0.7.0--0.8.0.sql: sql/upgrade/0.7.0--0.8.0.head.sql sql/subscriptions.sql sql/monitor_pass.sql sql/health.sql
 	cat $^ > $@
 
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))
@@ -148,34 +154,60 @@ test: lint
 	fi; \
 	echo "make test: all passed:$$passed"
 
-# Every supported major (PG_VERSIONS): install a test build into it, pg_regress, then a
-# representative end-to-end subset (E2E_SUBSET: publish and rollback, a killed worker, a broker
-# stopped mid-stream, a poison message, a subscription, consume_once, the launcher, dump and
-# restore, the update from 0.1.0), each against private clusters of that version. A table of
-# tier, version and duration at the end; a failed install skips that version's other tiers.
-# (For 15 the install goes into the system's PostgreSQL, as `make test` does.)
+# Every supported major (PG_VERSIONS): install a test build into it, pg_regress, a representative
+# end-to-end subset (E2E_SUBSET: publish and rollback, a killed worker, a broker stopped
+# mid-stream, a poison message, a subscription, consume_once, the launcher, dump and restore, the
+# updates from 0.1.0 and to 0.8.0, the wait events), each against private clusters of that
+# version, then the package test
+# (test-package: for 16-18 without apt, see scripts/package_test_private.sh); then
+# test-pg-upgrade when UPGRADE_TO is among them. A table of tier, version and duration at the
+# end; a failed install skips that version's other tiers.
+# (For 15 the install goes into the system's PostgreSQL, and its package test installs the
+# package with apt, as `make test` does.)
 PG_VERSIONS ?= 15 16 17 18
-E2E_SUBSET_TESTS := --test worker --test inbox --test launcher --test lifecycle
+E2E_SUBSET_TESTS := --test worker --test inbox --test launcher --test lifecycle --test wait_events
 E2E_SUBSET := committed_message_arrives_once_with_properties_and_headers rollback_publishes_nothing \
 	worker_killed_mid_stream_comes_back_and_nothing_is_lost broker_stop_app_mid_stream_loses_nothing \
 	unroutable_message_is_parked_while_later_messages_arrive effects_are_exactly_once_with_duplicates \
 	consume_once_race_gives_exactly_one_true every_database_with_the_extension_is_served_and_dropping_one_is_not_blocked \
-	dump_and_restore_keep_every_message_its_id_and_the_configuration update_from_the_previous_version_keeps_every_message_and_its_id
+	dump_and_restore_keep_every_message_its_id_and_the_configuration update_from_the_previous_version_keeps_every_message_and_its_id \
+	update_to_0_8_0_keeps_each_handler_by_name each_process_shows_its_own_wait_event_from_postgresql_17
 test-e2e-subset:
 	PG_CONFIG=$(PG_CONFIG_REAL) $(CARGO) test -p amqp_outbox_e2e $(E2E_SUBSET_TESTS) -- $(E2E_SUBSET)
 
 test-versions:
 	@results=; rc=0; \
 	for v in $(PG_VERSIONS); do \
-		for t in install-test installcheck test-e2e-subset; do \
+		for t in install-test installcheck test-e2e-subset test-package; do \
 			echo "==> PostgreSQL $$v: make $$t"; start=$$(date +%s); \
 			if $(MAKE) --no-print-directory $$t PG=$$v; then st=ok; else st=FAILED; rc=1; fi; \
 			results="$$results$$v $$t $$st $$(( $$(date +%s) - start ))s\n"; \
 			if [ "$$st" != ok ] && [ "$$t" = install-test ]; then results="$$results$$v (rest skipped)\n"; break; fi; \
 		done; \
 	done; \
-	echo; echo "make test-versions:"; printf "$$results" | awk '{ printf "  PostgreSQL %-3s %-16s %-7s %s\n", $$1, $$2, $$3, $$4 }'; \
+	if echo " $(PG_VERSIONS) " | grep -q " $(UPGRADE_TO) "; then \
+		echo "==> pg_upgrade from PostgreSQL $(UPGRADE_FROM) to $(UPGRADE_TO): make test-pg-upgrade"; start=$$(date +%s); \
+		if $(MAKE) --no-print-directory test-pg-upgrade; then st=ok; else st=FAILED; rc=1; fi; \
+		results="$${results}$(UPGRADE_FROM)->$(UPGRADE_TO) test-pg-upgrade $$st $$(( $$(date +%s) - start ))s\n"; \
+	fi; \
+	echo; echo "make test-versions:"; printf "$$results" | awk '{ printf "  PostgreSQL %-12s %-17s %-7s %s\n", $$1, $$2, $$3, $$4 }'; \
 	exit $$rc
+
+# pg_upgrade from PostgreSQL UPGRADE_FROM to UPGRADE_TO (tests/tests/pg_upgrade.rs): installs a
+# test build into both, then upgrades a cluster with the extension, a subscription and messages
+# waiting, and checks that every message arrives with its message_id and that the workers run.
+# `make test-versions` runs it when UPGRADE_TO is among PG_VERSIONS. UPGRADE_FROM defaults to
+# 15-wheel, PostgreSQL 15.19 from the same wheels as 16-18 (scripts/pg_versions.sh): pg_upgrade
+# cannot read the system's Debian 15.20 (an attribute option no later version here knows; see
+# docs/install.md). UPGRADE_FROM=15 takes the system's, and installs into it.
+UPGRADE_FROM ?= 15-wheel
+UPGRADE_TO ?= 18
+test-pg-upgrade:
+	$(MAKE) --no-print-directory install-test PG=$(UPGRADE_FROM)
+	$(MAKE) --no-print-directory install-test PG=$(UPGRADE_TO)
+	PG_CONFIG="$$(scripts/pg_versions.sh pg-config $(UPGRADE_FROM))" \
+	AMQP_OUTBOX_E2E_UPGRADE_TO="$$(scripts/pg_versions.sh pg-config $(UPGRADE_TO))" \
+		$(CARGO) test -p amqp_outbox_e2e --test pg_upgrade -- --ignored
 
 fmt:
 	$(CARGO) fmt --all -- --check

@@ -41,13 +41,21 @@ real_pg_config() {
 }
 
 # The Debian package's name and the paths it installs to, for the PostgreSQL that PG_CONFIG
-# names: sets PG_CONFIG_REAL, PG_MAJOR, PKGLIBDIR, EXTDIR, PKG and ARCH (package.sh and
-# package_test.sh must agree on them).
+# names: sets PG_CONFIG_REAL, PG_MAJOR, PKGLIBDIR, EXTDIR, PKG and ARCH, and BUILD_PKGLIBDIR,
+# BUILD_EXTDIR (package.sh and package_test.sh must agree on them).
+#
+# PKGLIBDIR and EXTDIR are where Debian's postgresql-<major> keeps extensions (Debian's own 15,
+# or apt.postgresql.org's 16, 17, 18: the same layout), whichever PostgreSQL built the package;
+# BUILD_PKGLIBDIR and BUILD_EXTDIR are that PostgreSQL's own directories, where the build puts
+# the files (the same for the system's 15; a private install's for 16-18 from
+# scripts/pg_versions.sh).
 package_layout() {
     PG_CONFIG_REAL="$(real_pg_config)"
     PG_MAJOR="$("$PG_CONFIG_REAL" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')"
-    PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
-    EXTDIR="$("$PG_CONFIG_REAL" --sharedir)/extension"
+    BUILD_PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
+    BUILD_EXTDIR="$("$PG_CONFIG_REAL" --sharedir)/extension"
+    PKGLIBDIR="/usr/lib/postgresql/$PG_MAJOR/lib"
+    EXTDIR="/usr/share/postgresql/$PG_MAJOR/extension"
     PKG="postgresql-$PG_MAJOR-amqp-outbox"
     ARCH="$(dpkg --print-architecture)"
 }

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Builds the Debian package postgresql-<major>-amqp-outbox_<version>_<arch>.deb into
-# target/package/ (`make package`), for the PostgreSQL that PG_CONFIG names.
+# target/package/ (`make package`, `make package PG=16`), for the PostgreSQL that PG_CONFIG
+# names. The package installs into Debian's layout for that major (/usr/lib/postgresql/<major>/lib,
+# /usr/share/postgresql/<major>/extension: Debian's postgresql-15, apt.postgresql.org's 16-18),
+# also when the build's PostgreSQL is a private install (16-18 from scripts/pg_versions.sh), and
+# depends on postgresql-<major>.
 #
 # What goes in: a release build made by `cargo pgrx package` (a user's build: no fault-injection
 # feature), stripped as dh_strip would; the control file, the generated full script of this
@@ -37,8 +41,8 @@ say "Release build for PostgreSQL $PG_MAJOR ($PG_CONFIG_REAL)"
 rm -rf "$OUT"
 (cd "$ROOT" && "$CARGO" pgrx package --pg-config "$PG_CONFIG_REAL" --out-dir "$OUT")
 
-SO="$OUT$PKGLIBDIR/amqp_outbox.so"
-CONTROL="$OUT$EXTDIR/amqp_outbox.control"
+SO="$OUT$BUILD_PKGLIBDIR/amqp_outbox.so"
+CONTROL="$OUT$BUILD_EXTDIR/amqp_outbox.control"
 [ -f "$SO" ] || die "cargo pgrx package made no $SO"
 [ -f "$CONTROL" ] || die "cargo pgrx package made no $CONTROL"
 # The fault-injection settings must not reach users (a build with them would also pass the tests).
@@ -47,7 +51,7 @@ if grep -aq 'amqp_outbox\.test_' "$SO"; then
 fi
 VERSION="$(sed -nE "s/^default_version *= *'([^']+)'.*/\1/p" "$CONTROL")"
 [ -n "$VERSION" ] || die "no default_version in $CONTROL"
-[ -f "$OUT$EXTDIR/amqp_outbox--$VERSION.sql" ] || die "no full script amqp_outbox--$VERSION.sql in $OUT$EXTDIR"
+[ -f "$OUT$BUILD_EXTDIR/amqp_outbox--$VERSION.sql" ] || die "no full script amqp_outbox--$VERSION.sql in $OUT$BUILD_EXTDIR"
 CHANGELOG_VERSION="$(dpkg-parsechangelog -l "$DEBIAN_SRC/changelog" -S Version)"
 if [ "$CHANGELOG_VERSION" != "$VERSION" ]; then
     die "packaging/debian/changelog's last entry is $CHANGELOG_VERSION but the extension is $VERSION: add an entry for $VERSION"
@@ -65,7 +69,7 @@ install -d -m 755 "$STAGE/DEBIAN" "$STAGE$PKGLIBDIR" "$STAGE$EXTDIR" "$STAGE$DOC
 
 install -m 644 "$SO" "$STAGE$PKGLIBDIR/"
 strip --remove-section=.comment --remove-section=.note --strip-unneeded "$STAGE$PKGLIBDIR/amqp_outbox.so"
-install -m 644 "$OUT$EXTDIR"/* "$STAGE$EXTDIR/"
+install -m 644 "$OUT$BUILD_EXTDIR"/* "$STAGE$EXTDIR/"
 # Every script in sql/: pgrx copies the update scripts; the full scripts of earlier versions are
 # added here, as `make install` does. A file of sql/ must never replace a different generated one.
 for f in "$ROOT"/sql/amqp_outbox--*.sql; do

@@ -16,11 +16,23 @@
 #
 # Root rights (apt-get, dpkg, the restore) come from sudo when not run as root.
 # Environment: PG_CONFIG (default: pg_config on the PATH).
+#
+# For a PostgreSQL this machine has no Debian package of (16-18 from scripts/pg_versions.sh:
+# PG_CONFIG names a private install, not Debian's postgresql-<major>), the package cannot be
+# installed with apt: scripts/package_test_private.sh checks the archive and runs its files in a
+# copy of that install instead.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 package_layout
+debian_postgresql_installed() {
+    dpkg-query -W -f='${Status}' "postgresql-$PG_MAJOR" 2>/dev/null | grep -q 'install ok installed'
+}
+if [ "$BUILD_PKGLIBDIR" != "$PKGLIBDIR" ] || [ "$BUILD_EXTDIR" != "$EXTDIR" ] || ! debian_postgresql_installed; then
+    note "PostgreSQL $PG_MAJOR at $PG_CONFIG_REAL is not Debian's postgresql-$PG_MAJOR: the package is checked without apt"
+    exec "$ROOT/scripts/package_test_private.sh"
+fi
 DOCDIR="/usr/share/doc/$PKG"
 export DEBIAN_FRONTEND=noninteractive
 
@@ -55,7 +67,7 @@ step_done() { times+=("$1 $(($(date +%s) - step_start))s"); }
 step "make package"
 make -C "$ROOT" --no-print-directory package PG_CONFIG="$PG_CONFIG_REAL"
 VERSION="$(sed -nE "s/^default_version *= *'([^']+)'.*/\1/p" \
-    "$ROOT/target/release/amqp_outbox-pg$PG_MAJOR$EXTDIR/amqp_outbox.control")"
+    "$ROOT/target/release/amqp_outbox-pg$PG_MAJOR$BUILD_EXTDIR/amqp_outbox.control")"
 DEB="target/package/${PKG}_${VERSION}_${ARCH}.deb"
 [ -f "$ROOT/$DEB" ] || die "make package made no $DEB"
 step_done build

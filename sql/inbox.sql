@@ -181,7 +181,8 @@ CREATE TABLE @extschema@.subscription (
     subscription text PRIMARY KEY,
     broker_id integer NOT NULL,
     queue text NOT NULL,
-    handler regprocedure NOT NULL,
+    -- The function, by name: amqp._handler_name() (runs_as.sql) says why.
+    handler text NOT NULL,
     prefetch integer NOT NULL DEFAULT 100,
     max_attempts integer NOT NULL DEFAULT 10,
     dead_letter_exchange text,

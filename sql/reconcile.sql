@@ -144,7 +144,8 @@ COMMENT ON TABLE @extschema@.monitor_rule IS
 -- consumer) failure, done in the same transaction as the handler's effects.
 CREATE TABLE @extschema@.compensation_handler (
     business_type text PRIMARY KEY,
-    handler regprocedure NOT NULL,
+    -- The function, by name: amqp._handler_name() (runs_as.sql) says why.
+    handler text NOT NULL,
     owner regrole NOT NULL DEFAULT CURRENT_USER::regrole,
     created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
 );

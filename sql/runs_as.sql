@@ -5,6 +5,32 @@
 -- row by row, as the role that writes; and checked again by the subscription worker before it
 -- runs a handler.
 
+-- A handler function as amqp.subscription and amqp.compensation_handler keep it: its
+-- schema-qualified name and argument types, as regprocedure prints it with only pg_catalog on
+-- the search_path (public.my_handler(amqp.delivery)). Text, not regprocedure: pg_upgrade
+-- refuses a cluster whose tables have reg* columns other than regclass, regrole and regtype
+-- (the function OIDs they hold do not survive it), while a name does, just as pg_dump's
+-- restore already resolved it by name. Resolved with pg_catalog.to_regprocedure() when used.
+CREATE FUNCTION @extschema@._handler_name(handler regprocedure) RETURNS text
+    LANGUAGE sql STABLE STRICT SET search_path = pg_catalog AS $handler_name$
+    SELECT handler::text
+$handler_name$;
+
+-- A write of a handler (INSERT, or an UPDATE that changes it) resolves the name as a
+-- regprocedure column did, with the writer's search_path, and keeps it schema-qualified. A name
+-- that names no function is left as written, and amqp._check_runs_as() refuses it. No SET
+-- search_path here, on purpose (the writer's is the one to resolve with): it runs as the writer,
+-- decides nothing, and the check that decides runs after it, with its own.
+CREATE FUNCTION @extschema@._handler_written() RETURNS trigger LANGUAGE plpgsql AS $handler_written$
+BEGIN
+    IF TG_OP OPERATOR(pg_catalog.=) 'INSERT' OR NEW.handler IS DISTINCT FROM OLD.handler THEN
+        NEW.handler := COALESCE(
+            @extschema@._handler_name(pg_catalog.to_regprocedure(NEW.handler)), NEW.handler);
+    END IF;
+    RETURN NEW;
+END
+$handler_written$;
+
 CREATE FUNCTION @extschema@._assert_may_run_as(owner regrole, handler regprocedure, what text)
     RETURNS void LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $may_run_as$
 DECLARE
@@ -51,22 +77,31 @@ BEGIN
         END LOOP;
     END IF;
     IF changed THEN
-        PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler,
+        -- A handler that names no function raises undefined_function here.
+        PERFORM @extschema@._assert_may_run_as(NEW.owner, NEW.handler::pg_catalog.regprocedure,
             pg_catalog.format('%s %I', TG_TABLE_NAME, now_ ->> TG_ARGV[0]));
     END IF;
     RETURN NEW;
 END
 $check_runs_as$;
+-- Row triggers of one event fire in name order: the handler's name is resolved (handler_written)
+-- before the check (runs_as) reads it.
+CREATE TRIGGER subscription_handler_written BEFORE INSERT OR UPDATE ON @extschema@.subscription
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._handler_written();
 CREATE TRIGGER subscription_runs_as BEFORE INSERT OR UPDATE ON @extschema@.subscription
     FOR EACH ROW EXECUTE FUNCTION @extschema@._check_runs_as('subscription', 'queue', 'broker_id');
+CREATE TRIGGER compensation_handler_handler_written BEFORE INSERT OR UPDATE ON @extschema@.compensation_handler
+    FOR EACH ROW EXECUTE FUNCTION @extschema@._handler_written();
 CREATE TRIGGER compensation_handler_runs_as BEFORE INSERT OR UPDATE ON @extschema@.compensation_handler
     FOR EACH ROW EXECUTE FUNCTION @extschema@._check_runs_as('business_type', 'business_type');
 
 REVOKE ALL ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
-    @extschema@._check_runs_as() FROM PUBLIC;
+    @extschema@._check_runs_as(), @extschema@._handler_name(regprocedure),
+    @extschema@._handler_written() FROM PUBLIC;
 -- The triggers call it as the role that writes the row (the administrator, through the API
 -- functions or not). Trigger functions cannot be called otherwise: granted as every function.
 GRANT EXECUTE ON FUNCTION @extschema@._assert_may_run_as(regrole, regprocedure, text),
-    @extschema@._check_runs_as() TO amqp_outbox_admin;
+    @extschema@._check_runs_as(), @extschema@._handler_name(regprocedure),
+    @extschema@._handler_written() TO amqp_outbox_admin;
 -- amqp.on_failure() registers a compensation as its caller (an administrator), checked above.
 GRANT INSERT, UPDATE ON @extschema@.compensation_handler TO amqp_outbox_admin;

@@ -19,6 +19,7 @@ mod monitor;
 mod pg_compat;
 mod shmem;
 mod subtransaction;
+mod wait_event;
 mod watchdog;
 mod worker;
 
@@ -47,9 +48,14 @@ extension_sql_file!(
     requires = ["reconcile"]
 );
 extension_sql_file!(
+    "../sql/monitor_pass.sql",
+    name = "monitor_pass",
+    requires = ["receipts"]
+);
+extension_sql_file!(
     "../sql/monitor.sql",
     name = "monitor",
-    requires = ["receipts"]
+    requires = ["monitor_pass"]
 );
 extension_sql_file!(
     "../sql/runs_as.sql",
@@ -71,8 +77,18 @@ pub extern "C-unwind" fn _PG_init() {
     drop_guard::install();
     if preloading {
         shmem::init();
-        // The launcher starts each database's workers (see launcher/).
-        launcher::register();
+        // pg_upgrade starts the old and the new server in binary-upgrade mode (`-b`) to dump
+        // and restore the schema: no worker runs then (its transactions would race the
+        // restore, in which every new object must get the OID pg_upgrade assigns). The server's
+        // next normal start registers them.
+        // SAFETY: a plain global of the postmaster, set from its command line before the
+        // preloaded libraries are loaded.
+        if unsafe { pg_sys::IsBinaryUpgrade } {
+            log!("amqp_outbox: binary-upgrade mode (pg_upgrade): the workers do not start");
+        } else {
+            // The launcher starts each database's workers (see launcher/).
+            launcher::register();
+        }
     }
 }
 

@@ -128,3 +128,52 @@ pub unsafe fn pqsignal(signo: i32, handler: pg_sys::pqsigfunc) {
         pg_sys::pqsignal_be(signo, handler);
     }
 }
+
+/// Whether this PostgreSQL lets an extension name its waits (custom wait events: 17 and later).
+pub const CUSTOM_WAIT_EVENTS: bool = cfg!(not(any(
+    feature = "pg13",
+    feature = "pg14",
+    feature = "pg15",
+    feature = "pg16"
+)));
+
+/// The `wait_event_info` of the custom wait event `name` (type `Extension`), registered in
+/// shared memory the first time any process of the cluster asks for it (`WaitEventExtensionNew`,
+/// PostgreSQL 17); `None` before 17, where an extension's waits all show as `Extension`.
+///
+/// # Safety
+/// On a PostgreSQL process's main thread, inside a (sub)transaction that catches its ERROR
+/// (more than 128 custom wait events in the cluster, or no shared memory left for one).
+pub unsafe fn custom_wait_event(name: &std::ffi::CStr) -> Option<u32> {
+    #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
+    {
+        let _ = name;
+        None
+    }
+    #[cfg(not(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16")))]
+    {
+        // SAFETY: the caller's contract; the name is NUL-terminated and copied into shared
+        // memory.
+        let info = unsafe { pg_sys::WaitEventExtensionNew(name.as_ptr()) };
+        Some(info)
+    }
+}
+
+/// A wait event set for `nevents` events that lives until the process exits.
+///
+/// Up to 16 it is allocated in the given memory context (TopMemoryContext here); from 17 on
+/// `CreateWaitEventSet` takes the resource owner that tracks it, and none (null) means it is
+/// never released with a transaction's resources (it is allocated in TopMemoryContext then).
+///
+/// # Safety
+/// On a PostgreSQL process's main thread.
+pub unsafe fn create_lasting_wait_event_set(nevents: i32) -> *mut pg_sys::WaitEventSet {
+    // SAFETY: the caller's contract.
+    unsafe {
+        #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
+        let set = pg_sys::CreateWaitEventSet(pg_sys::TopMemoryContext, nevents);
+        #[cfg(not(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16")))]
+        let set = pg_sys::CreateWaitEventSet(std::ptr::null_mut(), nevents);
+        set
+    }
+}

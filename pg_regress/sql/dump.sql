@@ -65,3 +65,30 @@ UPDATE amqp.message SET parked_at = now() WHERE routing_key = 'a';
 SELECT amqp.discard(id, 'test') FROM amqp.message WHERE routing_key = 'a';
 SELECT message_id = :'discarded_id' AS same_id FROM amqp.discarded;
 ROLLBACK;
+-- pg_upgrade refuses a cluster whose tables have a column of these types (or of a domain, array
+-- or row type built on one): the OIDs they hold are not kept across the upgrade. The extension
+-- has none (a handler is kept by name), so a database with it can be upgraded.
+CREATE TEMP VIEW refused_by_pg_upgrade AS
+WITH RECURSIVE refused(oid) AS (
+    SELECT t.oid FROM pg_type t
+     WHERE t.typname IN ('regcollation', 'regconfig', 'regdictionary', 'regnamespace', 'regoper',
+                         'regoperator', 'regproc', 'regprocedure')
+       AND t.typnamespace = 'pg_catalog'::regnamespace
+    UNION
+    SELECT t.oid FROM pg_type t, refused r
+     WHERE t.typbasetype = r.oid OR t.typelem = r.oid
+        OR EXISTS (SELECT FROM pg_attribute a WHERE a.attrelid = t.typrelid
+                      AND a.atttypid = r.oid AND NOT a.attisdropped)
+)
+SELECT c.relnamespace::regnamespace AS schema, c.oid::regclass AS relation, a.attname,
+       a.atttypid::regtype AS type
+  FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+ WHERE c.relkind IN ('r', 'p', 'm', 'i') AND a.atttypid IN (SELECT oid FROM refused);
+-- The check finds such columns (a domain over an array, here)...
+CREATE DOMAIN regress_handlers AS regprocedure[];
+CREATE TABLE regress_upgrade_blocker (h regress_handlers, n regnamespace);
+SELECT relation, attname, type FROM refused_by_pg_upgrade WHERE schema = 'public'::regnamespace ORDER BY 1, 2;
+DROP TABLE regress_upgrade_blocker;
+DROP DOMAIN regress_handlers;
+-- ...and none in the extension's schema.
+SELECT relation, attname, type FROM refused_by_pg_upgrade WHERE schema = 'amqp'::regnamespace ORDER BY 1, 2;

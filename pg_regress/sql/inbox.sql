@@ -83,6 +83,25 @@ SELECT amqp.pause_subscription('orders');
 SELECT state FROM amqp.subscription_status;
 SELECT amqp.resume_subscription('orders');
 SELECT state FROM amqp.subscription_status;
+-- The handler is kept by its schema-qualified name (pg_upgrade keeps names, not function OIDs).
+-- A direct write resolves it with the writer's search_path, as a regprocedure column did.
+CREATE SCHEMA regress_handlers;
+CREATE FUNCTION regress_handlers.inbox_handler(d amqp.delivery) RETURNS void LANGUAGE sql
+    AS $$ SELECT $$;
+SET LOCAL search_path = regress_handlers, public;
+UPDATE amqp.subscription SET handler = 'inbox_handler(amqp.delivery)' WHERE subscription = 'orders';
+RESET search_path;
+SELECT handler, handler::regprocedure = 'regress_handlers.inbox_handler(amqp.delivery)'::regprocedure
+       AS resolves FROM amqp.subscription WHERE subscription = 'orders';
+UPDATE amqp.subscription SET handler = 'inbox_handler(amqp.delivery)'::regprocedure
+ WHERE subscription = 'orders';
+SELECT handler FROM amqp.subscription WHERE subscription = 'orders';
+\set VERBOSITY sqlstate
+-- A name no function has is refused (42883), as a regprocedure refused it.
+UPDATE amqp.subscription SET handler = 'no_such_handler(amqp.delivery)' WHERE subscription = 'orders';
+\set VERBOSITY terse
+SELECT handler FROM amqp.subscription WHERE subscription = 'orders';
+DROP SCHEMA regress_handlers CASCADE;
 
 -- Lanes: parallelism and ordering, at subscribe() and later; bad values change nothing.
 SELECT amqp.subscribe('lanes', 1, 'lanes.q', 'inbox_handler(amqp.delivery)',

@@ -5,6 +5,7 @@
 
 use crate::error::{OrRaise, OutboxError};
 use crate::gucs;
+use crate::wait_event::WaitEvent;
 use crate::worker::standby_gate::Standbys;
 use crate::worker::standbys;
 use pgrx::datum::Interval;
@@ -36,6 +37,8 @@ fn wait_for_standbys(timeout: default!(Option<Interval>, "'10 seconds'")) -> boo
     if standbys.is_off() || target == 0 {
         return true;
     }
+    // Its wait's name in pg_stat_activity (PostgreSQL 17 and later), once per session.
+    crate::wait_event::register(&[WaitEvent::WaitForStandbys]);
     let started = Instant::now();
     let mut positions = standbys::StandbyPositions::default();
     loop {
@@ -54,7 +57,7 @@ fn wait_for_standbys(timeout: default!(Option<Interval>, "'10 seconds'")) -> boo
                 pg_sys::MyLatch,
                 (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
                 LOOK_EVERY_MS,
-                pg_sys::PG_WAIT_EXTENSION,
+                WaitEvent::WaitForStandbys.info(),
             );
             pg_sys::ResetLatch(pg_sys::MyLatch);
         }

@@ -41,16 +41,30 @@ pub use crate::subtransaction::{subtransaction, Caught};
 /// The SQLSTATE of a lock wait that ran out (`lock_timeout`).
 pub const LOCK_NOT_AVAILABLE: &str = "55P03";
 
+/// Locks `amqp.message` (ACCESS SHARE) before anything else of the transaction, as the outbox
+/// worker's transactions do: a `DROP EXTENSION` locks it first too (see `drop_guard`), so the
+/// two queue on it instead of deadlocking on the tables behind it (the DROP holding one the
+/// transaction reads next, the transaction one the DROP drops next). False when the extension
+/// is gone (also when a DROP committed while this waited): the transaction has nothing to do.
+pub fn message_table_first() -> bool {
+    crate::message_table::installed_and_locked(pg_sys::AccessShareLock)
+}
+
 /// `sql` (one statement returning at most one text value) in a transaction of its own, in a
 /// subtransaction: its error is returned instead of ending the worker. `lock_wait`: the longest
 /// it waits for a lock, after which it fails with [`LOCK_NOT_AVAILABLE`] (left for its next
-/// turn by the caller) instead of holding every session queued behind it.
+/// turn by the caller) instead of holding every session queued behind it. `amqp.message` is
+/// locked first ([`message_table_first`]); `Ok(None)` without running `sql` when the
+/// extension is gone.
 pub fn statement_alone(
     what: &str,
     sql: &'static str,
     lock_wait: Option<Duration>,
 ) -> Result<Option<String>, Caught> {
     crate::worker::pg::transaction(what, || {
+        if !message_table_first() {
+            return Ok(None);
+        }
         subtransaction(|| {
             pgrx::Spi::connect_mut(|client| -> pgrx::spi::SpiResult<Option<String>> {
                 if let Some(wait) = lock_wait {

@@ -94,7 +94,7 @@ impl Lane {
                 self.settings = WorkerSettings::snapshot();
             }
             if !self.step() {
-                pg::wait(None, NAPTIME);
+                pg::wait(None, NAPTIME, pg::WaitEvent::LaneMain);
             }
         }
     }

@@ -126,7 +126,11 @@ impl Inbox {
                     .min(NAPTIME)
             };
             if !timeout.is_zero() {
-                self.standbys.wait(self.handle.wake_fd(), timeout);
+                self.standbys.wait(
+                    self.handle.wake_fd(),
+                    timeout,
+                    pg::WaitEvent::SubscriptionMain,
+                );
             }
         }
     }

@@ -10,13 +10,14 @@ use pgrx::spi::{SpiClient, SpiResult};
 
 /// Why a subscription's handler cannot run as its owner (`NULL`: it can). The owner is checked
 /// before the function privilege, which would raise for a role that is gone; CASE keeps the
-/// order.
+/// order. The handler is kept by name (schema-qualified, see `amqp._handler_name()`):
+/// `to_regprocedure` finds it, or gives NULL when no such function exists (any more).
 const RUNS_AS_PROBLEM: &str = "CASE \
-    WHEN NOT EXISTS (SELECT FROM pg_proc p WHERE p.oid = s.handler::oid) \
-    THEN 'the handler function no longer exists: set another (UPDATE amqp.subscription SET handler = ...) or amqp.unsubscribe() it' \
+    WHEN NOT EXISTS (SELECT FROM pg_proc p WHERE p.oid = to_regprocedure(s.handler)) \
+    THEN format('the handler function %s no longer exists: set another (UPDATE amqp.subscription SET handler = ...) or amqp.unsubscribe() it', s.handler) \
     WHEN NOT EXISTS (SELECT FROM pg_roles r WHERE r.oid = s.owner::oid) \
     THEN format('its owner (role oid %s) no longer exists: set another (UPDATE amqp.subscription SET owner = ...) or amqp.unsubscribe() it', s.owner::oid) \
-    WHEN NOT has_function_privilege(s.owner::oid, s.handler::oid, 'EXECUTE') \
+    WHEN NOT has_function_privilege(s.owner::oid, to_regprocedure(s.handler)::oid, 'EXECUTE') \
     THEN format('its owner %s may not execute the handler %s', s.owner, s.handler) END";
 
 pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
@@ -26,7 +27,7 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
                     s.dead_letter_exchange, s.owner::oid, \
                     (SELECT format('%I.%I', n.nspname, p.proname) \
                        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
-                      WHERE p.oid = s.handler::oid), \
+                      WHERE p.oid = to_regprocedure(s.handler)), \
                     {RUNS_AS_PROBLEM}, s.parallelism, s.ordering \
                FROM amqp.subscription s WHERE NOT s.paused ORDER BY s.subscription"
         ),

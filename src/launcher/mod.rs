@@ -19,6 +19,7 @@ mod workers;
 use crate::gucs;
 use crate::shmem::launch::{self, SlotView, Unserved};
 use crate::shmem::{MAX_DATABASES, MAX_LANES};
+use crate::wait_event::WaitEvent;
 use catalog::Database;
 use pgrx::bgworkers::SignalWakeFlags;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
@@ -186,10 +187,11 @@ pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
         warned: HashSet::new(),
         start_warned: HashSet::new(),
     };
+    crate::wait_event::register(&[WaitEvent::LauncherMain]);
     launcher.adopt();
     loop {
         let timeout = launcher.round();
-        if !BackgroundWorker::wait_latch(Some(timeout)) {
+        if !wait(timeout) {
             break;
         }
         if BackgroundWorker::sighup_received() {
@@ -205,6 +207,28 @@ pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
     // SAFETY: the launcher's main thread, between transactions; proc_exit runs the exit
     // callbacks (ours included) and never returns.
     unsafe { crate::pg_compat::proc_exit(1) };
+}
+
+/// Waits on the latch for at most `timeout`, showing [`WaitEvent::LauncherMain`] (as pgrx's
+/// `BackgroundWorker::wait_latch`, which always shows `Extension`). False when the launcher must
+/// stop: SIGTERM, or the postmaster died.
+fn wait(timeout: Duration) -> bool {
+    let events = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH;
+    let timeout_ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
+    // SAFETY: the launcher's main thread, which owns MyLatch; only its owner resets it.
+    let woken = unsafe {
+        let woken = pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            events as i32,
+            timeout_ms,
+            WaitEvent::LauncherMain.info(),
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        woken
+    };
+    pg_sys::check_for_interrupts!();
+    let postmaster_died = woken & pg_sys::WL_POSTMASTER_DEATH as i32 != 0;
+    !BackgroundWorker::sigterm_received() && !postmaster_died
 }
 
 /// Whether a `CREATE EXTENSION` committed in `database` between the counts `since` and `now`

@@ -46,6 +46,9 @@ pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bo
     // function runs: a function that never returns (the monitor is then ended at its hard
     // deadline) or a crash during it costs that compensation one backoff, not every round.
     let claimed = pg::transaction("amqp_outbox compensation", || {
+        if !guarded::message_table_first() {
+            return Ok(None);
+        }
         guarded::subtransaction(|| {
             Spi::connect_mut(|c| claim(c, backoff))
                 .unwrap_or_else(|e| pgrx::error!("amqp_outbox: {e}"))
@@ -63,6 +66,9 @@ pub(super) fn compensate_one(backoff: &Backoff, handler_timeout: Duration) -> bo
         }
     };
     pg::transaction("amqp_outbox compensation", || {
+        if !guarded::message_table_first() {
+            return;
+        }
         let outcome = guarded::subtransaction(|| {
             Spi::connect_mut(|client| -> SpiResult<bool> {
                 if !still_due(client, &due)? {
@@ -151,7 +157,7 @@ fn next_due(client: &mut SpiClient<'_>) -> SpiResult<Option<Due>> {
                   ORDER BY r.received_at DESC LIMIT 1) \
            FROM amqp.compensation c \
            JOIN amqp.compensation_handler h ON h.business_type = c.business_type \
-           JOIN pg_proc p ON p.oid = h.handler \
+           JOIN pg_proc p ON p.oid = to_regprocedure(h.handler) \
            JOIN pg_namespace n ON n.oid = p.pronamespace \
           WHERE c.next_attempt_at <= clock_timestamp() AND {STILL_DUE} \
           ORDER BY c.next_attempt_at \

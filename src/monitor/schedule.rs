@@ -80,7 +80,7 @@ impl Monitor {
             }
             let rest = ROUND_EVERY.saturating_sub(started.elapsed());
             if !rest.is_zero() {
-                pg::wait(None, rest);
+                pg::wait(None, rest, pg::WaitEvent::MonitorMain);
             }
         }
     }

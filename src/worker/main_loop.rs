@@ -123,7 +123,7 @@ impl Worker {
             self.send_all(flushed);
             if pg::in_recovery() {
                 // A standby publishes nothing; after promotion this loop takes over.
-                pg::wait(None, self.settings.naptime);
+                pg::wait(None, self.settings.naptime, pg::WaitEvent::OutboxMain);
                 continue;
             }
             if self.idle_while_disabled(&settlement) {
@@ -152,7 +152,7 @@ impl Worker {
                     .and_then(|t| interval.checked_sub(t.elapsed()))
                     .filter(|gap| !gap.is_zero())
                 {
-                    pg::sleep(gap);
+                    pg::sleep(gap, pg::WaitEvent::OutboxBatchGap);
                 }
             }
             // Before the snapshot of this step: a commit it does not see will wake the worker.
@@ -256,7 +256,8 @@ impl Worker {
     /// Waits for a commit, an event or `timeout` (shorter while a batch waits for the
     /// standbys).
     fn wait(&self, timeout: Duration) {
-        self.standbys.wait(self.handle.wake_fd(), timeout);
+        self.standbys
+            .wait(self.handle.wake_fd(), timeout, pg::WaitEvent::OutboxMain);
     }
 
     fn send_all(&self, commands: Vec<Command>) {

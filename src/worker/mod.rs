@@ -108,6 +108,16 @@ pub(crate) fn announce(kind: shmem::WorkerKind, database: &str) {
         // SAFETY: the main thread, before any transaction; proc_exit never returns.
         unsafe { crate::pg_compat::proc_exit(0) };
     }
+    // The names its waits show in pg_stat_activity (PostgreSQL 17 and later).
+    crate::wait_event::register(match kind {
+        shmem::WorkerKind::Outbox => &[
+            crate::wait_event::WaitEvent::OutboxMain,
+            crate::wait_event::WaitEvent::OutboxBatchGap,
+        ],
+        shmem::WorkerKind::Inbox => &[crate::wait_event::WaitEvent::SubscriptionMain],
+        shmem::WorkerKind::Monitor => &[crate::wait_event::WaitEvent::MonitorMain],
+        shmem::WorkerKind::Lane(_) => &[crate::wait_event::WaitEvent::LaneMain],
+    });
 }
 
 #[pg_guard]

@@ -6,6 +6,8 @@ use std::ffi::{CStr, CString};
 use std::os::fd::RawFd;
 use std::time::Duration;
 
+pub use crate::wait_event::WaitEvent;
+
 /// Sets a configuration parameter for the rest of the worker's life. At `PGC_S_OVERRIDE`, the
 /// highest source, the value is also the reset value, is not undone by a transaction's end
 /// (it is set outside any), and a reload of postgresql.conf (lower source) leaves it alone.
@@ -102,20 +104,11 @@ fn wait_set(fd: Option<RawFd>) -> *mut pg_sys::WaitEventSet {
             // SAFETY: a set this function created and nothing else holds.
             unsafe { pg_sys::FreeWaitEventSet(w.set) };
         }
-        // SAFETY: the main thread, which owns MyLatch; the set is allocated in (or, from
-        // PostgreSQL 17, tracked by no resource owner and allocated in) TopMemoryContext, so it
-        // outlives every transaction; the socket is the broker handle's wake socket, open for
-        // as long as the worker runs.
+        // SAFETY: the main thread, which owns MyLatch; the set outlives every transaction (see
+        // create_lasting_wait_event_set); the socket is the broker handle's wake socket, open
+        // for as long as the worker runs.
         let set = unsafe {
-            #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
-            let set = pg_sys::CreateWaitEventSet(pg_sys::TopMemoryContext, 3);
-            #[cfg(not(any(
-                feature = "pg13",
-                feature = "pg14",
-                feature = "pg15",
-                feature = "pg16"
-            )))]
-            let set = pg_sys::CreateWaitEventSet(std::ptr::null_mut(), 3);
+            let set = crate::pg_compat::create_lasting_wait_event_set(3);
             pg_sys::AddWaitEventToSet(
                 set,
                 pg_sys::WL_LATCH_SET,
@@ -146,9 +139,9 @@ fn wait_set(fd: Option<RawFd>) -> *mut pg_sys::WaitEventSet {
     })
 }
 
-/// Sleeps until the latch is set, `fd` is readable, or `timeout` passes. Exits (code 1) if the
-/// postmaster died.
-pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
+/// Sleeps until the latch is set, `fd` is readable, or `timeout` passes, showing `event` in
+/// pg_stat_activity. Exits (code 1) if the postmaster died.
+pub fn wait(fd: Option<RawFd>, timeout: Duration, event: WaitEvent) -> Woken {
     let timeout_ms = timeout.as_millis().min(i64::MAX as u128) as std::ffi::c_long;
     let set = wait_set(fd);
     let mut occurred: [pg_sys::WaitEvent; 3] = Default::default();
@@ -160,7 +153,7 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
             timeout_ms,
             occurred.as_mut_ptr(),
             occurred.len() as i32,
-            pg_sys::PG_WAIT_EXTENSION,
+            event.info(),
         )
     };
     // SAFETY: as above; only the latch's owner may reset it, and this is its owner.
@@ -177,9 +170,9 @@ pub fn wait(fd: Option<RawFd>, timeout: Duration) -> Woken {
     }
 }
 
-/// Sleeps for `d` whatever sets the latch meanwhile (it stays set for the next `wait`). Exits
-/// (code 1) if the postmaster died.
-pub fn sleep(d: Duration) {
+/// Sleeps for `d` whatever sets the latch meanwhile (it stays set for the next `wait`), showing
+/// `event` in pg_stat_activity. Exits (code 1) if the postmaster died.
+pub fn sleep(d: Duration, event: WaitEvent) {
     if d < Duration::from_millis(1) {
         // WaitLatch counts whole milliseconds: a shorter gap would grow to one (at 2,000
         // commits/s, about a third of the time between steps). Signals still only set flags,
@@ -195,7 +188,7 @@ pub fn sleep(d: Duration) {
             std::ptr::null_mut(),
             events as i32,
             timeout_ms,
-            pg_sys::PG_WAIT_EXTENSION,
+            event.info(),
         )
     };
     pg_sys::check_for_interrupts!();

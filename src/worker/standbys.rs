@@ -88,15 +88,15 @@ impl<T> StandbyWait<T> {
         self.look()
     }
 
-    /// Waits on the latch and `fd` for at most `timeout`; while something waits for the
-    /// standbys, for one look's interval instead, which is shorter than a latch wait can be:
-    /// a sleep, then whatever came meanwhile is taken.
-    pub fn wait(&self, fd: std::os::fd::RawFd, timeout: Duration) {
+    /// Waits on the latch and `fd` for at most `timeout`, as `event`; while something waits
+    /// for the standbys, for one look's interval instead, which is shorter than a latch wait
+    /// can be: a sleep, then whatever came meanwhile is taken.
+    pub fn wait(&self, fd: std::os::fd::RawFd, timeout: Duration, event: pg::WaitEvent) {
         if !self.held.is_empty() && timeout > LOOK_EVERY {
             std::thread::sleep(LOOK_EVERY);
-            pg::wait(Some(fd), Duration::ZERO);
+            pg::wait(Some(fd), Duration::ZERO, event);
         } else {
-            pg::wait(Some(fd), timeout);
+            pg::wait(Some(fd), timeout, event);
         }
     }
 

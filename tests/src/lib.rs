@@ -25,7 +25,7 @@ pub mod world;
 
 pub use ledger::{Ledger, MessageKey, Outcome, Report};
 pub use outbox::{MessageStatus, Outbox, Producer, ProducerConfig, ProducerStats, WorkerStatus};
-pub use pg::{PgCluster, PgConfig, StopMode};
+pub use pg::{PgCluster, PgConfig, PgInstall, StopMode};
 pub use private_rabbit::PrivateRabbit;
 pub use rabbit::{AmqpEndpoint, Collector, QueueCounts, Rabbit, Received, Route};
 pub use rabbit_cluster::{QuorumState, RabbitCluster};

@@ -30,6 +30,9 @@ pub struct PgConfig {
     pub naptime_ms: u64,
     /// Further `postgresql.conf` lines, `name = value` (the value as written in the file).
     pub settings: Vec<(String, String)>,
+    /// The PostgreSQL whose programs run the cluster; `None`: the one `$PG_CONFIG` names
+    /// ([`PgInstall::find`]).
+    pub install: Option<PgInstall>,
 }
 
 impl Default for PgConfig {
@@ -39,6 +42,7 @@ impl Default for PgConfig {
             database: DEFAULT_DATABASE.to_string(),
             naptime_ms: 200,
             settings: Vec::new(),
+            install: None,
         }
     }
 }
@@ -63,6 +67,12 @@ impl PgConfig {
 
     pub fn naptime_ms(mut self, ms: u64) -> Self {
         self.naptime_ms = ms;
+        self
+    }
+
+    /// Runs the cluster with this PostgreSQL instead of the one `$PG_CONFIG` names.
+    pub fn install(mut self, install: PgInstall) -> Self {
+        self.install = Some(install);
         self
     }
 }
@@ -90,29 +100,65 @@ impl StopMode {
 pub struct PgInstall {
     pub bindir: PathBuf,
     pub pkglibdir: PathBuf,
+    /// The extension's directory (`--sharedir`/extension).
+    pub extension_dir: PathBuf,
+    /// The major version (15, 16, …).
+    pub major: u32,
 }
 
 impl PgInstall {
     /// Runs `$PG_CONFIG` (default `pg_config`) for `--bindir` and `--pkglibdir`.
     pub fn find() -> Result<PgInstall, String> {
         let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "pg_config".to_string());
-        let ask = |flag: &str| -> Result<PathBuf, String> {
-            let out = Command::new(&pg_config)
+        PgInstall::from_pg_config(Path::new(&pg_config))
+    }
+
+    /// The PostgreSQL that this `pg_config` describes.
+    pub fn from_pg_config(pg_config: &Path) -> Result<PgInstall, String> {
+        let shown = pg_config.display();
+        let ask = |flag: &str| -> Result<String, String> {
+            let out = Command::new(pg_config)
                 .arg(flag)
                 .output()
-                .map_err(|e| format!("cannot run `{pg_config} {flag}`: {e}"))?;
+                .map_err(|e| format!("cannot run `{shown} {flag}`: {e}"))?;
             if !out.status.success() {
                 return Err(format!(
-                    "`{pg_config} {flag}` failed: {}",
+                    "`{shown} {flag}` failed: {}",
                     String::from_utf8_lossy(&out.stderr)
                 ));
             }
-            Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
         };
+        // "PostgreSQL 18.6" (or "PostgreSQL 15.14 (Debian 15.14-0+deb12u1)", "PostgreSQL 19devel")
+        let version = ask("--version")?;
+        let major = version
+            .strip_prefix("PostgreSQL ")
+            .map(|v| {
+                v.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+            })
+            .and_then(|m| m.parse().ok())
+            .ok_or_else(|| format!("`{shown} --version` printed {version:?}"))?;
         Ok(PgInstall {
-            bindir: ask("--bindir")?,
-            pkglibdir: ask("--pkglibdir")?,
+            bindir: PathBuf::from(ask("--bindir")?),
+            pkglibdir: PathBuf::from(ask("--pkglibdir")?),
+            extension_dir: PathBuf::from(ask("--sharedir")?).join("extension"),
+            major,
         })
+    }
+
+    /// The extension's `default_version`, from the control file installed here.
+    pub fn extension_version(&self) -> Result<String, String> {
+        let control = self.extension_dir.join("amqp_outbox.control");
+        let text = fs::read_to_string(&control)
+            .map_err(|e| format!("cannot read {}: {e}", control.display()))?;
+        text.lines()
+            .filter_map(|l| l.trim().strip_prefix("default_version"))
+            .filter_map(|rest| rest.split('\'').nth(1))
+            .map(str::to_string)
+            .next()
+            .ok_or_else(|| format!("no default_version in {}", control.display()))
     }
 
     /// Fails with a clear message when `amqp_outbox.so` is not installed.
@@ -200,10 +246,71 @@ impl PgCluster {
         Ok(cluster)
     }
 
+    /// `pg_upgrade` of this cluster to the PostgreSQL `config` names (a later major): stops
+    /// this server (fast) if it runs, makes a new cluster with that version's `initdb` in a
+    /// directory of its own, configured from `config` (its own port; the extension preloaded
+    /// unless `config` says otherwise; the database is this cluster's), carries everything over
+    /// with `pg_upgrade` (copy mode) and starts the new server. This cluster stays, stopped
+    /// (copy mode leaves it usable). Returns the new cluster and what `pg_upgrade` printed; when
+    /// it fails, the error has its output and the tails of its logs.
+    pub fn upgrade(&mut self, config: PgConfig) -> Result<(PgCluster, String), String> {
+        if self.running {
+            self.try_stop(StopMode::Fast)?;
+        }
+        let mut config = config;
+        config.database = self.config.database.clone();
+        let mut new = PgCluster::empty(config)?;
+        if new.install.major <= self.install.major {
+            return Err(format!(
+                "pg_upgrade goes to a later major: this cluster is PostgreSQL {}, the new one {}",
+                self.install.major, new.install.major
+            ));
+        }
+        new.initdb()?;
+        new.port = pick_ports(61000, 65000, 1);
+        new.write_config()?;
+        let (old_data, new_data) = (self.data_dir(), new.data_dir());
+        let (old_port, new_port) = (self.port.to_string(), new.port.to_string());
+        let args: Vec<&OsStr> = vec![
+            "--old-bindir".as_ref(),
+            self.install.bindir.as_os_str(),
+            "--new-bindir".as_ref(),
+            new.install.bindir.as_os_str(),
+            "--old-datadir".as_ref(),
+            old_data.as_os_str(),
+            "--new-datadir".as_ref(),
+            new_data.as_os_str(),
+            "--old-port".as_ref(),
+            old_port.as_ref(),
+            "--new-port".as_ref(),
+            new_port.as_ref(),
+            "--username".as_ref(),
+            "postgres".as_ref(),
+            // Both servers listen only on a socket in the new cluster's directory.
+            "--socketdir".as_ref(),
+            new.dir().as_os_str(),
+            "--no-sync".as_ref(),
+        ];
+        let out = new.pg_tool("pg_upgrade", &args)?;
+        let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            return Err(format!(
+                "{}\n--- pg_upgrade's logs ---\n{}",
+                failure("pg_upgrade", &out),
+                pg_upgrade_logs(&new_data)
+            ));
+        }
+        new.try_start()?;
+        Ok((new, printed))
+    }
+
     /// A cluster value with its own directory (owned by `postgres` when we are root), not
     /// initialised or started yet.
     fn empty(config: PgConfig) -> Result<PgCluster, String> {
-        let install = PgInstall::find()?;
+        let install = match &config.install {
+            Some(install) => install.clone(),
+            None => PgInstall::find()?,
+        };
         if config.preload {
             install.check_extension_installed()?;
         }
@@ -439,21 +546,25 @@ impl PgCluster {
 
     fn initdb(&self) -> Result<(), String> {
         let data = self.data_dir();
-        self.pg_tool_ok(
-            "initdb",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-U".as_ref(),
-                "postgres".as_ref(),
-                "--auth=trust".as_ref(),
-                "-E".as_ref(),
-                "UTF8".as_ref(),
-                "--locale=C".as_ref(),
-                "--no-sync".as_ref(),
-            ],
-            "initdb",
-        )?;
+        let mut args: Vec<&OsStr> = [
+            "-D".as_ref(),
+            data.as_os_str(),
+            "-U".as_ref(),
+            "postgres".as_ref(),
+            "--auth=trust".as_ref(),
+            "-E".as_ref(),
+            "UTF8".as_ref(),
+            "--locale=C".as_ref(),
+            "--no-sync".as_ref(),
+        ]
+        .to_vec();
+        // PostgreSQL 18's initdb turns data checksums on by default; earlier ones leave them
+        // off. Off on every version, so that a cluster of one can be pg_upgraded to another
+        // (pg_upgrade requires the same setting on both sides).
+        if self.install.major >= 18 {
+            args.push("--no-data-checksums".as_ref());
+        }
+        self.pg_tool_ok("initdb", &args, "initdb")?;
         // Include our own file, rewritten whenever the settings change.
         let conf = data.join("postgresql.conf");
         let mut f = fs::OpenOptions::new()
@@ -591,6 +702,49 @@ fn failure(what: &str, out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// What `pg_upgrade` left in the new cluster's data directory (`pg_upgrade_output.d/<time>/`):
+/// of each log, its error lines and its last lines; the lists of what a failed check found.
+fn pg_upgrade_logs(new_data: &Path) -> String {
+    let mut files = Vec::new();
+    let mut dirs = vec![new_data.join("pg_upgrade_output.d")];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    let mut out = String::new();
+    // Not the dumps (binary custom-format archives, and the globals' SQL).
+    for f in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "log" || e == "txt"))
+    {
+        let text = fs::read(f)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        let errors: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("error") || l.contains("ERROR") || l.contains("FATAL"))
+            .filter(|l| !l.starts_with("command:"))
+            .collect();
+        out.push_str(&format!(
+            "== {} ==\n{}{}\n",
+            f.display(),
+            errors.iter().map(|l| format!("{l}\n")).collect::<String>(),
+            tail(&text, 10)
+        ));
+    }
+    if out.is_empty() {
+        out.push_str("(none)");
+    }
+    out
 }
 
 /// uid and gid of the `postgres` user (looked up once: `getpwnam` is not thread-safe).

@@ -869,3 +869,96 @@ fn drop_extension_queues_behind_the_worker_instead_of_deadlocking() {
     );
     assert_eq!(left, 0, "the extension is still installed");
 }
+
+/// The update to 0.8.0 turns the handler columns of `amqp.subscription` and
+/// `amqp.compensation_handler` from regprocedure (which pg_upgrade refuses: the function OIDs it
+/// holds do not survive an upgrade) into each function's schema-qualified name. Every handler
+/// still names the function it named, one whose function was dropped gets a name no function
+/// has (never a bare OID, which another function could have after pg_upgrade), and both
+/// columns are text.
+#[test]
+fn update_to_0_8_0_keeps_each_handler_by_name() {
+    let cluster = PgCluster::new(disabled());
+    let mut client = cluster.client();
+    client
+        .batch_execute(
+            "CREATE EXTENSION amqp_outbox VERSION '0.1.0'; \
+             ALTER EXTENSION amqp_outbox UPDATE TO '0.7.0'",
+        )
+        .unwrap_or_else(|e| panic!("installing 0.7.0: {e}"));
+    let broker_id = add_broker(&mut client, &AmqpEndpoint::shared());
+    // Subscribed with the names as a session with `handlers` on its search_path wrote them.
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA handlers;
+             CREATE FUNCTION public.on_order(d amqp.delivery) RETURNS void LANGUAGE sql AS 'SELECT';
+             CREATE FUNCTION handlers.on_invoice(d amqp.delivery) RETURNS void LANGUAGE sql AS 'SELECT';
+             CREATE FUNCTION public.gone(d amqp.delivery) RETURNS void LANGUAGE sql AS 'SELECT';
+             CREATE FUNCTION handlers.undo(o amqp.produced, f amqp.receipt) RETURNS void
+                 LANGUAGE sql AS 'SELECT';
+             SET search_path = handlers, public;
+             SELECT amqp.subscribe('orders', {broker_id}, 'orders.q', 'on_order(amqp.delivery)');
+             SELECT amqp.subscribe('invoices', {broker_id}, 'invoices.q', 'on_invoice(amqp.delivery)');
+             SELECT amqp.subscribe('gone', {broker_id}, 'gone.q', 'gone(amqp.delivery)');
+             SELECT amqp.on_failure('order', 'undo(amqp.produced, amqp.receipt)');
+             RESET search_path;"
+        ))
+        .unwrap_or_else(|e| panic!("subscribing at 0.7.0: {e}"));
+    let handler_oids = |client: &mut Client, sql: &str| -> BTreeMap<String, Option<u32>> {
+        client
+            .query(sql, &[])
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    };
+    let before = handler_oids(
+        &mut client,
+        "SELECT subscription, handler::oid FROM amqp.subscription \
+         UNION ALL SELECT business_type, handler::oid FROM amqp.compensation_handler",
+    );
+    assert_eq!(before.len(), 4, "{before:?}");
+    let gone: u32 = before["gone"].unwrap_or_else(|| panic!("no oid for 'gone': {before:?}"));
+    client
+        .batch_execute("DROP FUNCTION public.gone(amqp.delivery)")
+        .unwrap_or_else(|e| panic!("DROP FUNCTION: {e}"));
+
+    client
+        .batch_execute("ALTER EXTENSION amqp_outbox UPDATE TO '0.8.0'")
+        .unwrap_or_else(|e| panic!("ALTER EXTENSION amqp_outbox UPDATE TO '0.8.0': {e}"));
+
+    let types: Vec<String> = client
+        .query(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
+              WHERE attname = 'handler' \
+                AND attrelid IN ('amqp.subscription'::regclass, 'amqp.compensation_handler'::regclass)",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("reading the column types: {e}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(types, ["text", "text"]);
+    // Resolved with an empty search_path: only a schema-qualified name resolves.
+    let resolve = "SELECT subscription, to_regprocedure(handler)::oid FROM amqp.subscription \
+                   UNION ALL SELECT business_type, to_regprocedure(handler)::oid \
+                     FROM amqp.compensation_handler";
+    client
+        .batch_execute("SET search_path = ''")
+        .unwrap_or_else(|e| panic!("SET search_path: {e}"));
+    let after = handler_oids(&mut client, resolve);
+    let mut expected = before.clone();
+    expected.insert("gone".to_string(), None);
+    assert_eq!(after, expected, "each handler names the function it named");
+    let gone_name: String = scalar(
+        &mut client,
+        "SELECT handler FROM amqp.subscription WHERE subscription = 'gone'",
+    );
+    assert_eq!(gone_name, format!("\"dropped function {gone}\"()"));
+    let shown: i64 = scalar(
+        &mut client,
+        "SELECT count(*) FROM amqp.subscription_status s JOIN amqp.subscription USING (subscription) \
+          WHERE s.handler = subscription.handler",
+    );
+    assert_eq!(shown, 3, "amqp.subscription_status shows each handler");
+}
