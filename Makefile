@@ -104,8 +104,9 @@ test-unit:
 test-broker:
 	$(CARGO) test -p amqp_outbox_broker
 
+# The PostgreSQL that PG_CONFIG (or PG) names, as every other tier.
 test-e2e:
-	$(CARGO) test -p amqp_outbox_e2e
+	PG_CONFIG=$(PG_CONFIG_REAL) $(CARGO) test -p amqp_outbox_e2e
 
 # The Debian package for the PostgreSQL that PG_CONFIG names (scripts/package.sh says what it holds).
 package:

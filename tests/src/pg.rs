@@ -4,6 +4,7 @@
 //! `pg_config`). As root, `initdb` and `pg_ctl` refuse to run, so they run as the `postgres` user
 //! (`runuser -u postgres --`) in a temporary directory that user owns.
 
+use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::Write;
@@ -788,19 +789,64 @@ pub fn connection_string(port: u16, db: &str) -> String {
     )
 }
 
+/// The libraries' directory (`pg_config --libdir`) of the PostgreSQL whose program is `bin`,
+/// asked once per installation; `None` when that installation has no `pg_config`.
+fn libdir_of(bin: &Path) -> Option<PathBuf> {
+    static KNOWN: std::sync::OnceLock<std::sync::Mutex<HashMap<PathBuf, Option<PathBuf>>>> =
+        std::sync::OnceLock::new();
+    let bindir = bin.parent()?.to_path_buf();
+    let mut known = KNOWN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    known
+        .entry(bindir.clone())
+        .or_insert_with(|| {
+            let out = Command::new(bindir.join("pg_config"))
+                .arg("--libdir")
+                .output()
+                .ok()
+                .filter(|o| o.status.success())?;
+            Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        })
+        .clone()
+}
+
 /// Runs PostgreSQL's program `bin` in `cwd`, as `postgres` when we are root (initdb and the
-/// server refuse to run as root).
+/// server refuse to run as root), with its installation's libraries first on
+/// `LD_LIBRARY_PATH`: a private install (16-18 from scripts/pg_versions.sh) was built for
+/// another prefix, and its programs would otherwise load the system's older libpq (then 18's
+/// walreceiver refuses the `sslnegotiation` option its `pg_basebackup -R` writes). A server
+/// started by `pg_ctl` keeps that environment.
 pub fn run_pg_program<S: AsRef<OsStr>>(
     bin: &Path,
     args: &[S],
     cwd: &Path,
 ) -> Result<Output, String> {
+    let library_path = libdir_of(bin).map(|dir| {
+        let mut path = dir.into_os_string();
+        if let Some(rest) = std::env::var_os("LD_LIBRARY_PATH").filter(|r| !r.is_empty()) {
+            path.push(":");
+            path.push(rest);
+        }
+        path
+    });
     let mut cmd = if running_as_root() {
         let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(bin);
+        c.args(["-u", "postgres", "--"]);
+        if let Some(path) = &library_path {
+            let mut assignment = OsString::from("LD_LIBRARY_PATH=");
+            assignment.push(path);
+            c.arg("env").arg(assignment);
+        }
+        c.arg(bin);
         c
     } else {
-        Command::new(bin)
+        let mut c = Command::new(bin);
+        if let Some(path) = &library_path {
+            c.env("LD_LIBRARY_PATH", path);
+        }
+        c
     };
     cmd.args(args)
         .current_dir(cwd)
