@@ -23,6 +23,21 @@ pub struct Rules {
     pub backoff: Backoff,
 }
 
+impl Rules {
+    /// The rules now: the handler timeout and receipts exchange as set, the backoff of the
+    /// worker's snapshot of the settings.
+    pub fn from_settings(settings: &crate::gucs::WorkerSettings) -> Rules {
+        use crate::gucs;
+        Rules {
+            handler_timeout: Duration::from_millis(gucs::HANDLER_TIMEOUT.get().max(0) as u64),
+            receipts: gucs::RECEIPTS_EXCHANGE
+                .get()
+                .is_some_and(|e| !e.as_bytes().is_empty()),
+            backoff: settings.retry_backoff(),
+        }
+    }
+}
+
 pub enum Outcome {
     Handled,
     Duplicate,

@@ -14,7 +14,7 @@ use super::book::Book;
 use super::handling::{self, Outcome, Rules};
 use super::queries;
 use super::types::{Ordering, Sub};
-use crate::gucs::{self, WorkerSettings};
+use crate::gucs::WorkerSettings;
 use crate::shmem;
 use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
@@ -99,16 +99,6 @@ impl Lane {
         }
     }
 
-    fn rules(&self) -> Rules {
-        Rules {
-            handler_timeout: Duration::from_millis(gucs::HANDLER_TIMEOUT.get().max(0) as u64),
-            receipts: gucs::RECEIPTS_EXCHANGE
-                .get()
-                .is_some_and(|e| !e.as_bytes().is_empty()),
-            backoff: self.settings.retry_backoff(),
-        }
-    }
-
     /// The subscriptions this lane takes messages of, how many per transaction at most (few
     /// enough that the other lanes of a subscription find some too), and the largest
     /// parallelism among those with an ordering, if any.
@@ -132,7 +122,7 @@ impl Lane {
     /// One transaction: claim, handle, delete. Returns whether it handled anything.
     fn step(&mut self) -> bool {
         let generation = shmem::subscriptions_generation();
-        let rules = self.rules();
+        let rules = Rules::from_settings(&self.settings);
         let mut handled = 0usize;
         // It took as many as it may: more may be waiting for the other lanes.
         let mut took_all = false;
@@ -151,11 +141,7 @@ impl Lane {
                     self.generation = Some(generation);
                 }
                 if let Some((ended, sub, id)) = self.trapped.take() {
-                    let code = match ended {
-                        Ended::Timeout => 1,
-                        Ended::Terminated => 2,
-                    };
-                    queries::mark_ended(client, &sub, &id, code)?;
+                    queries::mark_ended(client, &sub, &id, i16::from(ended.code()))?;
                 }
                 let (names, mut limit, ordered) = self.serving();
                 if names.is_empty() {
@@ -174,12 +160,10 @@ impl Lane {
                 }
                 let mut messages = Vec::with_capacity(claimed.len());
                 for (m, ended) in claimed {
-                    if let (Some(code), Some(id)) = (ended, m.message_id.clone()) {
-                        let why = if code == 1 {
-                            Ended::Timeout
-                        } else {
-                            Ended::Terminated
-                        };
+                    let why = ended
+                        .and_then(|c| u8::try_from(c).ok())
+                        .and_then(Ended::from_code);
+                    if let (Some(why), Some(id)) = (why, m.message_id.clone()) {
                         self.left.push((why, m.subscription.clone(), id));
                     }
                     messages.push(m);

@@ -206,16 +206,6 @@ impl Inbox {
         });
     }
 
-    fn rules(&self) -> Rules {
-        Rules {
-            handler_timeout: Duration::from_millis(gucs::HANDLER_TIMEOUT.get().max(0) as u64),
-            receipts: gucs::RECEIPTS_EXCHANGE
-                .get()
-                .is_some_and(|e| !e.as_bytes().is_empty()),
-            backoff: self.settings.retry_backoff(),
-        }
-    }
-
     /// The retention of consumption records, in a transaction of its own that waits for no
     /// lock longer than [`ROTATE_LOCK_WAIT`]: a session that keeps the older table (an open
     /// transaction that called `consume_once`, a `pg_dump`) only postpones it. In the batch's
@@ -257,7 +247,7 @@ impl Inbox {
     /// counters. Then the acknowledgements of what it committed.
     fn step(&mut self) {
         let batch_size = gucs::INBOX_BATCH_SIZE.get().max(1) as usize;
-        let rules = self.rules();
+        let rules = Rules::from_settings(&self.settings);
         let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
         let rotate_due = self.rotate_at.is_none_or(|t| t <= Instant::now());
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());

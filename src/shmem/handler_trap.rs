@@ -20,6 +20,24 @@ pub enum Ended {
     Terminated,
 }
 
+impl Ended {
+    /// Its code in a trap and in `amqp.inbox_waiting.ended` (0 there: nothing ended).
+    pub fn code(self) -> u8 {
+        match self {
+            Ended::Timeout => 1,
+            Ended::Terminated => 2,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<Ended> {
+        match code {
+            1 => Some(Ended::Timeout),
+            2 => Some(Ended::Terminated),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 pub struct Trap {
     /// 0: nothing; 1: timeout; 2: terminated.
@@ -81,10 +99,7 @@ pub fn set(ended: Ended, subscription: &str, message_id: &str) {
     }
     let mut all = TRAPS.exclusive();
     let t = &mut all.0[i].0[mine()];
-    t.ended = match ended {
-        Ended::Timeout => 1,
-        Ended::Terminated => 2,
-    };
+    t.ended = ended.code();
     t.subscription[..s.len()].copy_from_slice(s);
     t.subscription_len = s.len();
     t.message_id[..m.len()].copy_from_slice(m);
@@ -101,11 +116,7 @@ pub fn take() -> Option<(Ended, String, String)> {
     let i = slot_index()?;
     let mut all = TRAPS.exclusive();
     let t = std::mem::take(&mut all.0[i].0[mine()]);
-    let ended = match t.ended {
-        1 => Ended::Timeout,
-        2 => Ended::Terminated,
-        _ => return None,
-    };
+    let ended = Ended::from_code(t.ended)?;
     let text = |b: &[u8], n: usize| String::from_utf8_lossy(&b[..n.min(b.len())]).into_owned();
     Some((
         ended,
