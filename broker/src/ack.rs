@@ -383,11 +383,13 @@ mod tests {
         let q = AckQueueConfig {
             name: "a".into(),
             quorum: true,
+            record_wait: Default::default(),
         };
         assert_eq!(ack_queue_arguments(&q)["x-queue-type"], "quorum");
         let c = AckQueueConfig {
             name: "a".into(),
             quorum: false,
+            record_wait: Default::default(),
         };
         assert!(ack_queue_arguments(&c).is_empty());
         assert!(!valid_queue_name(""));

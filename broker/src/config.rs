@@ -98,6 +98,36 @@ pub struct AckQueueConfig {
     pub name: String,
     /// Declare it with `x-queue-type = quorum` instead of a classic durable queue.
     pub quorum: bool,
+    /// How long the ids of small commands wait to share one record.
+    pub record_wait: RecordWait,
+}
+
+/// A command that leaves fewer than 64 ids unrecorded does not get a record of its own: the
+/// record waits for the next commands' ids until they pause for `quiet`, at most `most` after
+/// its first id. At moderate rates a command holds a message or two, and a record for each
+/// would double what the broker stores, routes and delivers; a drain's large commands still get
+/// theirs at once. The defaults suit every deployment; tests lengthen them to hold a record
+/// back on purpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordWait {
+    /// A record goes once no command has come for this long. A deadline counted from the first
+    /// id alone lands wherever the next message happens to be: at a steady 200 messages/s (one
+    /// every 5 ms) each record went out with the next message and shared its way through the
+    /// publishing task, the I/O loop and the broker. After a pause, the record follows its
+    /// message while the way is clear; commands closer together than this share one record.
+    pub quiet: Duration,
+    /// How long published ids may wait for their record. Far below the worker's batching of the
+    /// DELETE (20 ms), so rows are deleted no later; a loss is revealed this much later at most.
+    pub most: Duration,
+}
+
+impl Default for RecordWait {
+    fn default() -> Self {
+        RecordWait {
+            quiet: Duration::from_millis(1),
+            most: Duration::from_millis(5),
+        }
+    }
 }
 
 /// Everything one broker connection needs. Sent again whenever anything changes; the
@@ -155,6 +185,7 @@ pub(crate) mod fixtures {
             ack_queue: AckQueueConfig {
                 name: "acks".into(),
                 quorum: false,
+                record_wait: RecordWait::default(),
             },
             connect_timeout: Duration::from_secs(3),
             heartbeat_secs: 7,

@@ -49,7 +49,7 @@ pub use amqp_values::header_table_size;
 pub use bridge::{Command, Event, Failure, LogLevel, OutboundMessage};
 pub use config::{
     AckQueueConfig, BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl,
-    TlsOptions,
+    RecordWait, TlsOptions,
 };
 pub use runtime_thread::spawn_without_signals;
 pub use thread::{spawn, BrokerHandle};

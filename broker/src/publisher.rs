@@ -11,6 +11,7 @@
 use crate::ack::{self, SharedTracker};
 use crate::batch::Batch;
 use crate::bridge::{Event, Failure, LogLevel};
+use crate::config::RecordWait;
 use crate::connection::{better_error, describe_error, message_may_be_at_fault, Redactor};
 use crate::events::EventSink;
 use crate::exchange_probe::{ExchangeProbe, Probe};
@@ -39,21 +40,9 @@ const NACKS_BEFORE_RECONNECT: u32 = 5;
 /// How often an idle task checks that its channel is still open.
 const CHANNEL_CHECK: Duration = Duration::from_secs(1);
 
-/// A command that leaves fewer ids than this unrecorded does not get a record of its own: the
-/// record waits for the next commands' ids until they pause for [`RECORD_QUIET`], at most
-/// [`RECORD_DELAY`]. At moderate rates a command holds a message or two, and a record for each
-/// would double what the broker stores, routes and delivers; a drain's large commands still get
-/// theirs at once.
+/// A command that leaves fewer ids than this unrecorded does not get a record of its own (see
+/// [`RecordWait`]).
 const RECORD_MIN_IDS: usize = 64;
-/// How long published ids may wait for their record. Far below the worker's batching of the
-/// DELETE (20 ms), so rows are deleted no later; a loss is revealed this much later at most.
-const RECORD_DELAY: Duration = Duration::from_millis(5);
-/// A record also goes once no command has come for this long. A deadline counted from the first
-/// id alone lands wherever the next message happens to be: at a steady 200 messages/s (one every
-/// 5 ms) each record went out with the next message and shared its way through this thread, the
-/// I/O loop and the broker. After a pause, the record follows its message while the way is clear;
-/// commands closer together than this still share one record.
-const RECORD_QUIET: Duration = Duration::from_millis(1);
 /// How long a stopping task waits for the confirm of the record it flushed (well below the
 /// broker task's wait for it to stop).
 const RECORD_FLUSH_WAIT: Duration = Duration::from_secs(1);
@@ -101,6 +90,7 @@ pub(crate) struct AckCtx {
     pub(crate) queue: ShortString,
     pub(crate) session: String,
     pub(crate) tracker: SharedTracker,
+    pub(crate) wait: RecordWait,
 }
 
 /// An acknowledgement record published and not yet confirmed.
@@ -156,7 +146,7 @@ struct Publisher {
     batch_from: u64,
     /// When the next record is due, while `batch_ids` waits for more (see [`RECORD_MIN_IDS`]).
     record_due: Option<Instant>,
-    /// The latest it may be due: [`RECORD_DELAY`] after the first id it waits with.
+    /// The latest it may be due: `RecordWait::most` after the first id it waits with.
     record_by: Option<Instant>,
     /// The last record number used on this channel (records are numbered 1, 2, …).
     record_seq: u64,
@@ -422,8 +412,9 @@ impl Publisher {
                     }
                 } else if last {
                     let now = Instant::now();
-                    let by = *self.record_by.get_or_insert(now + RECORD_DELAY);
-                    self.record_due = Some((now + RECORD_QUIET).min(by));
+                    let wait = self.ctx.ack.as_ref().map(|a| a.wait).unwrap_or_default();
+                    let by = *self.record_by.get_or_insert(now + wait.most);
+                    self.record_due = Some((now + wait.quiet).min(by));
                 }
             }
             if solo && published {

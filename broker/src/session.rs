@@ -470,6 +470,7 @@ impl BrokerTask {
             queue: ShortString::try_new(q.name.as_str()).ok()?,
             session: self.shared.session.clone(),
             tracker: self.shared.tracker.clone(),
+            wait: q.record_wait,
         })
     }
 

@@ -5,6 +5,7 @@ mod common;
 
 use amqp_outbox_broker::{
     BindingDecl, Command, Event, Failure, LogLevel, OutboundMessage, ProofMode, QueueDecl,
+    RecordWait,
 };
 use common::*;
 use lapin::types::{AMQPValue, FieldTable};
@@ -441,14 +442,20 @@ fn carried_to_the_next_channel(name: &str, refused_first: bool) {
     const REFUSED: i64 = 200;
     let mut admin = Admin::new();
     let (ack_q, queue) = acks_and_target(&mut admin, &format!("acks_{name}"), &format!("{name}_q"));
-    let (mut bridge, _) = ack_bridge(&ack_q, false);
-
-    // Small commands whose ids wait for a shared record; once one is confirmed, an ordinary
+    // Small commands whose ids wait for a shared record; once they are confirmed, an ordinary
     // command makes the broker close the channel (404) before that record goes out. The
     // confirmed ids must be recorded on the next channel, or nothing but the worker's timeout
-    // sweep ever proves them. The record waits while commands keep coming (at most 5 ms), so
-    // they come every 0.3 ms until a confirm is seen. Whether the close beats the record is
-    // still a race: a round the record won is repeated.
+    // sweep ever proves them. By default a record waits for a 1 ms pause in commands, too short
+    // to see confirms and publish again on a loaded machine, so the record waits 3 s here. A
+    // round the record still won (a stalled test thread) is repeated.
+    let mut config = ack_config(B, vec![local_endpoint()], vec![], &ack_q, false);
+    config.ack_queue.record_wait = RecordWait {
+        quiet: Duration::from_secs(3),
+        most: Duration::from_secs(10),
+    };
+    let (mut bridge, _) = Bridge::connected(config);
+    wait_listener(&mut bridge, &ack_q);
+
     let mut published: u32 = 0;
     for round in 1..=10i64 {
         let (exchange, _) = admin.direct_route("carried");

@@ -8,7 +8,9 @@ use super::queries;
 use super::status::Status;
 use crate::gucs::WorkerSettings;
 use crate::shmem;
-use amqp_outbox_broker::{AckQueueConfig, BrokerConfig, BrokerHandle, Command, ProofMode};
+use amqp_outbox_broker::{
+    AckQueueConfig, BrokerConfig, BrokerHandle, Command, ProofMode, RecordWait,
+};
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::time::{Duration, Instant};
@@ -133,6 +135,7 @@ pub(crate) fn template(s: &WorkerSettings) -> BrokerConfig {
         ack_queue: AckQueueConfig {
             name: crate::ack_queue::name(),
             quorum: s.ack_queue_quorum,
+            record_wait: RecordWait::default(),
         },
         connect_timeout: s.connect_timeout,
         heartbeat_secs: s.heartbeat_secs,

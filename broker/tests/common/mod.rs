@@ -8,7 +8,7 @@ pub mod node;
 
 use amqp_outbox_broker::{
     AckQueueConfig, BrokerConfig, BrokerHandle, Command, Endpoint, Event, ExchangeDecl,
-    OutboundMessage, ProofMode,
+    OutboundMessage, ProofMode, RecordWait,
 };
 use amqp_outbox_testkit::amqp_admin::{AmqpAdmin, QueueCounts};
 use lapin::message::Delivery;
@@ -57,6 +57,7 @@ pub fn config(broker_id: i32, hosts: Vec<Endpoint>, exchanges: Vec<ExchangeDecl>
         ack_queue: AckQueueConfig {
             name: unique("unused_acks"),
             quorum: false,
+            record_wait: RecordWait::default(),
         },
         connect_timeout: Duration::from_secs(5),
         heartbeat_secs: 10,
@@ -116,6 +117,7 @@ pub fn ack_config(
     c.ack_queue = AckQueueConfig {
         name: ack_queue.into(),
         quorum,
+        record_wait: RecordWait::default(),
     };
     c
 }
