@@ -4,6 +4,9 @@
 ALTER TABLE @extschema@.message
     ALTER COLUMN producer_started_at SET DEFAULT @extschema@._producer_started_at(),
     ALTER COLUMN message_id SET DEFAULT @extschema@._new_message_id();
+ALTER TABLE @extschema@.scheduled_message
+    ALTER COLUMN producer_started_at SET DEFAULT @extschema@._producer_started_at(),
+    ALTER COLUMN message_id SET DEFAULT @extschema@._new_message_id();
 
 -- The worker re-reads brokers and declarations after a transaction that changes them commits.
 CREATE TRIGGER broker_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.broker
@@ -103,11 +106,16 @@ CREATE VIEW @extschema@.message_status AS
                 WHEN m.next_attempt_at OPERATOR(pg_catalog.>) pg_catalog.now() THEN 'retry_wait'
                 ELSE 'pending' END AS state,
            m.attempts, m.created_at, m.next_attempt_at, m.parked_at, m.last_error,
-           m.producer_pid, m.producer_started_at, m.message_id
+           m.producer_pid, m.producer_started_at, m.message_id, NULL::timestamptz AS deliver_at
       FROM @extschema@.message m
-      LEFT JOIN @extschema@._in_flight() f ON f.id OPERATOR(pg_catalog.=) m.id;
+      LEFT JOIN @extschema@._in_flight() f ON f.id OPERATOR(pg_catalog.=) m.id
+    UNION ALL
+    SELECT s.id, s.broker_id, s.exchange, s.routing_key, 'scheduled', s.attempts, s.created_at,
+           s.next_attempt_at, s.parked_at, s.last_error, s.producer_pid, s.producer_started_at,
+           s.message_id, s.deliver_at
+      FROM @extschema@.scheduled_message s;
 COMMENT ON VIEW @extschema@.message_status IS
-    'Each message in the outbox and its delivery state: pending, in_flight (published, not confirmed), awaiting_ack (confirmed, acknowledgement record not seen yet), retry_wait, parked.';
+    'Each message in the outbox and its delivery state: pending, in_flight (published, not confirmed), awaiting_ack (confirmed, acknowledgement record not seen yet), retry_wait, parked, scheduled (published with a deliver_after, not due yet: in amqp.scheduled_message).';
 
 GRANT SELECT ON @extschema@.worker_status, @extschema@.broker_status, @extschema@.outbox_summary,
                 @extschema@.message_status TO pg_monitor;
@@ -136,8 +144,8 @@ GRANT USAGE ON SCHEMA @extschema@ TO amqp_outbox_publisher, amqp_outbox_admin;
 
 GRANT EXECUTE ON FUNCTION
     @extschema@.publish(integer, text, text, text, integer, text, text, text),
-    @extschema@.publish_message(integer, text, text, text, jsonb, integer, text, text, text, text, text, text),
-    @extschema@.publish_bytes(integer, text, text, bytea, jsonb, integer, text, text, text, text, text, text),
+    @extschema@.publish_message(integer, text, text, text, jsonb, integer, text, text, text, text, text, text, interval, text),
+    @extschema@.publish_bytes(integer, text, text, bytea, jsonb, integer, text, text, text, text, text, text, interval, text),
     @extschema@.last_message_id(),
     @extschema@.autonomous_publish(integer, text, text, text, integer, text, text, text)
     TO amqp_outbox_publisher;

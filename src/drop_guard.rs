@@ -161,4 +161,24 @@ fn refuse_while_messages_wait() {
         .set_hint("Wait until amqp.outbox_summary is empty and amqp.discard() the parked ones, or DELETE FROM amqp.message first to drop them on purpose.")
         .report(PgLogLevel::ERROR);
     }
+    // Delayed messages are committed messages too (not there before the update to 0.8.0).
+    let present =
+        Spi::get_one::<bool>("SELECT pg_catalog.to_regclass('amqp.scheduled_message') IS NOT NULL");
+    if !matches!(present, Ok(Some(true))) {
+        return;
+    }
+    let scheduled = Spi::get_one::<i64>("SELECT pg_catalog.count(*) FROM amqp.scheduled_message");
+    if let Ok(Some(n)) = scheduled {
+        if n > 0 {
+            pgrx::pg_sys::panic::ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+                format!(
+                    "amqp_outbox: amqp.scheduled_message holds {n} committed messages published for later; DROP EXTENSION would lose them"
+                ),
+                "amqp_outbox",
+            )
+            .set_hint("amqp.discard() them (cancelled, with a record), or DELETE FROM amqp.scheduled_message first to drop them on purpose.")
+            .report(PgLogLevel::ERROR);
+        }
+    }
 }

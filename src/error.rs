@@ -46,6 +46,8 @@ pub enum OutboxError {
     InvalidTraceparent(String),
     /// A negative timeout.
     NegativeTimeout,
+    /// A deliver_after that is negative or infinite.
+    InvalidDeliverAfter(&'static str),
 }
 
 impl OutboxError {
@@ -56,7 +58,9 @@ impl OutboxError {
             NullArgument(_) => ERRCODE_NULL_VALUE_NOT_ALLOWED,
             UnknownBroker(_) => ERRCODE_UNDEFINED_OBJECT,
             TooLong { .. } | TagTooLong { .. } => ERRCODE_STRING_DATA_RIGHT_TRUNCATION,
-            InvalidTraceparent(_) | NegativeTimeout => ERRCODE_INVALID_PARAMETER_VALUE,
+            InvalidTraceparent(_) | NegativeTimeout | InvalidDeliverAfter(_) => {
+                ERRCODE_INVALID_PARAMETER_VALUE
+            }
             InvalidDeliveryMode(_)
             | InvalidHeaders(_)
             | InvalidExchangeType(_)
@@ -97,7 +101,7 @@ impl OutboxError {
             EmptyName(what) => format!("amqp_outbox: {what} must not be empty"),
             InvalidArguments => "amqp_outbox: arguments must be a JSON object".to_string(),
             InvalidArgumentValues(why) => format!("amqp_outbox: invalid arguments: {why}"),
-            NotParked(id) => format!("amqp_outbox: message {id} is not parked"),
+            NotParked(id) => format!("amqp_outbox: message {id} is neither parked nor scheduled"),
             NoMessageYet => {
                 "amqp_outbox: no message has been published in this session yet".to_string()
             }
@@ -105,6 +109,7 @@ impl OutboxError {
                 format!("amqp_outbox: {what} is {bytes} bytes long; at most {max} are allowed")
             }
             NegativeTimeout => "amqp_outbox: timeout must not be negative".to_string(),
+            InvalidDeliverAfter(why) => format!("amqp_outbox: deliver_after must not be {why}"),
             InvalidTraceparent(v) => format!(
                 "amqp_outbox: invalid traceparent \"{v}\"; expected W3C trace context: 00-<32 hex>-<16 hex>-<2 hex>, lower case"
             ),

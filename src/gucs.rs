@@ -43,6 +43,8 @@ pub static STANDBY_NAMES: GucSetting<Option<CString>> = GucSetting::<Option<CStr
 /// Minutes (settings accept units: '15d').
 pub static RECONCILE_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(15 * 24 * 60);
 pub static STATS_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(400 * 24 * 60);
+/// Minutes (settings accept units: '24h').
+pub static IDEMPOTENCY_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(24 * 60);
 /// Test builds only (feature `fault-injection`): absent from a user's build, and from SHOW ALL.
 #[cfg(feature = "fault-injection")]
 pub static TEST_LOSE_ONE_IN: GucSetting<i32> = GucSetting::<i32>::new(0);
@@ -257,6 +259,16 @@ pub fn init(preloading: bool) {
         i32::MAX,
         GucContext::Suset,
         GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"amqp_outbox.idempotency_window",
+        c"How long an idempotency key of publish_message()/publish_bytes() counts.",
+        c"A publish with a key published within it publishes nothing and returns the first message's id. The worker deletes older keys.",
+        &IDEMPOTENCY_WINDOW,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MIN,
     );
     GucRegistry::define_int_guc(
         c"amqp_outbox.dedup_window",

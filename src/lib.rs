@@ -17,6 +17,7 @@ mod launcher;
 mod message_table;
 mod monitor;
 mod pg_compat;
+mod scheduled_move;
 mod shmem;
 mod subtransaction;
 mod wait_event;
@@ -63,6 +64,11 @@ extension_sql_file!(
     requires = ["monitor"]
 );
 extension_sql_file!("../sql/health.sql", name = "health", requires = ["runs_as"]);
+extension_sql_file!(
+    "../sql/publish_later.sql",
+    name = "publish_later",
+    requires = ["health"]
+);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]

@@ -6,7 +6,7 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,consume,capacity,monitor,standby,lanes,profile` to run a subset;
+//! latency,scale,growth,consume,capacity,monitor,standby,lanes,later,profile` to run a subset;
 //! `BENCH_SCALE_N` messages per large backlog and `BENCH_SCALE_REPS` backlogs in the scale phase;
 //! `BENCH_CONSUME_N` messages per consume run; `BENCH_LANES_N` messages per lanes run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
 //! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_MONITOR_OPEN`, `BENCH_MONITOR_RATE`,
@@ -20,6 +20,7 @@ mod charts;
 mod consume;
 mod env;
 mod lanes;
+mod later;
 mod monitor;
 mod pgbench;
 mod phases;
@@ -292,7 +293,7 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 11] = [
+    let all: [(&str, Phase); 12] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
@@ -303,6 +304,7 @@ fn main() {
         ("monitor", monitor::monitor),
         ("standby", standby::standby),
         ("lanes", lanes::lanes),
+        ("later", later::later),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();

@@ -15,6 +15,12 @@ pub enum System {
     PublishOff,
     Insert,
     Pgq,
+    /// `amqp.publish_message()`, worker on: the baseline of the next two.
+    PublishMessage,
+    /// `amqp.publish_message(..., deliver_after => '1 hour')`: nothing is delivered meanwhile.
+    PublishLater,
+    /// `amqp.publish_message(..., idempotency_key => <a new UUID>)`, worker on.
+    PublishKeyed,
 }
 
 impl System {
@@ -24,6 +30,9 @@ impl System {
             System::PublishOff => "amqp.publish (worker off)",
             System::Insert => "plain INSERT",
             System::Pgq => "pgq.insert_event",
+            System::PublishMessage => "amqp.publish_message (worker on)",
+            System::PublishLater => "amqp.publish_message with deliver_after",
+            System::PublishKeyed => "amqp.publish_message with idempotency_key",
         }
     }
 
@@ -33,6 +42,9 @@ impl System {
             System::PublishOff => "publish_off",
             System::Insert => "insert",
             System::Pgq => "pgq",
+            System::PublishMessage => "publish_message",
+            System::PublishLater => "publish_later",
+            System::PublishKeyed => "publish_keyed",
         }
     }
 }
@@ -67,6 +79,17 @@ pub fn script(env: &Env, system: System, load: &Load, body: &str) -> String {
              VALUES ({b}, '{exchange}', '', convert_to('{body}', 'UTF8'));"
         ),
         System::Pgq => format!("SELECT pgq.insert_event('bench', 'msg', '{body}');"),
+        System::PublishMessage => {
+            format!("SELECT amqp.publish_message({b}, '{exchange}', '', '{body}');")
+        }
+        System::PublishLater => format!(
+            "SELECT amqp.publish_message({b}, '{exchange}', '', '{body}', \
+             deliver_after => '1 hour');"
+        ),
+        System::PublishKeyed => format!(
+            "SELECT amqp.publish_message({b}, '{exchange}', '', '{body}', \
+             idempotency_key => pg_catalog.gen_random_uuid()::text);"
+        ),
     };
     if load.per_txn == 1 {
         format!("{stmt}\n")

@@ -26,9 +26,9 @@ pub fn rotated<T: Clone>(items: &[T], k: usize) -> Vec<T> {
 #[derive(Default, Clone, Copy)]
 pub(crate) struct WorkerDuring {
     /// Messages confirmed per second during the run.
-    delivered_per_sec: f64,
+    pub(crate) delivered_per_sec: f64,
     /// The worker's CPU use during the run, in cores.
-    cpu_cores: f64,
+    pub(crate) cpu_cores: f64,
     /// RabbitMQ's CPU use during the run, in cores: taken from the same 2 cores as the INSERTs.
     broker_cpu_cores: f64,
     /// Seconds after the run until the outbox was empty.
@@ -43,7 +43,7 @@ pub(crate) fn pgbench_once(
     body: &str,
 ) -> Result<(pgbench::Outcome, Option<WorkerDuring>), String> {
     match system {
-        System::Publish => {
+        System::Publish | System::PublishMessage | System::PublishKeyed => {
             env.set_enabled(true)?;
             env.purge(&env.routes.publish.queue.clone())?;
             let pid = env.worker_pid()?;
@@ -65,6 +65,9 @@ pub(crate) fn pgbench_once(
                 return Err(e);
             }
             env.purge(&env.routes.publish.queue.clone())?;
+            if system == System::PublishKeyed {
+                env.sql("TRUNCATE amqp.idempotency_key")?;
+            }
             let w = WorkerDuring {
                 delivered_per_sec: (c1 - c0) as f64 / secs,
                 cpu_cores: match (cpu0, cpu1) {
@@ -92,6 +95,12 @@ pub(crate) fn pgbench_once(
                 ));
             }
             env.sql("TRUNCATE amqp.message")?;
+            Ok((out, None))
+        }
+        System::PublishLater => {
+            env.set_enabled(true)?;
+            let out = pgbench::run(env, system, load, body)?;
+            env.sql("TRUNCATE amqp.scheduled_message")?;
             Ok((out, None))
         }
         System::Insert => {
@@ -126,11 +135,11 @@ pub(crate) fn config_label(load: &Load) -> String {
     format!("{c}, {}/txn, {size}", load.per_txn)
 }
 
-type Series = std::collections::BTreeMap<&'static str, Vec<f64>>;
+pub(crate) type Series = std::collections::BTreeMap<&'static str, Vec<f64>>;
 
 /// Runs `systems` × `reps` at `load`, interleaved; returns rows/s per system and the worker's
 /// figures during the `Publish` runs.
-fn pgbench_series(
+pub(crate) fn pgbench_series(
     env: &mut Env,
     systems: &[System],
     load: &Load,

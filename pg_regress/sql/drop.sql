@@ -18,8 +18,16 @@ ROLLBACK TO s;
 SELECT count(*) AS still_there FROM amqp.message;
 -- Another extension is not concerned; a missing one neither.
 DROP EXTENSION IF EXISTS no_such_extension;
--- Deleted on purpose first: the drop goes through.
+-- Messages published for later count as well.
 DELETE FROM amqp.message;
+SELECT amqp.publish_message(1, 'ex', 'rk', 'later', deliver_after => '1 day') > 0 AS scheduled;
+SAVEPOINT t;
+\set VERBOSITY sqlstate
+DROP EXTENSION amqp_outbox;
+\set VERBOSITY terse
+ROLLBACK TO t;
+-- Deleted on purpose first: the drop goes through.
+DELETE FROM amqp.scheduled_message;
 DROP EXTENSION amqp_outbox;
 SELECT count(*) AS installed FROM pg_extension WHERE extname = 'amqp_outbox';
 ROLLBACK;

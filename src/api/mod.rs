@@ -7,6 +7,7 @@ pub(crate) mod message_id;
 mod outbox_row;
 mod parked;
 mod publish;
+mod publish_later;
 pub(crate) mod run_as;
 mod standbys;
 mod status;

@@ -179,6 +179,8 @@ fn register_callback() {
 
 /// The values of one message; `None` is SQL NULL.
 pub struct Row<'a> {
+    /// Drawn already (an idempotency key took it); `None`: from the sequence, here.
+    pub id: Option<i64>,
     pub producer_pid: i32,
     pub producer_started_at: pg_sys::TimestampTz,
     pub broker_id: i32,
@@ -384,7 +386,10 @@ unsafe fn write(
             }
         };
         // The id is drawn after the caller took its transaction id (the worker's scan floor).
-        let id = pg_sys::ffi::pg_guard_ffi_boundary(|| nextval_internal(sequence, false));
+        let id = match row.id {
+            Some(id) => id,
+            None => pg_sys::ffi::pg_guard_ffi_boundary(|| nextval_internal(sequence, false)),
+        };
         set(Col::Id, Some(pg_sys::Datum::from(id)));
         set(Col::ProducerPid, row.producer_pid.into_datum());
         set(

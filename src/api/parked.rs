@@ -1,5 +1,6 @@
 //! What an operator does with parked messages: retry them, or discard them on purpose (kept in
-//! `amqp.discarded`, never silently).
+//! `amqp.discarded`, never silently). The same for delayed messages not due yet: retry sends
+//! one now, discard cancels it.
 
 use super::run_as::{current_role_name, extension_owner, RunAs};
 use crate::commit_wake;
@@ -32,6 +33,36 @@ SELECT id, producer_pid, producer_started_at, broker_id, exchange, routing_key, 
   FROM gone \
 RETURNING id";
 
+/// A delayed message, cancelled: recorded as a discarded parked one is.
+fn discard_scheduled_sql() -> String {
+    let columns = crate::scheduled_move::COLUMNS;
+    format!(
+        "WITH gone AS (DELETE FROM amqp.scheduled_message \
+                        WHERE id OPERATOR(pg_catalog.=) $1 RETURNING *) \
+         INSERT INTO amqp.discarded ({columns}, discarded_at, discarded_by, reason) \
+         SELECT {columns}, pg_catalog.now(), $3::pg_catalog.name, $2 FROM gone \
+         RETURNING id"
+    )
+}
+
+/// Whether `amqp.scheduled_message` exists (not before `ALTER EXTENSION amqp_outbox UPDATE`).
+fn scheduled_table_exists() -> bool {
+    Spi::get_one::<bool>("SELECT pg_catalog.to_regclass('amqp.scheduled_message') IS NOT NULL")
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+/// Moves a delayed message into the outbox now: 1 when it was scheduled, 0 when not. As the
+/// extension's owner: admins may not insert into `amqp.message` themselves.
+fn send_scheduled_now(id: i64) -> usize {
+    if !scheduled_table_exists() {
+        return 0;
+    }
+    let _as_owner = RunAs::new(extension_owner());
+    run(&crate::scheduled_move::move_sql(), &[vec![id].into()])
+}
+
 fn run(sql: &str, args: &[DatumWithOid]) -> usize {
     match Spi::connect_mut(|client| client.update(sql, None, args).map(|t| t.len())) {
         Ok(n) => n,
@@ -39,13 +70,14 @@ fn run(sql: &str, args: &[DatumWithOid]) -> usize {
     }
 }
 
-/// Makes a parked message eligible again (attempts back to 0); it goes out after commit.
+/// Makes a parked message eligible again (attempts back to 0), or a delayed one due now; it
+/// goes out after commit.
 #[pg_extern(volatile, parallel_unsafe)]
 fn retry(message_id: Option<i64>) -> bool {
     let id = message_id
         .ok_or(OutboxError::NullArgument("message_id"))
         .or_raise();
-    if run(RETRY_SQL, &[id.into()]) == 0 {
+    if run(RETRY_SQL, &[id.into()]) == 0 && send_scheduled_now(id) == 0 {
         OutboxError::NotParked(id).raise();
     }
     commit_wake::wake_worker_at_commit();
@@ -63,7 +95,8 @@ fn retry_all(broker_id: Option<i32>) -> i64 {
     n as i64
 }
 
-/// Removes a parked message for good, recording it in `amqp.discarded` with who, when and why.
+/// Removes a parked message for good, or cancels a delayed one, recording it in `amqp.discarded`
+/// with who, when and why.
 #[pg_extern(volatile, parallel_unsafe)]
 fn discard(message_id: Option<i64>, reason: default!(Option<&str>, "NULL")) -> bool {
     let id = message_id
@@ -72,9 +105,14 @@ fn discard(message_id: Option<i64>, reason: default!(Option<&str>, "NULL")) -> b
     // Admins may discard without any right on amqp.discarded (they must not forge its rows):
     // the one fixed statement runs as the extension's owner, recording the caller.
     let by = current_role_name();
+    let scheduled = scheduled_table_exists();
     let discarded = {
         let _as_owner = RunAs::new(extension_owner());
-        run(DISCARD_SQL, &[id.into(), reason.into(), by.into()])
+        let args = [id.into(), reason.into(), by.into()];
+        match run(DISCARD_SQL, &args) {
+            0 if scheduled => run(&discard_scheduled_sql(), &args),
+            n => n,
+        }
     };
     if discarded == 0 {
         OutboxError::NotParked(id).raise();

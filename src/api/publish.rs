@@ -5,11 +5,12 @@
 use super::jsonb_arg::JsonbArg;
 use super::known_brokers;
 use super::outbox_row;
+use super::publish_later::{self, KeyClaim, Later};
 use super::run_as::{extension_owner, RunAs};
 use crate::error::{OrRaise, OutboxError};
 use crate::headers::Unsendable;
 use crate::{commit_wake, shmem};
-use pgrx::datum::DatumWithOid;
+use pgrx::datum::{DatumWithOid, Interval};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
@@ -32,28 +33,51 @@ struct Insert {
 }
 
 thread_local! {
-    static INSERT: RefCell<Option<Insert>> = const { RefCell::new(None) };
-    static INSERT_TAGGED: RefCell<Option<Insert>> = const { RefCell::new(None) };
+    /// Indexed by [`Statement::index`].
+    static INSERTS: RefCell<[Option<Insert>; 4]> = const { RefCell::new([None, None, None, None]) };
     static LAST_ID: Cell<Option<i64>> = const { Cell::new(None) };
     /// Whether this session was checked for publishing in a database the worker does not serve.
     static NOT_SERVED_CHECKED: Cell<bool> = const { Cell::new(false) };
 }
 
-const INSERT_SQL: &str = "\
+const INSERT_COLUMNS: &str = "\
 INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
-                          body, delivery_mode, content_type, reply_to, correlation_id, headers) \
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb) \
-RETURNING id";
+                          body, delivery_mode, content_type, reply_to, correlation_id, headers";
+const INSERT_VALUES: &str =
+    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb";
 
-/// With tags (0.4.0). A message without any takes the statement above: it is the cheaper one,
-/// and it still works while the library is newer than the installed SQL (before `ALTER
-/// EXTENSION amqp_outbox UPDATE`).
-const INSERT_TAGGED_SQL: &str = "\
-INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
-                          body, delivery_mode, content_type, reply_to, correlation_id, headers, \
-                          business_type, business_key, traceparent, system_id, host_id) \
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb, $12, $13, $14, $15, $16) \
-RETURNING id";
+/// The ordinary INSERT's variants: with tags (0.4.0) and with an id drawn already (an
+/// idempotency key, 0.8.0). A message without either takes the plain statement: it is the
+/// cheaper one, and it still works while the library is newer than the installed SQL (before
+/// `ALTER EXTENSION amqp_outbox UPDATE`).
+#[derive(Clone, Copy)]
+struct Statement {
+    tagged: bool,
+    with_id: bool,
+}
+
+impl Statement {
+    fn index(self) -> usize {
+        usize::from(self.tagged) * 2 + usize::from(self.with_id)
+    }
+
+    /// Built from the fixed parts above only; every value is a parameter.
+    fn sql(self) -> String {
+        let mut columns = INSERT_COLUMNS.to_owned();
+        let mut values = INSERT_VALUES.to_owned();
+        let mut n = 11;
+        if self.tagged {
+            columns.push_str(", business_type, business_key, traceparent, system_id, host_id");
+            values.push_str(", $12, $13, $14, $15, $16");
+            n = 16;
+        }
+        if self.with_id {
+            columns.push_str(", id");
+            values.push_str(&format!(", ${}", n + 1));
+        }
+        format!("{columns}) {values}) RETURNING id")
+    }
+}
 
 /// Longest business type, system id and host id; business keys may be longer (as in
 /// `consume_once`).
@@ -239,6 +263,12 @@ impl<'a> NewMessage<'a> {
 
     /// Inserts the row and returns its id.
     pub fn insert(self) -> i64 {
+        self.insert_with(Later::default())
+    }
+
+    /// Inserts the row, or schedules it, or finds the message its idempotency key published;
+    /// returns the message's id.
+    pub fn insert_with(self, later: Later<'_>) -> i64 {
         if !shmem::ready() {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -278,9 +308,20 @@ impl<'a> NewMessage<'a> {
             Ok(false) => OutboxError::UnknownBroker(self.broker_id).raise(),
             Err(e) => insert_failed(e),
         }
+        let id = match later.idempotency_key.map(publish_later::claim_key) {
+            None => None,
+            Some(Ok(KeyClaim::First(id))) => Some(id),
+            Some(Ok(KeyClaim::Seen(id))) => {
+                // Published before: nothing new to publish, and nothing to wake the worker for.
+                LAST_ID.set(Some(id));
+                return id;
+            }
+            Some(Err(e)) => insert_failed(e),
+        };
         // SAFETY: globals set once at process start, read on the backend's main thread.
         let (pid, started_at) = unsafe { (pg_sys::MyProcPid, pg_sys::MyStartTimestamp) };
         let row = outbox_row::Row {
+            id,
             producer_pid: pid,
             producer_started_at: started_at,
             broker_id: self.broker_id,
@@ -298,9 +339,15 @@ impl<'a> NewMessage<'a> {
             system_id: self.tags.system_id.as_deref(),
             host_id: self.tags.host_id.as_deref(),
         };
+        if let Some(delay) = later.deliver_after {
+            // Not due yet: the worker looks for due ones on its own schedule.
+            let id = publish_later::schedule(&row, id, delay).unwrap_or_else(|e| insert_failed(e));
+            LAST_ID.set(Some(id));
+            return id;
+        }
         let id = match outbox_row::insert(&row) {
             Some(id) => id,
-            None => self.insert_with_spi(),
+            None => self.insert_with_spi(id),
         };
         LAST_ID.set(Some(id));
         commit_wake::wake_worker_at_commit();
@@ -309,11 +356,14 @@ impl<'a> NewMessage<'a> {
 
     /// The ordinary INSERT, planned once per session: for a table a DBA changed (a trigger, a
     /// constraint, a column), which [`outbox_row`] leaves to the executor.
-    fn insert_with_spi(self) -> i64 {
+    fn insert_with_spi(self, id: Option<i64>) -> i64 {
         // SAFETY: a global set once at process start, read on the backend's main thread.
         let pid = unsafe { pg_sys::MyProcPid };
         let started_at = producer_started_at();
-        let tagged = self.tags != StoredTags::default();
+        let statement = Statement {
+            tagged: self.tags != StoredTags::default(),
+            with_id: id.is_some(),
+        };
         let mut args: Vec<DatumWithOid> = vec![
             pid.into(),
             started_at.into(),
@@ -327,7 +377,7 @@ impl<'a> NewMessage<'a> {
             self.correlation_id.into(),
             self.headers.into(),
         ];
-        if tagged {
+        if statement.tagged {
             args.extend([
                 self.tags.business_type.into(),
                 self.tags.business_key.into(),
@@ -336,20 +386,19 @@ impl<'a> NewMessage<'a> {
                 self.tags.host_id.into(),
             ]);
         }
-        let (cache, sql) = if tagged {
-            (&INSERT_TAGGED, INSERT_TAGGED_SQL)
-        } else {
-            (&INSERT, INSERT_SQL)
-        };
+        if let Some(id) = id {
+            args.push(id.into());
+        }
         let id = Spi::connect_mut(|client| {
-            cache.with_borrow_mut(|insert| {
-                let insert = match insert {
+            INSERTS.with_borrow_mut(|inserts| {
+                let slot = &mut inserts[statement.index()];
+                let insert = match slot {
                     Some(insert) => insert,
                     None => {
                         let owner = extension_owner();
                         let oids: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
-                        let plan = client.prepare_mut(sql, &oids)?.keep();
-                        insert.insert(Insert { plan, owner })
+                        let plan = client.prepare_mut(&statement.sql(), &oids)?.keep();
+                        slot.insert(Insert { plan, owner })
                     }
                 };
                 // Only these fixed, fully qualified statements run as the owner.
@@ -363,7 +412,7 @@ impl<'a> NewMessage<'a> {
             Ok(None) => insert_failed("the INSERT returned no id"),
             Err(e) => {
                 // A stale plan (extension dropped and re-created) must not stay cached.
-                cache.with_borrow_mut(|p| *p = None);
+                INSERTS.with_borrow_mut(|p| p[statement.index()] = None);
                 insert_failed(e)
             }
         }
@@ -468,10 +517,11 @@ fn publish(
     true
 }
 
-/// Like `publish`, with AMQP headers and the reconciliation tags; returns the message id.
+/// Like `publish`, with AMQP headers, the reconciliation tags, a delay and an idempotency key;
+/// returns the message id (with a key published before within the window: that message's id).
 #[pg_extern(volatile, parallel_unsafe, name = "publish_message")]
 #[allow(clippy::too_many_arguments)]
-fn publish_message_tagged(
+fn publish_message_later(
     broker_id: Option<i32>,
     exchange: Option<&str>,
     routing_key: Option<&str>,
@@ -484,8 +534,10 @@ fn publish_message_tagged(
     business_type: default!(Option<&str>, "NULL"),
     business_key: default!(Option<&str>, "NULL"),
     traceparent: default!(Option<&str>, "NULL"),
+    deliver_after: default!(Option<Interval>, "NULL"),
+    idempotency_key: default!(Option<&str>, "NULL"),
 ) -> i64 {
-    NewMessage::check(
+    let message = NewMessage::check(
         broker_id,
         exchange,
         routing_key,
@@ -501,14 +553,14 @@ fn publish_message_tagged(
             traceparent,
         },
     )
-    .or_raise()
-    .insert()
+    .or_raise();
+    message.insert_with(Later::check(deliver_after, idempotency_key).or_raise())
 }
 
 /// A binary body; returns the message id.
 #[pg_extern(volatile, parallel_unsafe, name = "publish_bytes")]
 #[allow(clippy::too_many_arguments)]
-fn publish_bytes_tagged(
+fn publish_bytes_later(
     broker_id: Option<i32>,
     exchange: Option<&str>,
     routing_key: Option<&str>,
@@ -521,8 +573,10 @@ fn publish_bytes_tagged(
     business_type: default!(Option<&str>, "NULL"),
     business_key: default!(Option<&str>, "NULL"),
     traceparent: default!(Option<&str>, "NULL"),
+    deliver_after: default!(Option<Interval>, "NULL"),
+    idempotency_key: default!(Option<&str>, "NULL"),
 ) -> i64 {
-    NewMessage::check(
+    let message = NewMessage::check(
         broker_id,
         exchange,
         routing_key,
@@ -538,8 +592,79 @@ fn publish_bytes_tagged(
             traceparent,
         },
     )
-    .or_raise()
-    .insert()
+    .or_raise();
+    message.insert_with(Later::check(deliver_after, idempotency_key).or_raise())
+}
+
+/// The twelve-argument entry points of versions 0.4.0 to 0.7.0, kept (without SQL of their own)
+/// for the SQL definitions of an installed older version: until `ALTER EXTENSION amqp_outbox
+/// UPDATE` runs, those still call these symbols.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+#[allow(clippy::too_many_arguments)]
+fn publish_message_tagged(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    body: Option<&str>,
+    headers: default!(Option<JsonbArg>, "NULL"),
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+    business_type: default!(Option<&str>, "NULL"),
+    business_key: default!(Option<&str>, "NULL"),
+    traceparent: default!(Option<&str>, "NULL"),
+) -> i64 {
+    publish_message_later(
+        broker_id,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+        business_type,
+        business_key,
+        traceparent,
+        None,
+        None,
+    )
+}
+
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+#[allow(clippy::too_many_arguments)]
+fn publish_bytes_tagged(
+    broker_id: Option<i32>,
+    exchange: Option<&str>,
+    routing_key: Option<&str>,
+    body: Option<&[u8]>,
+    headers: default!(Option<JsonbArg>, "NULL"),
+    delivery_mode: default!(Option<i32>, "NULL"),
+    content_type: default!(Option<&str>, "NULL"),
+    reply_to: default!(Option<&str>, "NULL"),
+    correlation_id: default!(Option<&str>, "NULL"),
+    business_type: default!(Option<&str>, "NULL"),
+    business_key: default!(Option<&str>, "NULL"),
+    traceparent: default!(Option<&str>, "NULL"),
+) -> i64 {
+    publish_bytes_later(
+        broker_id,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        delivery_mode,
+        content_type,
+        reply_to,
+        correlation_id,
+        business_type,
+        business_key,
+        traceparent,
+        None,
+        None,
+    )
 }
 
 /// The nine-argument entry points of versions before 0.4.0, kept (without SQL of their own) for
@@ -612,7 +737,7 @@ fn last_message_id() -> i64 {
 /// This session's start time: with `pg_backend_pid()`, the producer key. The default of
 /// `amqp.message.producer_started_at`, so direct INSERTs get it too.
 #[pg_extern(stable, parallel_safe, name = "_producer_started_at")]
-fn producer_started_at() -> TimestampWithTimeZone {
+pub(super) fn producer_started_at() -> TimestampWithTimeZone {
     // SAFETY: a global set once at process start, read on the backend's main thread.
     TimestampWithTimeZone::try_from(unsafe { pg_sys::MyStartTimestamp })
         .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity())

@@ -10,6 +10,7 @@ use super::gather::Gather;
 use super::pg;
 use super::presence::Presence;
 use super::scan_floor::ScanFloor;
+use super::scheduled::Scheduled;
 use super::settle::{self, Settlement};
 use super::shrink::Shrink;
 use super::standbys::{self, StandbyWait};
@@ -45,6 +46,7 @@ pub struct Worker {
     pub(super) faults: Faults,
     /// Where the claim starts reading.
     pub(super) floor: ScanFloor,
+    pub(super) scheduled: Scheduled,
     shrink: Shrink,
     swept_at: Instant,
     stepped_at: Option<Instant>,
@@ -74,6 +76,7 @@ impl Worker {
             status: Status::default(),
             faults: Faults::default(),
             floor: ScanFloor::default(),
+            scheduled: Scheduled::default(),
             shrink: Shrink::default(),
             swept_at: Instant::now(),
             stepped_at: None,
@@ -245,6 +248,10 @@ impl Worker {
             timeout = timeout.min(due);
         }
         let mut timeout = self.deletes_due(timeout);
+        if self.settings.enabled {
+            // Delayed messages are looked for about once a second, whatever the naptime.
+            timeout = timeout.min(self.scheduled.until_due());
+        }
         if self.settings.enabled && shmem::commit_wake_taken() {
             // A commit came during this step: the next one claims it, even if a wait inside
             // the step's transactions reset the latch it set.

@@ -26,6 +26,7 @@ pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;
 mod scan_floor;
+mod scheduled;
 mod settle;
 mod shrink;
 pub(crate) mod standby_gate;

@@ -35,6 +35,13 @@ impl Pacer {
             .is_none_or(|(at, cost)| now.saturating_duration_since(at) >= self.gap(cost))
     }
 
+    /// How long until [`Pacer::due`] says yes (zero when it does).
+    pub fn until_due(&self, now: Instant) -> Duration {
+        self.last.map_or(Duration::ZERO, |(at, cost)| {
+            (at + self.gap(cost)).saturating_duration_since(now)
+        })
+    }
+
     /// The statement started at `at` and took `cost`.
     pub fn ran(&mut self, at: Instant, cost: Duration) {
         self.last = Some((at, cost));

@@ -55,6 +55,7 @@ impl Worker {
             || !self.settings.enabled
             || self.brokers.reload_pending()
             || self.brokers.orphan_check_due()
+            || self.scheduled.due()
             || self.status.count_due(self.settings.max_pending)
     }
 
@@ -95,6 +96,10 @@ impl Worker {
                 return Ok(false);
             }
             self.brokers.park_orphans_when_due(client)?;
+            if self.scheduled.run_when_due(client)? > 0 {
+                // The moved rows keep their ids, below the floor by now.
+                self.floor.reset();
+            }
             Ok::<_, pgrx::spi::SpiError>(true)
         });
         match result {

@@ -783,6 +783,30 @@ fn update_from_the_previous_version_keeps_every_message_and_its_id() {
     assert_eq!(message_id.len(), 36, "a UUID: {message_id}");
     let d = collector.wait_for_body("after-update", Duration::from_secs(30));
     assert_eq!(d.message_id.as_deref(), Some(message_id.as_str()));
+    // The updated database publishes for later and with keys (0.8.0).
+    let keyed = "SELECT amqp.publish_message($1, $2, $3, $4, deliver_after => '1 second', \
+                 idempotency_key => 'after-update')";
+    let first: i64 = client
+        .query_one(
+            keyed,
+            &[
+                &broker_id,
+                &route.exchange,
+                &route.routing_key,
+                &"later-after-update",
+            ],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("delayed publish after the update: {e}"));
+    let again: i64 = client
+        .query_one(
+            keyed,
+            &[&broker_id, &route.exchange, &route.routing_key, &"repeated"],
+        )
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("repeated publish after the update: {e}"));
+    assert_eq!(first, again);
+    collector.wait_for_body("later-after-update", Duration::from_secs(30));
 
     // An updated database has exactly the schema of one created at the new version.
     client

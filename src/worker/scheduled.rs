@@ -1,0 +1,157 @@
+//! Delayed messages (`publish_message(..., deliver_after)`): about once a second the worker
+//! moves the due rows of `amqp.scheduled_message` into `amqp.message`, same id and message_id,
+//! where they are claimed like any other. Once a minute it deletes the idempotency keys older
+//! than `amqp_outbox.idempotency_window`.
+//!
+//! Why a table of their own: a million messages scheduled for next week in `amqp.message` would
+//! be read (and skipped) by every claim that reads from the lowest id, counted as pending, and
+//! held against `amqp_outbox.max_pending`. Here a look costs one index probe when nothing is due.
+//!
+//! A moved row keeps the id it was given when published, below the scan floor by then: the
+//! caller lowers the floor when anything moved (see [`super::scan_floor`]).
+//!
+//! A row that cannot go into `amqp.message` (a trigger or a constraint a DBA added there) stays,
+//! with the error in `last_error` and its `deliver_at` a minute later: it never holds back the
+//! others, and is tried again.
+
+use super::pacer::Pacer;
+use crate::subtransaction::subtransaction;
+use pgrx::prelude::*;
+use pgrx::spi::{SpiClient, SpiResult};
+use std::time::{Duration, Instant};
+
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+const EXPIRE_EVERY: Duration = Duration::from_secs(60);
+/// Rows moved, or keys deleted, per statement: a backlog of due messages moves over several
+/// steps, each a bounded transaction.
+const BATCH: i64 = 5000;
+
+const EXISTS_SQL: &str = "\
+SELECT pg_catalog.to_regclass('amqp.scheduled_message') IS NOT NULL \
+   AND pg_catalog.to_regclass('amqp.idempotency_key') IS NOT NULL";
+
+/// Ids of due rows, oldest due first. SKIP LOCKED: a row `amqp.retry()` or `amqp.discard()` is
+/// taking meanwhile is theirs.
+const DUE_SQL: &str = "\
+SELECT id FROM amqp.scheduled_message \
+ WHERE deliver_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+ ORDER BY deliver_at, id LIMIT $1 FOR UPDATE SKIP LOCKED";
+
+const POSTPONE_SQL: &str = "\
+UPDATE amqp.scheduled_message \
+   SET last_error = $2, \
+       deliver_at = pg_catalog.now() OPERATOR(pg_catalog.+) '1 minute'::pg_catalog.interval \
+ WHERE id OPERATOR(pg_catalog.=) $1";
+
+const EXPIRE_SQL: &str = "\
+DELETE FROM amqp.idempotency_key \
+ WHERE key IN (SELECT key FROM amqp.idempotency_key \
+                WHERE published_at OPERATOR(pg_catalog.<) \
+                      (pg_catalog.now() OPERATOR(pg_catalog.-) $1) \
+                LIMIT $2)";
+
+pub struct Scheduled {
+    look: Pacer,
+    expire: Pacer,
+}
+
+impl Default for Scheduled {
+    fn default() -> Self {
+        Scheduled {
+            look: Pacer::new(LOOK_EVERY),
+            expire: Pacer::new(EXPIRE_EVERY),
+        }
+    }
+}
+
+impl Scheduled {
+    /// Whether a look (or an expiry) is due now.
+    pub fn due(&self) -> bool {
+        let now = Instant::now();
+        self.look.due(now) || self.expire.due(now)
+    }
+
+    /// How long until the next look or expiry.
+    pub fn until_due(&self) -> Duration {
+        let now = Instant::now();
+        self.look.until_due(now).min(self.expire.until_due(now))
+    }
+
+    /// Moves the due messages and expires old keys when their time has come; returns how many
+    /// messages moved (the caller lowers its scan floor when any did).
+    pub fn run_when_due(&mut self, client: &mut SpiClient<'_>) -> SpiResult<u64> {
+        let started = Instant::now();
+        let (look, expire) = (self.look.due(started), self.expire.due(started));
+        if !look && !expire {
+            return Ok(0);
+        }
+        // Before `ALTER EXTENSION amqp_outbox UPDATE` brought the tables, nothing to do.
+        let present = client
+            .select(EXISTS_SQL, None, &[])?
+            .first()
+            .get_one::<bool>()?
+            .unwrap_or(false);
+        let mut moved = 0;
+        if look {
+            if present {
+                moved = move_due(client)?;
+            }
+            self.look.ran(started, started.elapsed());
+        }
+        if expire {
+            let at = Instant::now();
+            if present {
+                let window = pgrx::datum::Interval::from_minutes(
+                    crate::gucs::IDEMPOTENCY_WINDOW.get().max(1),
+                );
+                client.update(EXPIRE_SQL, None, &[window.into(), BATCH.into()])?;
+            }
+            self.expire.ran(at, at.elapsed());
+        }
+        Ok(moved)
+    }
+}
+
+/// Moves up to [`BATCH`] due rows: all at once, or one by one when that fails, so that a row
+/// that cannot move holds back no other.
+fn move_due(client: &mut SpiClient<'_>) -> SpiResult<u64> {
+    let due: Vec<i64> = client
+        .update(DUE_SQL, None, &[BATCH.into()])?
+        .into_iter()
+        .filter_map(|r| r.get::<i64>(1).ok().flatten())
+        .collect();
+    if due.is_empty() {
+        return Ok(0);
+    }
+    let sql = crate::scheduled_move::move_sql();
+    let all = subtransaction(|| {
+        client
+            .update(&sql, None, &[due.clone().into()])
+            .map(|t| t.len())
+    });
+    match all {
+        Ok(Ok(n)) => return Ok(n as u64),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => {}
+    }
+    let mut moved = 0;
+    for id in due {
+        let one = subtransaction(|| {
+            client
+                .update(&sql, None, &[vec![id].into()])
+                .map(|t| t.len())
+        });
+        match one {
+            Ok(Ok(n)) => moved += n as u64,
+            Ok(Err(e)) => return Err(e),
+            Err(caught) => {
+                let error = format!("{}: {}", caught.sqlstate, caught.message);
+                warning!(
+                    "amqp_outbox: delayed message {id} could not be moved into amqp.message ({error}); trying again in a minute"
+                );
+                client.update(POSTPONE_SQL, None, &[id.into(), error.into()])?;
+            }
+        }
+    }
+    Ok(moved)
+}
