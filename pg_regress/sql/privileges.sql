@@ -26,6 +26,12 @@ SET LOCAL ROLE regress_amqp_app;
 SELECT amqp.publish(8, 'ex', 'rk', 'from the app');
 SELECT amqp.publish_message(8, 'ex', 'rk', 'with headers', '{"a": 1}') > 0 AS published;
 SELECT amqp.last_message_id() > 0 AS has_id;
+-- Delayed and keyed publishes too, without any right on their tables.
+SELECT amqp.publish_message(8, 'ex', 'rk', 'for later', deliver_after => '1 day',
+                            idempotency_key => 'regress-later') > 0 AS published_later;
+SELECT count(*) FROM amqp.scheduled_message;
+SELECT count(*) FROM amqp.idempotency_key;
+DELETE FROM amqp.idempotency_key;
 SELECT password FROM amqp.broker;
 SELECT count(*) FROM amqp.message;
 UPDATE amqp.broker SET host = 'attacker.example';
@@ -55,6 +61,12 @@ SELECT amqp.discard(id, 'not wanted') FROM amqp.message WHERE body = 'from the a
 SELECT amqp.discard(999999);
 INSERT INTO amqp.discarded SELECT * FROM amqp.discarded;
 SELECT discarded_by, reason, convert_from(body, 'UTF8') AS body FROM amqp.discarded;
+-- It reads delayed messages and keys, may cancel a delayed message, but insert neither.
+SELECT convert_from(body, 'UTF8') AS body FROM amqp.scheduled_message;
+SELECT key FROM amqp.idempotency_key;
+INSERT INTO amqp.scheduled_message SELECT * FROM amqp.scheduled_message;
+INSERT INTO amqp.idempotency_key VALUES ('forged', 1);
+SELECT amqp.discard(id, 'not needed') FROM amqp.scheduled_message;
 RESET ROLE;
 -- The consuming side. A handler only the superuser may execute, and one anybody may.
 CREATE FUNCTION public.regress_private_handler(d amqp.delivery) RETURNS void LANGUAGE sql AS '';

@@ -448,6 +448,8 @@ fn keys_older_than_the_window_are_deleted_and_publish_again() {
             &[],
         )
         .expect("age the key");
+    // Delivered before the worker is terminated, so that each arrives once.
+    f.settle();
     // A new worker expires at once.
     let pid = f.cluster.wait_for_worker(&mut f.client, WORKER_UP);
     f.client
