@@ -335,6 +335,22 @@ fn open() -> Option<(pg_sys::Relation, Shape)> {
     Some((rel, shape))
 }
 
+/// Draws the next message id from `amqp.message`'s sequence, as [`insert`] does: `None` when
+/// the table is not in the shape this path knows (the caller then asks SQL's `nextval()`).
+pub fn draw_id() -> Option<i64> {
+    let (rel, shape) = open()?;
+    let id = match shape {
+        // SAFETY: on the backend's main thread; `nextval_internal` raises through the guard.
+        Shape::Direct { sequence, .. } => Some(unsafe {
+            pg_sys::ffi::pg_guard_ffi_boundary(|| nextval_internal(sequence, false))
+        }),
+        Shape::General { .. } => None,
+    };
+    // SAFETY: opened above; the lock stays until the transaction ends, as for an INSERT.
+    unsafe { pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE) };
+    id
+}
+
 /// Inserts the row and returns its id, or `None` (nothing done) when the table is not in the
 /// shape this path can write: the caller then runs the ordinary INSERT.
 pub fn insert(row: &Row<'_>) -> Option<i64> {

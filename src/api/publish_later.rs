@@ -87,12 +87,13 @@ enum Statement {
 }
 
 /// Takes a key for a new message, or finds the message it already published. The new id is
-/// drawn here, before the row exists (after the transaction took its id, as the worker's scan
+/// drawn here (`$3`, or the sequence's `nextval()`), before the row exists (after the transaction took its id, as the worker's scan
 /// floor requires). A key older than the window is taken again; a session racing another with
 /// the same key waits for its end at the primary key, as with a unique index.
 const CLAIM_KEY_SQL: &str = "\
 INSERT INTO amqp.idempotency_key AS k (key, id, published_at) \
-VALUES ($1, pg_catalog.nextval(pg_catalog.pg_get_serial_sequence('amqp.message', 'id')::pg_catalog.regclass), \
+VALUES ($1, \
+        coalesce($3, pg_catalog.nextval(pg_catalog.pg_get_serial_sequence('amqp.message', 'id')::pg_catalog.regclass)), \
         pg_catalog.now()) \
 ON CONFLICT (key) DO UPDATE SET id = EXCLUDED.id, published_at = EXCLUDED.published_at \
  WHERE k.published_at OPERATOR(pg_catalog.<) (pg_catalog.now() OPERATOR(pg_catalog.-) $2) \
@@ -155,7 +156,9 @@ fn run(statement: Statement, args: &[DatumWithOid]) -> Result<Option<i64>, pgrx:
 /// Decides whether this publish is the first with `key` within `amqp_outbox.idempotency_window`.
 pub fn claim_key(key: &str) -> Result<KeyClaim, pgrx::spi::SpiError> {
     let window = Interval::from_minutes(crate::gucs::IDEMPOTENCY_WINDOW.get().max(1));
-    if let Some(id) = run(Statement::ClaimKey, &[key.into(), window.into()])? {
+    // Drawn directly where the outbox's shape allows, as publish() draws its ids.
+    let id = super::outbox_row::draw_id();
+    if let Some(id) = run(Statement::ClaimKey, &[key.into(), window.into(), id.into()])? {
         return Ok(KeyClaim::First(id));
     }
     // Taken within the window: by a committed transaction (a racing one has ended by now,

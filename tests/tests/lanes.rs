@@ -574,3 +574,150 @@ fn lanes_follow_the_parallelism_and_come_back_when_all_are_terminated() {
         .get(0);
     assert_eq!(last, 0, "messages after parallelism 1 handled by a lane");
 }
+
+/// Inside a lane too, a handler that catches the cancel of `amqp_outbox.handler_timeout` is
+/// ended (the lane exits, another takes its place) and its message recorded as failed; and
+/// hostile ordering headers (a NUL, bytes that are not UTF-8, 60 KB) are ordered by their digest
+/// and handled beside good traffic. Nothing else waits for them.
+#[test]
+fn a_trapped_handler_and_hostile_keys_in_a_lane_hold_back_nothing_else() {
+    use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    use lapin::BasicProperties;
+
+    let rabbit = Rabbit::shared();
+    let q = rabbit.declare_queue("lanes-hostile");
+    let mut pair = Pair::new(
+        rabbit.endpoint(),
+        &[
+            ("amqp_outbox.handler_timeout", "500".into()),
+            (WORKER_SLOTS.0, WORKER_SLOTS.1.into()),
+        ],
+    );
+    let c = &mut pair.consumer;
+    c.batch_execute(
+        "CREATE TABLE public.handled (seq bigint GENERATED ALWAYS AS IDENTITY, body text,
+                                      key_digest text, pid int DEFAULT pg_backend_pid());
+         CREATE FUNCTION public.trap_or_apply(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $fn$
+         BEGIN
+             IF amqp.body_text(d) LIKE 'stubborn%' THEN
+                 LOOP
+                     BEGIN
+                         PERFORM pg_sleep(0.05);
+                     EXCEPTION WHEN query_canceled THEN NULL;
+                     END;
+                 END LOOP;
+             END IF;
+             INSERT INTO public.handled (body, key_digest)
+             VALUES (amqp.body_text(d), md5(coalesce(d.headers->>'k', '')));
+         END
+         $fn$;",
+    )
+    .expect("handler");
+    c.execute(
+        "SELECT amqp.subscribe('hostile', $1, $2, 'public.trap_or_apply(amqp.delivery)', \
+                               max_attempts => 1, parallelism => 2, ordering => 'header:k')",
+        &[&pair.consumer_broker, &q.queue],
+    )
+    .expect("subscribe");
+    wait_state(&mut pair, "hostile", "consuming");
+    let before = wait_lanes(&mut pair, 2, &[]);
+
+    let admin = AmqpAdmin::connect(&rabbit.endpoint().uri()).expect("AMQP client");
+    let send = |body: &str, key: AMQPValue| {
+        let mut headers = FieldTable::default();
+        headers.insert("k".into(), key);
+        let props = BasicProperties::default()
+            .with_message_id(body.to_string().into())
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        admin
+            .publish("", &q.queue, body.as_bytes(), props)
+            .unwrap_or_else(|e| panic!("publishing {body}: {e}"));
+    };
+    let text = |s: &str| AMQPValue::LongString(s.into());
+    send("good-1", text("a"));
+    send("stubborn-1", text("a"));
+    send("good-2", text("a"));
+    send("nul-1", text("x\0y"));
+    send(
+        "bytes-1",
+        AMQPValue::LongString(LongString::from(vec![0xff, 0xfe, 0x00, 0x80])),
+    );
+    send("huge-1", text(&"h".repeat(60_000)));
+    for i in 3..=12 {
+        send(&format!("good-{i}"), text(["b", "c", "d"][i % 3]));
+    }
+    send("nul-2", text("x\0y"));
+
+    let c = &mut pair.consumer;
+    let dead = eventually(
+        BULK,
+        "stubborn-1 dead with the timeout as its error",
+        || {
+            c.query_opt(
+                "SELECT last_error FROM amqp.inbox_failed \
+              WHERE subscription = 'hostile' AND convert_from(body, 'UTF8') = 'stubborn-1' \
+                AND dead_lettered_at IS NOT NULL",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .map(|r| r.get::<_, String>(0))
+            .ok_or_else(|| "not dead yet".to_string())
+        },
+    );
+    assert!(dead.contains("handler_timeout"), "{dead}");
+    eventually(BULK, "every other message handled", || {
+        let n = scalar_i64(c, "SELECT count(*) FROM public.handled")?;
+        if n == 16 {
+            return Ok(());
+        }
+        let mut rows = |sql: &str| -> Result<Vec<String>, String> {
+            Ok(c.query(sql, &[])
+                .map_err(|e| e.to_string())?
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect())
+        };
+        Err(format!(
+            "{n} of 16 handled: {:?}; waiting {:?}; failed {:?}",
+            rows("SELECT body FROM public.handled ORDER BY seq")?,
+            rows("SELECT convert_from(body, 'UTF8') || ' ' || left(coalesce(ordering_key, '-'), 20) \
+                    || ' ' || coalesce(ended::text, '-') FROM amqp.inbox_waiting")?,
+            rows("SELECT convert_from(body, 'UTF8') || ' ' || left(coalesce(last_error, ''), 80) \
+                    || ' ' || (dead_lettered_at IS NOT NULL) FROM amqp.inbox_failed")?,
+        ))
+    });
+    let order: Vec<String> = c
+        .query(
+            "SELECT body FROM public.handled WHERE body IN ('good-1', 'good-2', 'nul-1', 'nul-2') \
+              ORDER BY seq",
+            &[],
+        )
+        .expect("handled order")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let pos = |b: &str| order.iter().position(|x| x == b).expect(b);
+    assert!(
+        pos("good-1") < pos("good-2"),
+        "key a out of order: {order:?}"
+    );
+    assert!(
+        pos("nul-1") < pos("nul-2"),
+        "the NUL key out of order: {order:?}"
+    );
+    // The lane whose handler trapped the cancel was ended, and another took its place.
+    let old: Vec<i32> = before.iter().map(|(_, p)| *p).collect();
+    let after = wait_lanes(&mut pair, 2, &[]);
+    assert!(
+        after.iter().any(|(_, p)| !old.contains(p)),
+        "no lane was replaced: {before:?} then {after:?}"
+    );
+    let waiting = scalar_i64(
+        &mut pair.consumer,
+        "SELECT count(*) FROM amqp.inbox_waiting",
+    )
+    .expect("waiting");
+    assert_eq!(waiting, 0);
+}
