@@ -117,7 +117,6 @@ impl Scheduled {
 fn move_due(client: &mut SpiClient<'_>) -> SpiResult<u64> {
     let due: Vec<i64> = client
         .update(DUE_SQL, None, &[BATCH.into()])?
-        .into_iter()
         .filter_map(|r| r.get::<i64>(1).ok().flatten())
         .collect();
     if due.is_empty() {
