@@ -877,3 +877,27 @@ pub fn wait_for_lock_wait(client: &mut Client, pid: i32, relation: &str, timeout
         },
     );
 }
+
+/// Waits until the backend `pid` waits for a heavyweight lock of any kind (a row, a
+/// transaction id, a relation).
+pub fn wait_for_any_lock_wait(client: &mut Client, pid: i32, timeout: Duration) {
+    eventually(
+        timeout,
+        &format!("backend {pid} to wait for a lock"),
+        || {
+            let waiting: bool = client
+                .query_one(
+                    "SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity \
+                  WHERE pid = $1",
+                    &[&pid],
+                )
+                .map_err(|e| e.to_string())?
+                .get(0);
+            if waiting {
+                Ok(())
+            } else {
+                Err("not waiting".into())
+            }
+        },
+    );
+}

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
+use amqp_outbox_e2e::pg::wait_for_any_lock_wait;
 use amqp_outbox_e2e::{eventually, PgCluster, PgConfig, Rabbit, Received, World};
 use postgres::Client;
 
@@ -274,22 +275,7 @@ fn racing_sessions_with_one_key_publish_one_message() {
             id
         });
         // b waits at a's uncommitted key.
-        eventually(Duration::from_secs(20), "b to wait for a's key", || {
-            let waiting: bool = f
-                .client
-                .query_one(
-                    "SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity \
-                      WHERE pid = $1",
-                    &[&b_pid],
-                )
-                .map_err(|e| e.to_string())?
-                .get(0);
-            if waiting {
-                Ok(())
-            } else {
-                Err("not waiting".into())
-            }
-        });
+        wait_for_any_lock_wait(&mut f.client, b_pid, Duration::from_secs(20));
         assert!(!racer.is_finished(), "the second publisher did not wait");
         a.batch_execute(if first_commits { "COMMIT" } else { "ROLLBACK" })
             .expect("end a");
