@@ -5,11 +5,12 @@
 
 -- Messages published with a deliver_after, until they are due. They are not in amqp.message
 -- meanwhile, so the worker's claim of due messages never reads them, however many there are;
--- the worker moves the due ones there (same id, same message_id) about once a second. Same
--- columns and checks as amqp.message, and deliver_at.
+-- the worker moves each there when it is due (same id, same message_id). Same columns and
+-- checks as amqp.message, and deliver_at.
 CREATE TABLE @extschema@.scheduled_message (
     LIKE @extschema@.message INCLUDING DEFAULTS INCLUDING CONSTRAINTS,
-    deliver_at timestamptz NOT NULL
+    deliver_at timestamptz NOT NULL,
+    CONSTRAINT scheduled_message_deliver_at_finite CHECK (pg_catalog.isfinite(deliver_at))
 );
 -- Ids come from amqp.message's sequence: one id space, in publishing order, whichever table a
 -- message waits in.

@@ -13,6 +13,7 @@ static WAKE_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static RELOAD_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static CREATED_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 static LAUNCHER_AT_COMMIT: AtomicBool = AtomicBool::new(false);
+static SCHEDULED_AT_COMMIT: AtomicBool = AtomicBool::new(false);
 /// This backend wrote `amqp.subscription` since the flag was last taken (read by the
 /// subscription worker, whose handlers may call `amqp.unsubscribe()`).
 static SUBSCRIPTIONS_WRITTEN: AtomicBool = AtomicBool::new(false);
@@ -30,6 +31,13 @@ fn register() {
 pub fn wake_worker_at_commit() {
     register();
     WAKE_AT_COMMIT.store(true, Ordering::Relaxed);
+}
+
+/// The transaction published for later (`deliver_after`): once it commits, the worker learns
+/// when that message is due.
+pub fn look_at_scheduled_at_commit() {
+    register();
+    SCHEDULED_AT_COMMIT.store(true, Ordering::Relaxed);
 }
 
 /// The transaction changed the worker's configuration (brokers, declarations).
@@ -81,6 +89,9 @@ unsafe extern "C-unwind" fn on_xact_event(
             if LAUNCHER_AT_COMMIT.swap(false, Ordering::Relaxed) {
                 shmem::launch::wake_launcher();
             }
+            if SCHEDULED_AT_COMMIT.swap(false, Ordering::Relaxed) {
+                shmem::note_scheduled();
+            }
         }
         // A prepared transaction commits later in another session (COMMIT PREPARED), which
         // wakes nobody: the worker's naptime finds those rows.
@@ -89,6 +100,7 @@ unsafe extern "C-unwind" fn on_xact_event(
             RELOAD_AT_COMMIT.store(false, Ordering::Relaxed);
             CREATED_AT_COMMIT.store(false, Ordering::Relaxed);
             LAUNCHER_AT_COMMIT.store(false, Ordering::Relaxed);
+            SCHEDULED_AT_COMMIT.store(false, Ordering::Relaxed);
         }
         _ => {}
     }

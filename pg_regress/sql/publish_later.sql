@@ -75,6 +75,8 @@ SELECT amqp.publish_message(7, 'ex', 'bad', 'x', idempotency_key => repeat('k', 
 SELECT amqp.publish_bytes(7, 'ex', 'bad', 'x', deliver_after => '-1 day');
 -- The table's own checks stand too (direct writes by an admin).
 UPDATE amqp.scheduled_message SET exchange = repeat('e', 256);
+UPDATE amqp.scheduled_message SET deliver_at = 'infinity';
+SELECT amqp.publish_message(7, 'ex', 'bad', 'x', deliver_after => '300000 years');
 INSERT INTO amqp.idempotency_key (key, id) VALUES ('', 1);
 \set ON_ERROR_ROLLBACK off
 \set VERBOSITY terse

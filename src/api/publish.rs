@@ -340,8 +340,9 @@ impl<'a> NewMessage<'a> {
             host_id: self.tags.host_id.as_deref(),
         };
         if let Some(delay) = later.deliver_after {
-            // Not due yet: the worker looks for due ones on its own schedule.
+            // Not due yet: at commit the worker learns when it is.
             let id = publish_later::schedule(&row, id, delay).unwrap_or_else(|e| insert_failed(e));
+            commit_wake::look_at_scheduled_at_commit();
             LAST_ID.set(Some(id));
             return id;
         }

@@ -72,6 +72,9 @@ pub struct DbSlot {
     /// Bumped by the subscription worker each time it read the subscriptions again: lanes
     /// read them again too.
     subscriptions_generation: AtomicU64,
+    /// A transaction that published for later (`deliver_after`) committed: the outbox worker
+    /// looks when the earliest delayed message is due.
+    scheduled: AtomicBool,
 }
 
 /// One `T` per database slot, in shared memory.
@@ -433,6 +436,26 @@ pub fn note_lane_progress() {
             set_latch(&s.inbox_latch);
         }
     }
+}
+
+/// A transaction that published for later committed: the outbox worker looks at
+/// `amqp.scheduled_message` again. Never raises.
+pub fn note_scheduled() {
+    if let Some(s) = slot() {
+        if !s.scheduled.swap(true, Ordering::AcqRel) {
+            set_latch(&s.latch);
+        }
+    }
+}
+
+/// Whether [`note_scheduled`] was called since the outbox worker last took it.
+pub fn scheduled_noted() -> bool {
+    slot().is_some_and(|s| s.scheduled.load(Ordering::Acquire))
+}
+
+/// As [`scheduled_noted`], and clears it.
+pub fn take_scheduled() -> bool {
+    slot().is_some_and(|s| s.scheduled.swap(false, Ordering::AcqRel))
 }
 
 /// Whether a lane committed work since the subscription worker last asked; clears it.

@@ -1,11 +1,14 @@
-//! Delayed messages (`publish_message(..., deliver_after)`): about once a second the worker
-//! moves the due rows of `amqp.scheduled_message` into `amqp.message`, same id and message_id,
-//! where they are claimed like any other. Once a minute it deletes the idempotency keys older
-//! than `amqp_outbox.idempotency_window`.
+//! Delayed messages (`publish_message(..., deliver_after)`): the worker moves the due rows of
+//! `amqp.scheduled_message` into `amqp.message`, same id and message_id, where they are claimed
+//! like any other. It looks when the earliest one it knows of is due, when a transaction that
+//! published for later committed (a commit callback tells it, see `commit_wake`), and once a
+//! minute whatever happened (rows restored, or changed by hand). Once a minute it also deletes
+//! the idempotency keys older than `amqp_outbox.idempotency_window`.
 //!
 //! Why a table of their own: a million messages scheduled for next week in `amqp.message` would
 //! be read (and skipped) by every claim that reads from the lowest id, counted as pending, and
-//! held against `amqp_outbox.max_pending`. Here a look costs one index probe when nothing is due.
+//! held against `amqp_outbox.max_pending`. Here a look costs an index probe or two, and a
+//! database that never publishes for later pays one a minute.
 //!
 //! A moved row keeps the id it was given when published, below the scan floor by then: the
 //! caller lowers the floor when anything moved (see [`super::scan_floor`]).
@@ -15,12 +18,14 @@
 //! others, and is tried again.
 
 use super::pacer::Pacer;
+use crate::shmem;
 use crate::subtransaction::subtransaction;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::time::{Duration, Instant};
 
-const LOOK_EVERY: Duration = Duration::from_secs(1);
+/// Looks at least this often, whatever the worker knows.
+const LOOK_EVERY: Duration = Duration::from_secs(60);
 const EXPIRE_EVERY: Duration = Duration::from_secs(60);
 /// Rows moved, or keys deleted, per statement: a backlog of due messages moves over several
 /// steps, each a bounded transaction.
@@ -36,6 +41,13 @@ const DUE_SQL: &str = "\
 SELECT id FROM amqp.scheduled_message \
  WHERE deliver_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
  ORDER BY deliver_at, id LIMIT $1 FOR UPDATE SKIP LOCKED";
+
+/// Milliseconds until the earliest delayed message is due (negative: overdue); NULL: none.
+const NEXT_DUE_SQL: &str = "\
+SELECT (pg_catalog.date_part('epoch', pg_catalog.min(deliver_at)) \
+        OPERATOR(pg_catalog.-) pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())) \
+       OPERATOR(pg_catalog.*) 1000 \
+  FROM amqp.scheduled_message";
 
 const POSTPONE_SQL: &str = "\
 UPDATE amqp.scheduled_message \
@@ -53,6 +65,8 @@ DELETE FROM amqp.idempotency_key \
 pub struct Scheduled {
     look: Pacer,
     expire: Pacer,
+    /// When the earliest delayed message the last look saw is due.
+    next_due: Option<Instant>,
 }
 
 impl Default for Scheduled {
@@ -60,31 +74,45 @@ impl Default for Scheduled {
         Scheduled {
             look: Pacer::new(LOOK_EVERY),
             expire: Pacer::new(EXPIRE_EVERY),
+            next_due: None,
         }
     }
 }
 
 impl Scheduled {
+    fn look_due(&self, now: Instant) -> bool {
+        self.look.due(now) || self.next_due.is_some_and(|t| t <= now) || shmem::scheduled_noted()
+    }
+
     /// Whether a look (or an expiry) is due now.
     pub fn due(&self) -> bool {
         let now = Instant::now();
-        self.look.due(now) || self.expire.due(now)
+        self.look_due(now) || self.expire.due(now)
     }
 
     /// How long until the next look or expiry.
     pub fn until_due(&self) -> Duration {
         let now = Instant::now();
-        self.look.until_due(now).min(self.expire.until_due(now))
+        if shmem::scheduled_noted() {
+            return Duration::ZERO;
+        }
+        let mut until = self.look.until_due(now).min(self.expire.until_due(now));
+        if let Some(t) = self.next_due {
+            until = until.min(t.saturating_duration_since(now));
+        }
+        until
     }
 
     /// Moves the due messages and expires old keys when their time has come; returns how many
     /// messages moved (the caller lowers its scan floor when any did).
     pub fn run_when_due(&mut self, client: &mut SpiClient<'_>) -> SpiResult<u64> {
         let started = Instant::now();
-        let (look, expire) = (self.look.due(started), self.expire.due(started));
+        let (look, expire) = (self.look_due(started), self.expire.due(started));
         if !look && !expire {
             return Ok(0);
         }
+        // Taken before the statements: a commit after this sets it again, one before is seen.
+        shmem::take_scheduled();
         // Before `ALTER EXTENSION amqp_outbox UPDATE` brought the tables, nothing to do.
         let present = client
             .select(EXISTS_SQL, None, &[])?
@@ -93,8 +121,19 @@ impl Scheduled {
             .unwrap_or(false);
         let mut moved = 0;
         if look {
+            self.next_due = None;
             if present {
                 moved = move_due(client)?;
+                self.next_due = if moved >= BATCH as u64 {
+                    // More are due: the next step goes on.
+                    Some(Instant::now())
+                } else {
+                    client
+                        .select(NEXT_DUE_SQL, None, &[])?
+                        .first()
+                        .get_one::<f64>()?
+                        .map(|ms| Instant::now() + until_due(ms))
+                };
             }
             self.look.ran(started, started.elapsed());
         }
@@ -109,6 +148,33 @@ impl Scheduled {
             self.expire.ran(at, at.elapsed());
         }
         Ok(moved)
+    }
+}
+
+/// The wait for a message due in `ms` milliseconds: none when overdue, at most [`LOOK_EVERY`]
+/// (the look that follows learns again), and any value a row may hold is safe.
+fn until_due(ms: f64) -> Duration {
+    let limit = LOOK_EVERY.as_secs_f64() * 1000.0;
+    let ms = if ms.is_nan() {
+        0.0
+    } else {
+        ms.clamp(0.0, limit)
+    };
+    Duration::from_secs_f64(ms / 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_distance_to_the_next_due_message_is_a_bounded_wait() {
+        assert_eq!(until_due(-5.0), Duration::ZERO);
+        assert_eq!(until_due(f64::NAN), Duration::ZERO);
+        assert_eq!(until_due(f64::NEG_INFINITY), Duration::ZERO);
+        assert_eq!(until_due(f64::INFINITY), LOOK_EVERY);
+        assert_eq!(until_due(1e300), LOOK_EVERY);
+        assert_eq!(until_due(1500.0), Duration::from_millis(1500));
     }
 }
 
