@@ -163,21 +163,6 @@ fn until_due(ms: f64) -> Duration {
     Duration::from_secs_f64(ms / 1000.0)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn any_distance_to_the_next_due_message_is_a_bounded_wait() {
-        assert_eq!(until_due(-5.0), Duration::ZERO);
-        assert_eq!(until_due(f64::NAN), Duration::ZERO);
-        assert_eq!(until_due(f64::NEG_INFINITY), Duration::ZERO);
-        assert_eq!(until_due(f64::INFINITY), LOOK_EVERY);
-        assert_eq!(until_due(1e300), LOOK_EVERY);
-        assert_eq!(until_due(1500.0), Duration::from_millis(1500));
-    }
-}
-
 /// Moves up to [`BATCH`] due rows: all at once, or one by one when that fails, so that a row
 /// that cannot move holds back no other.
 fn move_due(client: &mut SpiClient<'_>) -> SpiResult<u64> {
@@ -219,4 +204,19 @@ fn move_due(client: &mut SpiClient<'_>) -> SpiResult<u64> {
         }
     }
     Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_distance_to_the_next_due_message_is_a_bounded_wait() {
+        assert_eq!(until_due(-5.0), Duration::ZERO);
+        assert_eq!(until_due(f64::NAN), Duration::ZERO);
+        assert_eq!(until_due(f64::NEG_INFINITY), Duration::ZERO);
+        assert_eq!(until_due(f64::INFINITY), LOOK_EVERY);
+        assert_eq!(until_due(1e300), LOOK_EVERY);
+        assert_eq!(until_due(1500.0), Duration::from_millis(1500));
+    }
 }
