@@ -42,6 +42,19 @@ fn each_process_shows_its_own_wait_event_from_postgresql_17() {
     let rabbit = Rabbit::shared();
     let mut w = World::new("waits", PgConfig::default(), &rabbit);
     w.warm_up();
+    // A subscription with two lanes, so that the lanes' wait shows too.
+    let q = rabbit.declare_queue("waits-lanes");
+    w.client
+        .batch_execute(
+            "CREATE FUNCTION public.noop(d amqp.delivery) RETURNS void LANGUAGE sql AS ''",
+        )
+        .unwrap_or_else(|e| panic!("handler: {e}"));
+    w.client
+        .execute(
+            "SELECT amqp.subscribe('waits', $1, $2, 'public.noop(amqp.delivery)', parallelism => 2)",
+            &[&w.outbox.broker_id, &q.queue],
+        )
+        .unwrap_or_else(|e| panic!("amqp.subscribe with lanes: {e}"));
     let major = server_major(&mut w.client);
     let named = major >= 17;
     let expect = |name: &str| {
@@ -52,6 +65,7 @@ fn each_process_shows_its_own_wait_event_from_postgresql_17() {
     };
     let expected: BTreeMap<String, (String, String)> = [
         ("amqp_outbox", expect("AmqpOutboxWorkerMain")),
+        ("amqp_outbox lane", expect("AmqpOutboxLaneMain")),
         ("amqp_outbox launcher", expect("AmqpOutboxLauncherMain")),
         ("amqp_outbox monitor", expect("AmqpOutboxMonitorMain")),
         (
@@ -62,8 +76,8 @@ fn each_process_shows_its_own_wait_event_from_postgresql_17() {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    // Idle, each process spends nearly all its time in its wait; a snapshot catches all four
-    // there within a few tries.
+    // Idle, each process spends nearly all its time in its wait; a snapshot catches all of
+    // them there within a few tries.
     let mut last = BTreeMap::new();
     eventually(
         SETTLE,
@@ -93,6 +107,7 @@ fn each_process_shows_its_own_wait_event_from_postgresql_17() {
             .collect();
         let want: BTreeSet<String> = [
             "AmqpOutboxBatchGap",
+            "AmqpOutboxLaneMain",
             "AmqpOutboxLauncherMain",
             "AmqpOutboxMonitorMain",
             "AmqpOutboxSubscriptionMain",
