@@ -69,6 +69,11 @@ extension_sql_file!(
     name = "publish_later",
     requires = ["health"]
 );
+extension_sql_file!(
+    "../sql/trace.sql",
+    name = "trace",
+    requires = ["publish_later"]
+);
 extension_sql_file!("../sql/finish.sql", name = "finish", finalize);
 
 #[pg_guard]

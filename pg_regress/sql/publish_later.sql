@@ -89,3 +89,10 @@ INSERT INTO amqp.broker (broker_id, host) VALUES (7, '127.0.0.1');
 SELECT amqp.publish_message(7, 'ex', 'rk', 'b', '{}', 2, 'text/plain', NULL, 'c1') > 0 AS nine;
 SELECT amqp.publish_bytes(7, 'ex', 'rk', 'b', NULL, 1, NULL, NULL, NULL, 'type', 'key', NULL) > 0 AS twelve;
 ROLLBACK;
+-- amqp.trace() tells of a message scheduled for later.
+BEGIN;
+INSERT INTO amqp.broker (broker_id, host) VALUES (7, '127.0.0.1');
+SELECT amqp.publish_message(7, 'ex', 'traced', 'x', deliver_after => '1 hour') AS traced \gset
+SELECT event, detail LIKE '%: ex / traced' AS detail
+  FROM amqp.trace((SELECT message_id FROM amqp.scheduled_message WHERE id = :traced));
+ROLLBACK;
