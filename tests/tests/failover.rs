@@ -613,12 +613,26 @@ fn publish_recorded(
 ) {
     for i in range {
         let body = format!("{prefix}{i}");
-        let id = w.publish_id(&body);
-        let message_id: String = w
-            .client
+        // Read in the publishing transaction: once it commits, the worker may deliver and
+        // delete the row at once (CI saw the row gone).
+        let mut tx = w.client.transaction().expect("BEGIN");
+        let id: i64 = tx
+            .query_one(
+                "SELECT amqp.publish_message($1, $2, $3, $4)",
+                &[
+                    &w.outbox.broker_id,
+                    &w.route.exchange,
+                    &w.route.routing_key,
+                    &body,
+                ],
+            )
+            .expect("amqp.publish_message")
+            .get(0);
+        let message_id: String = tx
             .query_one("SELECT message_id FROM amqp.message WHERE id = $1", &[&id])
             .expect("the row's message_id")
             .get(0);
+        tx.commit().expect("COMMIT");
         ids.insert(body, message_id);
     }
 }
