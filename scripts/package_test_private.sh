@@ -74,7 +74,9 @@ check "Section is database" test "$(field Section)" = database
 check "it names a Maintainer" test -n "$(field Maintainer)"
 installed_size() { [[ "$(field Installed-Size)" =~ ^[1-9][0-9]*$ ]]; }
 check "Installed-Size is a size in kB ($(field Installed-Size))" installed_size
-description_names_major() { field Description | grep -q "PostgreSQL $PG_MAJOR"; }
+# Not `field Description | grep -q`: grep -q exits at the first line that matches, dpkg-deb then
+# dies of SIGPIPE writing the rest, and pipefail failed the check (seen once on 16 under load).
+description_names_major() { grep -q "PostgreSQL $PG_MAJOR" <<<"$(field Description)"; }
 check "the description names PostgreSQL $PG_MAJOR" description_names_major
 depends="$(field Depends)"
 depends_ok() { [[ ", $depends," == *", postgresql-$PG_MAJOR,"* && "$depends" == *libc6* ]]; }
