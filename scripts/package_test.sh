@@ -103,8 +103,10 @@ restore() {
     fi
     while IFS= read -r f; do
         if cmp -s "$SAVE/saved/$(basename "$f")" "$f" 2>/dev/null; then continue; fi
-        if ! pkg_known || printf '%s\n' "${changed[@]}" | grep -Fxq -- "$f" ||
-            ! printf '%s\n' "${listed_now[@]}" | grep -Fxq -- "$f"; then kept+=("$f"); fi
+        # Here-strings, not pipes: grep -q exits at the first match, and a writer still
+        # writing would die of SIGPIPE, which pipefail reports as a failure.
+        if ! pkg_known || grep -Fxq -- "$f" <<<"$(printf '%s\n' "${changed[@]}")" ||
+            ! grep -Fxq -- "$f" <<<"$(printf '%s\n' "${listed_now[@]}")"; then kept+=("$f"); fi
     done < <(installed_files)
     for f in "${kept[@]}"; do cp -p "$f" "$SAVE/kept/" || ok=; done
     if pkg_known; then as_root apt-get purge -y -q "$PKG" >/dev/null || ok=; fi
@@ -143,7 +145,7 @@ step_done install
 # --- 4. what dpkg installed ---------------------------------------------------------------------
 step "Checking the installed package"
 mapfile -t listed < <(dpkg -L "$PKG")
-listed_has() { printf '%s\n' "${listed[@]}" | grep -Fxq -- "$1"; }
+listed_has() { grep -Fxq -- "$1" <<<"$(printf '%s\n' "${listed[@]}")"; }
 check "dpkg -L lists the library $PKGLIBDIR/amqp_outbox.so" listed_has "$PKGLIBDIR/amqp_outbox.so"
 check "dpkg -L lists the control file" listed_has "$EXTDIR/amqp_outbox.control"
 check "dpkg -L lists the full script of $VERSION" listed_has "$EXTDIR/amqp_outbox--$VERSION.sql"
