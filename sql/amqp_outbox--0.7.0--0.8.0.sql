@@ -895,6 +895,17 @@ GRANT EXECUTE ON FUNCTION
     @extschema@.publish_bytes(integer, text, text, bytea, jsonb, integer, text, text, text, text, text, text, interval, text)
     TO amqp_outbox_publisher, amqp_outbox_admin;
 
+-- Whoever writes amqp.scheduled_message (a delayed publish, a restore, an admin's UPDATE of
+-- deliver_at), the outbox worker learns after the commit when the earliest is due.
+CREATE FUNCTION @extschema@."_scheduled_changed"()
+	RETURNS TRIGGER
+	LANGUAGE c
+	AS 'MODULE_PATHNAME', '_scheduled_changed_wrapper';
+REVOKE ALL ON FUNCTION @extschema@._scheduled_changed() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@._scheduled_changed() TO amqp_outbox_admin;
+CREATE TRIGGER scheduled_changed AFTER INSERT OR UPDATE ON @extschema@.scheduled_message
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._scheduled_changed();
+
 -- The status view shows the delayed messages (state 'scheduled', and when they are due).
 CREATE OR REPLACE VIEW @extschema@.message_status AS
     SELECT m.id, m.broker_id, m.exchange, m.routing_key,

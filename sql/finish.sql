@@ -17,6 +17,10 @@ CREATE TRIGGER queue_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @ex
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
 CREATE TRIGGER binding_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.binding
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();
+-- ... the outbox worker learns when the earliest delayed message is due (a publish, a restore, an
+-- admin's UPDATE of deliver_at) ...
+CREATE TRIGGER scheduled_changed AFTER INSERT OR UPDATE ON @extschema@.scheduled_message
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._scheduled_changed();
 -- ... and the subscription worker re-reads its subscriptions.
 CREATE TRIGGER subscription_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON @extschema@.subscription
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@._config_changed();

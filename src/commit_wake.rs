@@ -33,8 +33,8 @@ pub fn wake_worker_at_commit() {
     WAKE_AT_COMMIT.store(true, Ordering::Relaxed);
 }
 
-/// The transaction published for later (`deliver_after`): once it commits, the worker learns
-/// when that message is due.
+/// The transaction wrote `amqp.scheduled_message` (its statement trigger): once it commits,
+/// the worker learns when the earliest delayed message is due.
 pub fn look_at_scheduled_at_commit() {
     register();
     SCHEDULED_AT_COMMIT.store(true, Ordering::Relaxed);

@@ -162,9 +162,7 @@ fn refuse_while_messages_wait() {
         .report(PgLogLevel::ERROR);
     }
     // Delayed messages are committed messages too (not there before the update to 0.8.0).
-    let present =
-        Spi::get_one::<bool>("SELECT pg_catalog.to_regclass('amqp.scheduled_message') IS NOT NULL");
-    if !matches!(present, Ok(Some(true))) {
+    if !crate::scheduled_move::tables_present() {
         return;
     }
     let scheduled = Spi::get_one::<i64>("SELECT pg_catalog.count(*) FROM amqp.scheduled_message");

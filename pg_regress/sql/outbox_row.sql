@@ -70,6 +70,14 @@ SET client_min_messages = debug1;
 SELECT amqp.publish(1, 'ex', 'rk', 'audited');
 RESET client_min_messages;
 SELECT amqp.publish(1, 'ex', 'rk', 'audited again');
+-- With tags and an idempotency key (the id drawn before the row), through the INSERT as well;
+-- a repeat publishes nothing.
+SELECT amqp.publish_message(1, 'ex', 'rk', 'audited once', business_key => 'k-1',
+                            idempotency_key => 'outbox-row-1') AS keyed \gset
+SELECT amqp.publish_message(1, 'ex', 'rk', 'audited twice',
+                            idempotency_key => 'outbox-row-1') = :keyed AS same_id;
+SELECT convert_from(body, 'UTF8') AS body, business_key FROM amqp.message WHERE id = :keyed;
+DELETE FROM amqp.idempotency_key;
 DROP TRIGGER audit ON amqp.message;
 SET client_min_messages = debug1;
 SELECT amqp.publish(1, 'ex', 'rk', 'not audited');

@@ -48,6 +48,16 @@ fn _config_changed<'a>(
     Ok(None)
 }
 
+/// Trigger on `amqp.scheduled_message`: whoever wrote it (a delayed publish, a restore, an
+/// admin's UPDATE of `deliver_at`), the worker learns after the commit when the earliest is due.
+#[pg_trigger]
+fn _scheduled_changed<'a>(
+    _trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, PgHeapTupleError> {
+    commit_wake::look_at_scheduled_at_commit();
+    Ok(None)
+}
+
 /// pg_amqp sent this at once, outside the caller's transaction, and lost it when the broker was
 /// unreachable. An outbox has no such path: a message that must survive the caller's rollback
 /// needs its own transaction, and backends never talk to the broker here.

@@ -201,7 +201,8 @@ pub struct Row<'a> {
 }
 
 impl Row<'_> {
-    fn tagged(&self) -> bool {
+    /// Whether any tag has a value (the plain statements leave their columns out).
+    pub fn tagged(&self) -> bool {
         self.business_type.is_some()
             || self.business_key.is_some()
             || self.traceparent.is_some()

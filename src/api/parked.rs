@@ -18,45 +18,24 @@ UPDATE amqp.message SET parked_at = NULL, attempts = 0, next_attempt_at = NULL \
  WHERE parked_at IS NOT NULL AND broker_id OPERATOR(pg_catalog.=) $1 \
 RETURNING id";
 
-const DISCARD_SQL: &str = "\
-WITH gone AS (DELETE FROM amqp.message \
-               WHERE parked_at IS NOT NULL AND id OPERATOR(pg_catalog.=) $1 RETURNING *) \
-INSERT INTO amqp.discarded (id, producer_pid, producer_started_at, broker_id, exchange, routing_key, \
-                            body, delivery_mode, content_type, reply_to, correlation_id, headers, \
-                            created_at, attempts, next_attempt_at, last_error, parked_at, \
-                            message_id, business_type, business_key, traceparent, system_id, \
-                            host_id, resends, discarded_at, discarded_by, reason) \
-SELECT id, producer_pid, producer_started_at, broker_id, exchange, routing_key, body, \
-       delivery_mode, content_type, reply_to, correlation_id, headers, created_at, attempts, \
-       next_attempt_at, last_error, parked_at, message_id, business_type, business_key, \
-       traceparent, system_id, host_id, resends, pg_catalog.now(), $3::pg_catalog.name, $2 \
-  FROM gone \
-RETURNING id";
-
-/// A delayed message, cancelled: recorded as a discarded parked one is.
-fn discard_scheduled_sql() -> String {
+/// Removes a message for good from `table` (`message`: only a parked one; `scheduled_message`:
+/// a delayed one not due yet) and records it in `amqp.discarded` with who, when and why. Built
+/// from constants only; the values are parameters.
+fn discard_sql(table: &str, condition: &str) -> String {
     let columns = crate::scheduled_move::COLUMNS;
     format!(
-        "WITH gone AS (DELETE FROM amqp.scheduled_message \
-                        WHERE id OPERATOR(pg_catalog.=) $1 RETURNING *) \
+        "WITH gone AS (DELETE FROM amqp.{table} \
+                        WHERE {condition} id OPERATOR(pg_catalog.=) $1 RETURNING *) \
          INSERT INTO amqp.discarded ({columns}, discarded_at, discarded_by, reason) \
          SELECT {columns}, pg_catalog.now(), $3::pg_catalog.name, $2 FROM gone \
          RETURNING id"
     )
 }
 
-/// Whether `amqp.scheduled_message` exists (not before `ALTER EXTENSION amqp_outbox UPDATE`).
-fn scheduled_table_exists() -> bool {
-    Spi::get_one::<bool>("SELECT pg_catalog.to_regclass('amqp.scheduled_message') IS NOT NULL")
-        .ok()
-        .flatten()
-        .unwrap_or(false)
-}
-
 /// Moves a delayed message into the outbox now: 1 when it was scheduled, 0 when not. As the
 /// extension's owner: admins may not insert into `amqp.message` themselves.
 fn send_scheduled_now(id: i64) -> usize {
-    if !scheduled_table_exists() {
+    if !crate::scheduled_move::tables_present() {
         return 0;
     }
     let _as_owner = RunAs::new(extension_owner());
@@ -105,12 +84,13 @@ fn discard(message_id: Option<i64>, reason: default!(Option<&str>, "NULL")) -> b
     // Admins may discard without any right on amqp.discarded (they must not forge its rows):
     // the one fixed statement runs as the extension's owner, recording the caller.
     let by = current_role_name();
-    let scheduled = scheduled_table_exists();
     let discarded = {
         let _as_owner = RunAs::new(extension_owner());
         let args = [id.into(), reason.into(), by.into()];
-        match run(DISCARD_SQL, &args) {
-            0 if scheduled => run(&discard_scheduled_sql(), &args),
+        match run(&discard_sql("message", "parked_at IS NOT NULL AND"), &args) {
+            0 if crate::scheduled_move::tables_present() => {
+                run(&discard_sql("scheduled_message", ""), &args)
+            }
             n => n,
         }
     };

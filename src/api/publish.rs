@@ -40,11 +40,41 @@ thread_local! {
     static NOT_SERVED_CHECKED: Cell<bool> = const { Cell::new(false) };
 }
 
-const INSERT_COLUMNS: &str = "\
-INSERT INTO amqp.message (producer_pid, producer_started_at, broker_id, exchange, routing_key, \
-                          body, delivery_mode, content_type, reply_to, correlation_id, headers";
-const INSERT_VALUES: &str =
-    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb";
+/// The columns [`row_args`] gives values for, in its order: the message, then its tags.
+pub(super) const MESSAGE_COLUMNS: &str = "producer_pid, producer_started_at, broker_id, \
+exchange, routing_key, body, delivery_mode, content_type, reply_to, correlation_id, headers";
+pub(super) const TAG_COLUMNS: &str = "business_type, business_key, traceparent, system_id, host_id";
+/// The parameters of [`MESSAGE_COLUMNS`], then of [`TAG_COLUMNS`].
+pub(super) const MESSAGE_VALUES: &str =
+    "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb";
+pub(super) const TAG_VALUES: &str = "$12, $13, $14, $15, $16";
+
+/// The values of [`MESSAGE_COLUMNS`], and of [`TAG_COLUMNS`] when `tags`.
+pub(super) fn row_args<'a>(row: &'a outbox_row::Row<'a>, tags: bool) -> Vec<DatumWithOid<'a>> {
+    let mut args: Vec<DatumWithOid> = vec![
+        row.producer_pid.into(),
+        producer_started_at().into(),
+        row.broker_id.into(),
+        row.exchange.into(),
+        row.routing_key.into(),
+        row.body.into(),
+        row.delivery_mode.into(),
+        row.content_type.into(),
+        row.reply_to.into(),
+        row.correlation_id.into(),
+        row.headers.into(),
+    ];
+    if tags {
+        args.extend([
+            row.business_type.into(),
+            row.business_key.into(),
+            row.traceparent.into(),
+            row.system_id.into(),
+            row.host_id.into(),
+        ]);
+    }
+    args
+}
 
 /// The ordinary INSERT's variants: with tags (0.4.0) and with an id drawn already (an
 /// idempotency key, 0.8.0). A message without either takes the plain statement: it is the
@@ -63,19 +93,19 @@ impl Statement {
 
     /// Built from the fixed parts above only; every value is a parameter.
     fn sql(self) -> String {
-        let mut columns = INSERT_COLUMNS.to_owned();
-        let mut values = INSERT_VALUES.to_owned();
+        let mut columns = MESSAGE_COLUMNS.to_owned();
+        let mut values = MESSAGE_VALUES.to_owned();
         let mut n = 11;
         if self.tagged {
-            columns.push_str(", business_type, business_key, traceparent, system_id, host_id");
-            values.push_str(", $12, $13, $14, $15, $16");
+            columns = format!("{columns}, {TAG_COLUMNS}");
+            values = format!("{values}, {TAG_VALUES}");
             n = 16;
         }
         if self.with_id {
             columns.push_str(", id");
             values.push_str(&format!(", ${}", n + 1));
         }
-        format!("{columns}) {values}) RETURNING id")
+        format!("INSERT INTO amqp.message ({columns}) VALUES ({values}) RETURNING id")
     }
 }
 
@@ -340,15 +370,14 @@ impl<'a> NewMessage<'a> {
             host_id: self.tags.host_id.as_deref(),
         };
         if let Some(delay) = later.deliver_after {
-            // Not due yet: at commit the worker learns when it is.
+            // Not due yet: at commit the worker learns when it is (the table's trigger).
             let id = publish_later::schedule(&row, id, delay).unwrap_or_else(|e| insert_failed(e));
-            commit_wake::look_at_scheduled_at_commit();
             LAST_ID.set(Some(id));
             return id;
         }
         let id = match outbox_row::insert(&row) {
             Some(id) => id,
-            None => self.insert_with_spi(id),
+            None => Self::insert_with_spi(&row),
         };
         LAST_ID.set(Some(id));
         commit_wake::wake_worker_at_commit();
@@ -357,37 +386,13 @@ impl<'a> NewMessage<'a> {
 
     /// The ordinary INSERT, planned once per session: for a table a DBA changed (a trigger, a
     /// constraint, a column), which [`outbox_row`] leaves to the executor.
-    fn insert_with_spi(self, id: Option<i64>) -> i64 {
-        // SAFETY: a global set once at process start, read on the backend's main thread.
-        let pid = unsafe { pg_sys::MyProcPid };
-        let started_at = producer_started_at();
+    fn insert_with_spi(row: &outbox_row::Row<'_>) -> i64 {
         let statement = Statement {
-            tagged: self.tags != StoredTags::default(),
-            with_id: id.is_some(),
+            tagged: row.tagged(),
+            with_id: row.id.is_some(),
         };
-        let mut args: Vec<DatumWithOid> = vec![
-            pid.into(),
-            started_at.into(),
-            self.broker_id.into(),
-            self.exchange.into(),
-            self.routing_key.into(),
-            self.body.into(),
-            self.delivery_mode.into(),
-            self.content_type.into(),
-            self.reply_to.into(),
-            self.correlation_id.into(),
-            self.headers.into(),
-        ];
-        if statement.tagged {
-            args.extend([
-                self.tags.business_type.into(),
-                self.tags.business_key.into(),
-                self.tags.traceparent.into(),
-                self.tags.system_id.into(),
-                self.tags.host_id.into(),
-            ]);
-        }
-        if let Some(id) = id {
+        let mut args = row_args(row, statement.tagged);
+        if let Some(id) = row.id {
             args.push(id.into());
         }
         let id = Spi::connect_mut(|client| {
@@ -738,7 +743,7 @@ fn last_message_id() -> i64 {
 /// This session's start time: with `pg_backend_pid()`, the producer key. The default of
 /// `amqp.message.producer_started_at`, so direct INSERTs get it too.
 #[pg_extern(stable, parallel_safe, name = "_producer_started_at")]
-pub(super) fn producer_started_at() -> TimestampWithTimeZone {
+fn producer_started_at() -> TimestampWithTimeZone {
     // SAFETY: a global set once at process start, read on the backend's main thread.
     TimestampWithTimeZone::try_from(unsafe { pg_sys::MyStartTimestamp })
         .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity())

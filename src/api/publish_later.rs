@@ -6,6 +6,7 @@
 //! the function, not rights on the tables.
 
 use super::outbox_row::Row;
+use super::publish::{row_args, MESSAGE_COLUMNS, MESSAGE_VALUES, TAG_COLUMNS, TAG_VALUES};
 use super::run_as::{extension_owner, RunAs};
 use crate::error::OutboxError;
 use pgrx::datum::{DatumWithOid, Interval};
@@ -102,23 +103,21 @@ RETURNING id";
 const SEEN_KEY_SQL: &str =
     "SELECT id FROM amqp.idempotency_key WHERE key OPERATOR(pg_catalog.=) $1";
 
-const SCHEDULE_COLUMNS: &str = "\
-INSERT INTO amqp.scheduled_message (producer_pid, producer_started_at, broker_id, exchange, \
-    routing_key, body, delivery_mode, content_type, reply_to, correlation_id, headers, \
-    business_type, business_key, traceparent, system_id, host_id, deliver_at";
-
-const SCHEDULE_VALUES: &str = "\
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb, $12, $13, $14, $15, $16, \
-        pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) $17";
-
+/// Built from constants only; every value is a parameter.
 fn sql(statement: Statement) -> String {
+    let schedule = |id_column: &str, id_value: &str| {
+        format!(
+            "INSERT INTO amqp.scheduled_message ({MESSAGE_COLUMNS}, {TAG_COLUMNS}, deliver_at{id_column}) \
+             VALUES ({MESSAGE_VALUES}, {TAG_VALUES}, \
+                     pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) $17{id_value}) \
+             RETURNING id"
+        )
+    };
     match statement {
         Statement::ClaimKey => CLAIM_KEY_SQL.into(),
         Statement::SeenKey => SEEN_KEY_SQL.into(),
-        Statement::Schedule => format!("{SCHEDULE_COLUMNS}) {SCHEDULE_VALUES}) RETURNING id"),
-        Statement::ScheduleWithId => {
-            format!("{SCHEDULE_COLUMNS}, id) {SCHEDULE_VALUES}, $18) RETURNING id")
-        }
+        Statement::Schedule => schedule("", ""),
+        Statement::ScheduleWithId => schedule(", id", ", $18"),
     }
 }
 
@@ -175,25 +174,8 @@ pub fn schedule(
     id: Option<i64>,
     deliver_after: Interval,
 ) -> Result<i64, pgrx::spi::SpiError> {
-    let mut args: Vec<DatumWithOid> = vec![
-        row.producer_pid.into(),
-        super::publish::producer_started_at().into(),
-        row.broker_id.into(),
-        row.exchange.into(),
-        row.routing_key.into(),
-        row.body.into(),
-        row.delivery_mode.into(),
-        row.content_type.into(),
-        row.reply_to.into(),
-        row.correlation_id.into(),
-        row.headers.into(),
-        row.business_type.into(),
-        row.business_key.into(),
-        row.traceparent.into(),
-        row.system_id.into(),
-        row.host_id.into(),
-        deliver_after.into(),
-    ];
+    let mut args = row_args(row, true);
+    args.push(deliver_after.into());
     let statement = match id {
         Some(id) => {
             args.push(id.into());

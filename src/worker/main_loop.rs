@@ -249,7 +249,7 @@ impl Worker {
         }
         let mut timeout = self.deletes_due(timeout);
         if self.settings.enabled {
-            // Delayed messages are looked for about once a second, whatever the naptime.
+            // A delayed message is moved when it is due, whatever the naptime.
             timeout = timeout.min(self.scheduled.until_due());
         }
         if self.settings.enabled && shmem::commit_wake_taken() {

@@ -1,8 +1,9 @@
 //! Delayed messages (`publish_message(..., deliver_after)`): the worker moves the due rows of
 //! `amqp.scheduled_message` into `amqp.message`, same id and message_id, where they are claimed
 //! like any other. It looks when the earliest one it knows of is due, when a transaction that
-//! published for later committed (a commit callback tells it, see `commit_wake`), and once a
-//! minute whatever happened (rows restored, or changed by hand). Once a minute it also deletes
+//! wrote the table committed (its statement trigger sets a flag that a commit callback hands
+//! over, see `commit_wake`: a publish, a restore, an UPDATE by hand), and once a minute whatever
+//! happened. Once a minute it also deletes
 //! the idempotency keys older than `amqp_outbox.idempotency_window`.
 //!
 //! Why a table of their own: a million messages scheduled for next week in `amqp.message` would
@@ -30,10 +31,6 @@ const EXPIRE_EVERY: Duration = Duration::from_secs(60);
 /// Rows moved, or keys deleted, per statement: a backlog of due messages moves over several
 /// steps, each a bounded transaction.
 const BATCH: i64 = 5000;
-
-const EXISTS_SQL: &str = "\
-SELECT pg_catalog.to_regclass('amqp.scheduled_message') IS NOT NULL \
-   AND pg_catalog.to_regclass('amqp.idempotency_key') IS NOT NULL";
 
 /// Ids of due rows, oldest due first. SKIP LOCKED: a row `amqp.retry()` or `amqp.discard()` is
 /// taking meanwhile is theirs.
@@ -114,11 +111,7 @@ impl Scheduled {
         // Taken before the statements: a commit after this sets it again, one before is seen.
         shmem::take_scheduled();
         // Before `ALTER EXTENSION amqp_outbox UPDATE` brought the tables, nothing to do.
-        let present = client
-            .select(EXISTS_SQL, None, &[])?
-            .first()
-            .get_one::<bool>()?
-            .unwrap_or(false);
+        let present = crate::scheduled_move::tables_present();
         let mut moved = 0;
         if look {
             self.next_due = None;
