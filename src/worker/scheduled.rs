@@ -52,12 +52,14 @@ UPDATE amqp.scheduled_message \
        deliver_at = pg_catalog.now() OPERATOR(pg_catalog.+) '1 minute'::pg_catalog.interval \
  WHERE id OPERATOR(pg_catalog.=) $1";
 
+/// SKIP LOCKED: a key a publishing transaction is taking again (its old row updated, not yet
+/// committed) must not make the worker's transaction wait for that session.
 const EXPIRE_SQL: &str = "\
 DELETE FROM amqp.idempotency_key \
  WHERE key IN (SELECT key FROM amqp.idempotency_key \
                 WHERE published_at OPERATOR(pg_catalog.<) \
                       (pg_catalog.now() OPERATOR(pg_catalog.-) $1) \
-                LIMIT $2)";
+                LIMIT $2 FOR UPDATE SKIP LOCKED)";
 
 pub struct Scheduled {
     look: Pacer,

@@ -467,10 +467,33 @@ fn keys_older_than_the_window_are_deleted_and_publish_again() {
         .expect("publish old again")
         .get(0);
     assert_ne!(old_again, old, "a key past the window publishes again");
+
+    // A session taking an expired key again holds its row until it ends: the worker's expiry
+    // skips that row instead of waiting for the session, and delivery goes on meanwhile.
+    f.client
+        .execute(
+            "UPDATE amqp.idempotency_key SET published_at = now() - interval '25 hours' WHERE key = 'young'",
+            &[],
+        )
+        .expect("age the key");
+    let mut holder = f.cluster.client();
+    holder.batch_execute("BEGIN").expect("BEGIN");
+    holder
+        .query_one(publish, &[&broker, &ex, &rk, &"young-3", &"young"])
+        .expect("publish young within the open transaction");
+    let pid = f.cluster.wait_for_worker(&mut f.client, WORKER_UP);
+    f.client
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .expect("pg_terminate_backend");
+    f.cluster.wait_for_worker(&mut f.client, WORKER_UP);
+    f.publish("while the key is held");
+    f.collector.wait_for_body("while the key is held", ARRIVAL);
+    holder.batch_execute("ROLLBACK").expect("ROLLBACK");
     f.settle();
     let bodies = f.collector.body_counts();
     for (body, n) in [("old-1", 1), ("young-1", 1), ("old-2", 1)] {
         assert_eq!(bodies.get(body), Some(&n), "{body}");
     }
     assert_eq!(bodies.get("young-2"), None);
+    assert_eq!(bodies.get("young-3"), None, "rolled back");
 }
