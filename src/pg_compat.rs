@@ -177,3 +177,25 @@ pub unsafe fn create_lasting_wait_event_set(nevents: i32) -> *mut pg_sys::WaitEv
         set
     }
 }
+
+/// Starts an index scan (`index_beginscan`) without instrumentation.
+///
+/// PostgreSQL 18 added the `instrument` argument (NULL: nothing counted for EXPLAIN).
+///
+/// # Safety
+/// `heap` and `index` are open in this transaction, `index` an index of `heap`; `snapshot`
+/// outlives the scan.
+pub unsafe fn index_beginscan(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snapshot: pg_sys::Snapshot,
+    nkeys: i32,
+) -> pg_sys::IndexScanDesc {
+    // SAFETY: the caller's contract.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        return pg_sys::index_beginscan(heap, index, snapshot, nkeys, 0);
+        #[cfg(feature = "pg18")]
+        return pg_sys::index_beginscan(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0);
+    }
+}

@@ -63,6 +63,19 @@ UPDATE amqp.idempotency_key SET published_at = now() - interval '25 hours' WHERE
 SELECT amqp.publish_message(7, 'ex', 'once', 'after the window', idempotency_key => 'payment-42') AS again \gset
 SELECT :again <> :first AS new_message, (SELECT id FROM amqp.idempotency_key WHERE key = 'payment-42') = :again AS key_moved;
 SELECT count(*) AS payments FROM amqp.message WHERE routing_key = 'once';
+-- A trigger a DBA puts on the key table sends every claim through the upsert: the same answers.
+CREATE FUNCTION public.keep_key() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RETURN NEW; END$$;
+CREATE TRIGGER keep BEFORE INSERT OR UPDATE ON amqp.idempotency_key
+    FOR EACH ROW EXECUTE FUNCTION public.keep_key();
+SELECT amqp.publish_message(7, 'ex', 'once', 'again', idempotency_key => 'payment-42') = :again AS seen_by_upsert;
+SELECT amqp.publish_message(7, 'ex', 'kept', 'z', idempotency_key => 'kept-1') AS kept \gset
+SELECT amqp.publish_message(7, 'ex', 'kept', 'z', idempotency_key => 'kept-1') = :kept AS kept_once,
+       (SELECT id FROM amqp.idempotency_key WHERE key = 'kept-1') = :kept AS claimed_by_upsert;
+DROP TRIGGER keep ON amqp.idempotency_key;
+DROP FUNCTION public.keep_key();
+SELECT amqp.publish_message(7, 'ex', 'kept', 'z', idempotency_key => 'kept-1') = :kept AS seen_directly;
+SELECT count(*) AS payments, (SELECT count(*) FROM amqp.message WHERE routing_key = 'kept') AS kept
+  FROM amqp.message WHERE routing_key = 'once';
 
 -- Bad input: 22023 (negative delay, empty key), 22001 (key over 1000 bytes); nothing written.
 SELECT count(*) AS before FROM amqp.message \gset

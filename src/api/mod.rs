@@ -2,6 +2,7 @@
 
 mod admin;
 mod jsonb_arg;
+mod key_row;
 mod known_brokers;
 pub(crate) mod message_id;
 mod outbox_row;
@@ -11,4 +12,5 @@ mod publish_later;
 pub(crate) mod run_as;
 mod standbys;
 mod status;
+mod table_write;
 mod topology;

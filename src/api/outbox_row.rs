@@ -5,9 +5,8 @@
 //! nothing but still started a whole executor for its INSERT (plan revalidation, a snapshot,
 //! memory contexts, a projection evaluating the column defaults, and the table's eight CHECK
 //! constraints read back from their stored form), which made `publish()` 10–25 % slower than
-//! the same INSERT typed by hand. Here the row is built in Rust, stored with
-//! `simple_table_tuple_insert` (TOAST, WAL, statistics as for any INSERT) and indexed with
-//! `ExecInsertIndexTuples` (unique checks included).
+//! the same INSERT typed by hand. Here the row is built in Rust and stored as
+//! [`super::table_write::insert_slot`] says.
 //!
 //! The table's CHECK constraints are not evaluated again: [`super::publish::NewMessage::check`]
 //! enforces each of them before the row is built. That only holds for the table as the
@@ -442,21 +441,9 @@ unsafe fn write(
         set(Col::Resends, 0i32.into_datum());
         pg_sys::ExecStoreVirtualTuple(slot);
 
-        pg_sys::simple_table_tuple_insert(rel, slot);
-        if (*(*rel).rd_rel).relhasindex {
-            let estate = pg_sys::CreateExecutorState();
-            let info = PgBox::<pg_sys::ResultRelInfo>::alloc_node(pg_sys::NodeTag::T_ResultRelInfo)
-                .into_pg();
-            pg_sys::InitResultRelInfo(info, rel, 1, std::ptr::null_mut(), 0);
-            pg_sys::ExecOpenIndices(info, false);
-            crate::pg_compat::insert_index_tuples(info, slot, estate);
-            pg_sys::ExecCloseIndices(info);
-            pg_sys::FreeExecutorState(estate);
-        }
+        super::table_write::insert_slot(rel, slot);
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        // As SPI does after a statement: later commands of the transaction see the row.
-        pg_sys::CommandCounterIncrement();
         id
     }
 }

@@ -3,8 +3,10 @@
 //! and `idempotency_key` (a key row in `amqp.idempotency_key` decides, under its primary key,
 //! whether this publish is the first with that key within the window). Both run fixed,
 //! fully qualified statements through SPI as the extension's owner: publishers need EXECUTE on
-//! the function, not rights on the tables.
+//! the function, not rights on the tables; most keys are claimed without SPI
+//! ([`super::key_row`]), the upsert here deciding the rest.
 
+use super::key_row::{self, Claim};
 use super::outbox_row::Row;
 use super::publish::{row_args, MESSAGE_COLUMNS, MESSAGE_VALUES, TAG_COLUMNS, TAG_VALUES};
 use super::run_as::{extension_owner, RunAs};
@@ -154,9 +156,17 @@ fn run(statement: Statement, args: &[DatumWithOid]) -> Result<Option<i64>, pgrx:
 
 /// Decides whether this publish is the first with `key` within `amqp_outbox.idempotency_window`.
 pub fn claim_key(key: &str) -> Result<KeyClaim, pgrx::spi::SpiError> {
-    let window = Interval::from_minutes(crate::gucs::IDEMPOTENCY_WINDOW.get().max(1));
+    let minutes = crate::gucs::IDEMPOTENCY_WINDOW.get().max(1);
     // Drawn directly where the outbox's shape allows, as publish() draws its ids.
     let id = super::outbox_row::draw_id();
+    if let Some(id) = id {
+        match key_row::claim(key, id, minutes) {
+            Claim::First => return Ok(KeyClaim::First(id)),
+            Claim::Seen(seen) => return Ok(KeyClaim::Seen(seen)),
+            Claim::Ask => {}
+        }
+    }
+    let window = Interval::from_minutes(minutes);
     if let Some(id) = run(Statement::ClaimKey, &[key.into(), window.into(), id.into()])? {
         return Ok(KeyClaim::First(id));
     }

@@ -317,6 +317,66 @@ fn racing_sessions_with_one_key_publish_one_message() {
         Some("40001"),
         "serialization failure: {err}"
     );
+
+    // Sessions in lockstep over the same fresh keys, each publish its own transaction: every
+    // key is claimed once, no session gets an error (a lookup and insert not serialized per
+    // key would let two find nothing, and the second fail on the primary key: 23505).
+    const SESSIONS: usize = 4;
+    const KEYS: usize = 300;
+    let start = std::sync::Arc::new(std::sync::Barrier::new(SESSIONS));
+    let racers: Vec<_> = (0..SESSIONS)
+        .map(|s| {
+            let mut c = f.cluster.client();
+            let (ex, rk, start) = (ex.clone(), rk.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                (0..KEYS)
+                    .map(|k| {
+                        let key = format!("swarm-{k}");
+                        c.query_one(
+                            publish_sql,
+                            &[&broker, &ex, &rk, &format!("{key}-{s}"), &key],
+                        )
+                        .map(|row| row.get::<_, i64>(0))
+                        .map_err(|e| e.to_string())
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let ids: Vec<Vec<Result<i64, String>>> = racers
+        .into_iter()
+        .map(|r| r.join().expect("racer"))
+        .collect();
+    for k in 0..KEYS {
+        let of_key: BTreeSet<&Result<i64, String>> = ids.iter().map(|s| &s[k]).collect();
+        assert_eq!(
+            of_key.len(),
+            1,
+            "key swarm-{k}: every session gets one id: {of_key:?}"
+        );
+        assert!(
+            of_key.iter().all(|r| r.is_ok()),
+            "key swarm-{k}: {of_key:?}"
+        );
+    }
+    f.settle();
+    let swarm: BTreeMap<String, usize> = f
+        .collector
+        .body_counts()
+        .iter()
+        .filter(|(b, _)| b.starts_with("swarm-"))
+        .fold(BTreeMap::new(), |mut per_key, (body, n)| {
+            let key = body.rsplit_once('-').map_or(body.as_str(), |(k, _)| k);
+            *per_key.entry(key.to_string()).or_default() += n;
+            per_key
+        });
+    assert_eq!(swarm.len(), KEYS, "every key published");
+    assert!(
+        swarm.values().all(|n| *n == 1),
+        "one message per key: {:?}",
+        swarm.iter().filter(|(_, n)| **n != 1).collect::<Vec<_>>()
+    );
 }
 
 /// A delayed message that `amqp.message` refuses (a trigger a DBA added) stays scheduled with
