@@ -318,10 +318,10 @@ fn racing_sessions_with_one_key_publish_one_message() {
         "serialization failure: {err}"
     );
 
-    // Sessions in lockstep over the same fresh keys, each publish its own transaction: every
-    // key is claimed once, no session gets an error (a lookup and insert not serialized per
-    // key would let two find nothing, and the second fail on the primary key: 23505).
-    const SESSIONS: usize = 4;
+    // Sessions released together onto each fresh key, each publish its own transaction: every
+    // key is claimed once and no session gets an error (a lookup and an insert not serialized
+    // per key would let two find nothing, and the second fail on the primary key: 23505).
+    const SESSIONS: usize = 6;
     const KEYS: usize = 300;
     let start = std::sync::Arc::new(std::sync::Barrier::new(SESSIONS));
     let racers: Vec<_> = (0..SESSIONS)
@@ -329,16 +329,17 @@ fn racing_sessions_with_one_key_publish_one_message() {
             let mut c = f.cluster.client();
             let (ex, rk, start) = (ex.clone(), rk.clone(), start.clone());
             std::thread::spawn(move || {
-                start.wait();
                 (0..KEYS)
                     .map(|k| {
                         let key = format!("swarm-{k}");
-                        c.query_one(
-                            publish_sql,
-                            &[&broker, &ex, &rk, &format!("{key}-{s}"), &key],
-                        )
-                        .map(|row| row.get::<_, i64>(0))
-                        .map_err(|e| e.to_string())
+                        let body = format!("{key}-{s}");
+                        start.wait();
+                        c.query_one(publish_sql, &[&broker, &ex, &rk, &body, &key])
+                            .map(|row| row.get::<_, i64>(0))
+                            .map_err(|e| match e.as_db_error() {
+                                Some(d) => format!("{}: {}", d.code().code(), d.message()),
+                                None => e.to_string(),
+                            })
                     })
                     .collect::<Vec<_>>()
             })
