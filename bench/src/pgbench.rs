@@ -19,7 +19,8 @@ pub enum System {
     PublishMessage,
     /// `amqp.publish_message(..., deliver_after => '1 hour')`: nothing is delivered meanwhile.
     PublishLater,
-    /// `amqp.publish_message(..., idempotency_key => <a new UUID>)`, worker on.
+    /// `amqp.publish_message(..., idempotency_key => <a new random key, a bound parameter>)`,
+    /// worker on.
     PublishKeyed,
 }
 
@@ -86,9 +87,12 @@ pub fn script(env: &Env, system: System, load: &Load, body: &str) -> String {
             "SELECT amqp.publish_message({b}, '{exchange}', '', '{body}', \
              deliver_after => '1 hour');"
         ),
+        // The key comes from the client as a bound parameter, as an application's does (a key
+        // made by the statement itself would charge its making to the publish).
         System::PublishKeyed => format!(
-            "SELECT amqp.publish_message({b}, '{exchange}', '', '{body}', \
-             idempotency_key => pg_catalog.gen_random_uuid()::text);"
+            "\\set key random(1, 9223372036854775806)\n\
+             SELECT amqp.publish_message({b}, '{exchange}', '', '{body}', \
+             idempotency_key => :key::text);"
         ),
     };
     if load.per_txn == 1 {
