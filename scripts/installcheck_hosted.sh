@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# pg_regress against the plain-SQL install (sql/hosted/, for hosted PostgreSQL): a temporary
+# instance with nothing preloaded and no extension created, the install script run by a role
+# that is not a superuser, then the shared SQL contract tests (pg_regress/sql, the same expected
+# output as the extension's, less their CREATE EXTENSION line) and the hosted-only ones
+# (pg_regress/hosted).
+#
+#   HOSTED_REGRESS   the shared tests to run (default below)
+#   PG_CONFIG        the PostgreSQL to use
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+# The shared tests that hold for both installs, in order.
+HOSTED_REGRESS="${HOSTED_REGRESS:-}"
+# The hosted-only tests: the install first.
+HOSTED_ONLY="hosted_install"
+
+PG_CONFIG_REAL="$(real_pg_config)"
+BINDIR="$("$PG_CONFIG_REAL" --bindir)"
+PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
+PG_REGRESS="$PKGLIBDIR/pgxs/src/test/regress/pg_regress"
+[ -x "$PG_REGRESS" ] || die "pg_regress not found at $PG_REGRESS (PostgreSQL 15: install postgresql-server-dev-15; 16-18: scripts/pg_versions.sh)"
+
+python3 "$ROOT/scripts/hosted_sql.py"
+VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)"
+SCRIPT="$ROOT/sql/hosted/amqp_outbox_hosted--$VERSION.sql"
+
+OUT="$ROOT/pg_regress/hosted"
+rm -rf "$OUT/results" "$OUT/regression.diffs" "$OUT/regression.out" "$OUT/log"
+WORK="$(mktemp -d /tmp/amqp_outbox-hosted-regress.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/sql" "$WORK/expected"
+cp "$SCRIPT" "$WORK/sql/amqp_outbox_hosted.sql"
+cp "$OUT"/sql/*.sql "$WORK/sql/"
+cp "$OUT"/expected/*.out "$WORK/expected/"
+# A shared test runs as written, without its CREATE EXTENSION (the schema is there already).
+for t in $HOSTED_REGRESS; do
+    grep -vx 'CREATE EXTENSION IF NOT EXISTS amqp_outbox;' "$ROOT/pg_regress/sql/$t.sql" > "$WORK/sql/$t.sql"
+    grep -vx 'CREATE EXTENSION IF NOT EXISTS amqp_outbox;' "$ROOT/pg_regress/expected/$t.out" > "$WORK/expected/$t.out"
+done
+if is_root; then chown -R postgres: "$WORK"; fi
+
+LIBDIR="$("$PG_CONFIG_REAL" --libdir)"
+status=0
+# shellcheck disable=SC2086 # lists of test names
+(cd "$WORK" && as_pg env LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$PG_REGRESS" \
+    --bindir="$BINDIR" \
+    --inputdir="$WORK" \
+    --outputdir="$WORK" \
+    --temp-instance="$WORK/tmp_check" \
+    --dbname=contrib_regression \
+    --encoding=UTF8 --no-locale \
+    $HOSTED_ONLY $HOSTED_REGRESS) || status=$?
+
+for f in results regression.diffs regression.out log; do
+    if [ -e "$WORK/$f" ]; then cp -r "$WORK/$f" "$OUT/"; fi
+done
+if [ "$status" -ne 0 ]; then
+    if [ -s "$OUT/regression.diffs" ]; then
+        echo "---- pg_regress/hosted/regression.diffs ----"
+        head -n 300 "$OUT/regression.diffs"
+    fi
+    die "hosted installcheck failed (pg_regress exit $status); results in pg_regress/hosted/results"
+fi

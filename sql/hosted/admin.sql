@@ -1,0 +1,1 @@
+-- The library's administration and status functions in PL/pgSQL, for the plain-SQL install (scripts/hosted_sql.py).

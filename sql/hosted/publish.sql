@@ -1,0 +1,1 @@
+-- The library's publishing functions in PL/pgSQL, for the plain-SQL install (scripts/hosted_sql.py).
