@@ -12,7 +12,7 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-REGRESS="${REGRESS:-publish outbox_row rollback bad_input broker broker_lookup exchange_declare topology parked views privileges runs_as settings standbys claim_plan delete_plan inbox reconcile dump publish_later drop}"
+REGRESS="${REGRESS:-surface publish outbox_row rollback bad_input broker broker_lookup exchange_declare topology parked views privileges runs_as settings standbys claim_plan delete_plan inbox reconcile dump publish_later drop}"
 
 PG_CONFIG_REAL="$(real_pg_config)"
 BINDIR="$("$PG_CONFIG_REAL" --bindir)"

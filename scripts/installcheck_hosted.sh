@@ -30,7 +30,8 @@ rm -rf "$OUT/results" "$OUT/regression.diffs" "$OUT/regression.out" "$OUT/log"
 WORK="$(mktemp -d /tmp/amqp_outbox-hosted-regress.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/sql" "$WORK/expected"
-cp "$SCRIPT" "$WORK/sql/amqp_outbox_hosted.sql"
+# pg_regress feeds psql on stdin from $WORK: \ir finds it there.
+cp "$SCRIPT" "$WORK/amqp_outbox_hosted.sql"
 cp "$OUT"/sql/*.sql "$WORK/sql/"
 cp "$OUT"/expected/*.out "$WORK/expected/"
 # A shared test runs as written, without its CREATE EXTENSION (the schema is there already).
