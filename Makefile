@@ -4,6 +4,7 @@
 #   make install         install it into the PostgreSQL that PG_CONFIG names
 #   make install-test    install a test build (with the fault-injection settings the e2e tests set)
 #   make installcheck    SQL contract tests (pg_regress, private temporary instance)
+#   make installcheck-hosted  the same contract against the plain-SQL install (sql/hosted/)
 #   make test            make lint, then every tier: install-test, installcheck, broker unit
 #                        tests, end-to-end tests (including the fast fault-injection cases of
 #                        tests/tests/faults/), then test-package
@@ -61,7 +62,7 @@ CARGO ?= cargo
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
 # `make sql`: see GENERATED_UPDATES.
-.PHONY: sql all build install install-test installcheck test test-unit test-broker test-e2e test-e2e-subset test-versions test-pg-upgrade fmt lint run stop clean package test-package
+.PHONY: sql all build install install-test installcheck installcheck-hosted test test-unit test-broker test-e2e test-e2e-subset test-versions test-pg-upgrade fmt lint run stop clean package test-package
 
 all: build
 
@@ -77,6 +78,7 @@ build:
 # sql/upgrade/ go, and the script stays as it was (the install-script files change later).
 GENERATED_UPDATES := sql/amqp_outbox--0.7.0--0.8.0.sql
 sql: $(GENERATED_UPDATES)
+	python3 scripts/hosted_sql.py
 sql/amqp_outbox--0.7.0--0.8.0.sql: sql/upgrade/0.7.0--0.8.0.head.sql sql/subscriptions.sql sql/monitor_pass.sql sql/health.sql sql/publish_later.sql sql/trace.sql sql/upgrade/0.7.0--0.8.0.tail.sql
 	cat $^ > $@
 
@@ -94,6 +96,11 @@ install-test:
 
 installcheck:
 	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck.sh
+
+# The plain-SQL install for hosted PostgreSQL (sql/hosted/): pg_regress in a temporary instance
+# with nothing preloaded, the shared contract tests and the hosted-only ones. Needs no build.
+installcheck-hosted:
+	PG_CONFIG=$(PG_CONFIG_REAL) scripts/installcheck_hosted.sh
 
 # The extension's pure-Rust logic (no server needed).
 # (With PG=NN, the extension's unit tests are built with that version's pgrx feature.)
@@ -138,7 +145,7 @@ chaos-table:
 
 # Runs every tier and reports each (with its duration); a failed install skips the rest.
 # test-package comes last: it replaces the installed test build for a while (then restores it).
-TEST_TIERS := test-unit installcheck test-broker test-e2e test-package
+TEST_TIERS := test-unit installcheck installcheck-hosted test-broker test-e2e test-package
 test: lint
 	@passed=; failed=; skipped=; installed=; \
 	for t in install-test $(TEST_TIERS); do \
@@ -179,7 +186,7 @@ test-e2e-subset:
 test-versions:
 	@results=; rc=0; \
 	for v in $(PG_VERSIONS); do \
-		for t in install-test installcheck test-e2e-subset test-package; do \
+		for t in install-test installcheck installcheck-hosted test-e2e-subset test-package; do \
 			echo "==> PostgreSQL $$v: make $$t"; start=$$(date +%s); \
 			if $(MAKE) --no-print-directory $$t PG=$$v; then st=ok; else st=FAILED; rc=1; fi; \
 			results="$$results$$v $$t $$st $$(( $$(date +%s) - start ))s\n"; \

@@ -50,6 +50,7 @@ check_sql() {
         cat $parts | cmp -s - "$target" ||
             { echo "lint: $target is not current: run 'make sql'" >&2; return 1; }
     done
+    python3 scripts/hosted_sql.py --check
 }
 
 check_fmt() {
