@@ -106,6 +106,7 @@ installcheck-hosted:
 # (With PG=NN, the extension's unit tests are built with that version's pgrx feature.)
 test-unit:
 	$(CARGO) test -p amqp_outbox --lib $(if $(PG),--no-default-features --features pg$(PG))
+	$(CARGO) test -p amqp_outbox_engine
 	$(CARGO) test -p amqp_outbox_bench
 
 test-broker:

@@ -25,6 +25,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 CARGO=${CARGO:-cargo}
 BROKER_CRATE=amqp_outbox_broker
+ENGINE_CRATE=amqp_outbox_engine
 failed=()
 
 run() {
@@ -70,27 +71,29 @@ check_clippy() {
 }
 
 check_no_pgrx() {
+    # The AMQP thread's crate and the delivery engine never reach PostgreSQL's API.
     # `cargo tree -i pgrx` is no use here: "not in the graph" and "cargo failed" both exit 101.
     # So list the whole graph (every target platform, build scripts included), require that the
     # listing worked, and look for any pgrx crate in it.
-    local tree
-    if ! tree=$("$CARGO" tree -p "$BROKER_CRATE" -e normal,build --target all --prefix none \
-        --format '{p}'); then
-        echo "lint: cargo tree failed for $BROKER_CRATE" >&2
-        return 1
-    fi
-    if ! grep -q "^$BROKER_CRATE v" <<<"$tree"; then
-        echo "lint: cargo tree did not list $BROKER_CRATE itself; cannot check its dependencies" >&2
-        return 1
-    fi
-    local found
-    found=$(grep -E '^pgrx[-_a-z0-9]* v' <<<"$tree" | sort -u)
-    if [ -n "$found" ]; then
-        echo "lint: $BROKER_CRATE depends on pgrx (the AMQP thread must not reach PostgreSQL's API):" >&2
-        sed 's/^/    /' <<<"$found" >&2
-        echo "    see: $CARGO tree -p $BROKER_CRATE -e normal,build --target all -i <crate>" >&2
-        return 1
-    fi
+    local crate tree found
+    for crate in "$BROKER_CRATE" "$ENGINE_CRATE"; do
+        if ! tree=$("$CARGO" tree -p "$crate" -e normal,build --target all --prefix none \
+            --format '{p}'); then
+            echo "lint: cargo tree failed for $crate" >&2
+            return 1
+        fi
+        if ! grep -q "^$crate v" <<<"$tree"; then
+            echo "lint: cargo tree did not list $crate itself; cannot check its dependencies" >&2
+            return 1
+        fi
+        found=$(grep -E '^pgrx[-_a-z0-9]* v' <<<"$tree" | sort -u)
+        if [ -n "$found" ]; then
+            echo "lint: $crate depends on pgrx (it must not reach PostgreSQL's API):" >&2
+            sed 's/^/    /' <<<"$found" >&2
+            echo "    see: $CARGO tree -p $crate -e normal,build --target all -i <crate>" >&2
+            return 1
+        fi
+    done
 }
 
 check_pg_guard() {

@@ -49,7 +49,7 @@ pub enum RawProps {
     LikeOutbox,
 }
 
-// The headers the worker adds to every message (src/worker/message.rs, `HEADER_*`; a test
+// The headers the worker adds to every message (engine/src/message.rs, `HEADER_*`; a test
 // checks the names). Not imported: that crate is the pgrx extension.
 const HEADER_PRODUCER_PID: &str = "x-amqp-outbox-producer-pid";
 const HEADER_PRODUCER_START: &str = "x-amqp-outbox-producer-start";
@@ -60,7 +60,7 @@ const HEADER_BUSINESS_TYPE: &str = "x-amqp-outbox-business-type";
 const HEADER_CREATED_AT: &str = "x-amqp-outbox-created-at";
 
 /// Builds, per message, the properties the worker sends for a row of `amqp.publish()` without
-/// headers or tags (src/worker/message.rs `to_message`, broker/src/outbound.rs `build`): the
+/// headers or tags (engine/src/message.rs `to_message`, broker/src/outbound.rs `build`): the
 /// same keys, value types and about the same sizes.
 struct LikeOutbox {
     /// The producer's pid and start (Unix µs): the worker's come from the row's backend.
@@ -380,11 +380,11 @@ mod tests {
         assert_eq!(*header(&q, HEADER_SEQUENCE), AMQPValue::LongLongInt(8));
     }
 
-    /// The header names are the worker's: every `HEADER_*` of src/worker/message.rs but the
+    /// The header names are the worker's: every `HEADER_*` of engine/src/message.rs but the
     /// two a row without tags does not carry.
     #[test]
     fn header_names_are_the_workers() {
-        let source = include_str!("../../src/worker/message.rs");
+        let source = include_str!("../../engine/src/message.rs");
         let mut theirs: Vec<&str> = source
             .lines()
             .filter(|l| l.trim_start().starts_with("pub const HEADER_"))

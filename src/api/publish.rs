@@ -323,7 +323,7 @@ impl<'a> NewMessage<'a> {
             .report(PgLogLevel::ERROR);
         }
         // The transaction takes its id before the row draws one from the sequence: the worker's
-        // scan floor relies on that order (src/worker/scan_floor.rs). The INSERT would take it
+        // scan floor relies on that order (engine/src/scan_floor.rs). The INSERT would take it
         // anyway, a moment later.
         // (Not in a read-only transaction or on a standby: the INSERT raises the proper error.)
         // SAFETY: inside the caller's transaction, on the backend's main thread; globals read

@@ -185,7 +185,7 @@ impl Worker {
             // Nothing to publish and nothing in flight: the table may be empty.
             let idle = claimed.commands.is_empty()
                 && !claimed.more
-                && self.flight.len() == 0
+                && self.flight.is_empty()
                 && self.settings.enabled
                 && self.presence.present();
             let ready =

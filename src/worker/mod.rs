@@ -16,23 +16,20 @@ pub(crate) mod brokers;
 mod claim;
 mod events;
 mod faults;
-mod flight;
-mod gather;
 mod main_loop;
-mod message;
 mod origin;
-mod pacer;
 pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;
-mod scan_floor;
 mod scheduled;
 mod settle;
 mod shrink;
-pub(crate) mod standby_gate;
 pub(crate) mod standbys;
 mod status;
 mod step;
+
+// The parts that need neither PostgreSQL's API nor a connection (crate amqp_outbox_engine).
+pub(crate) use amqp_outbox_engine::{flight, gather, message, pacer, scan_floor, standby_gate};
 
 use crate::shmem;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};

@@ -287,7 +287,7 @@ fn ten_thousand_messages_from_eight_sessions_arrive_in_per_session_order() {
     report.assert_exactly_once_in_order();
     assert_eq!(Outbox::rows(&mut f.client).expect("count"), 0);
     // Every row was claimed from the scan floor up, none found late by the once-a-second read
-    // from the lowest id (src/worker/scan_floor.rs).
+    // from the lowest id (engine/src/scan_floor.rs).
     assert!(
         !f.cluster.log().contains("at or below its last scan floor"),
         "the claim's floor passed over rows:\n{}",

@@ -32,7 +32,7 @@
 //! cover (inserted directly into `amqp.message` rather than through `amqp.publish()`, or
 //! unparked by hand): those wait that long.
 
-use super::pacer::Pacer;
+use crate::pacer::Pacer;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 

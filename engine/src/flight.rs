@@ -546,6 +546,10 @@ impl Flight {
         self.entries.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     pub fn changes(&self) -> u64 {
         self.changes
     }

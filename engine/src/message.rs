@@ -1,7 +1,7 @@
 //! Builds the message handed to the AMQP thread from a claimed row: the caller's properties and
 //! headers, plus the producer headers every consumer can rely on.
 
-use super::queries::Row;
+use crate::row::Row;
 use amqp_outbox_broker::OutboundMessage;
 
 /// Header names the worker adds to every message.
@@ -178,7 +178,7 @@ mod tests {
         assert!(!m.headers.contains_key(HEADER_BUSINESS_KEY));
         assert!(!m.headers.contains_key(HEADER_TRACEPARENT));
         let mut r = row(2);
-        r.tags = crate::worker::queries::RowTags {
+        r.tags = crate::row::RowTags {
             business_type: Some("order".into()),
             business_key: Some("42".into()),
             traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
@@ -206,7 +206,7 @@ mod tests {
             uuid7_unix_ms("01912345-6789-7fff-bfff-ffffffffffff"),
             Some(0x0191_2345_6789)
         );
-        let made = crate::api::message_id::uuid_v7(1_700_000_000_123, [7; 10]);
+        let made = amqp_outbox_broker::identity::uuid_v7(1_700_000_000_123, [7; 10]);
         assert_eq!(uuid7_unix_ms(&made), Some(1_700_000_000_123));
         for other in [
             "01912345-6789-4fff-bfff-ffffffffffff", // version 4

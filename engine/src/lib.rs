@@ -1,0 +1,21 @@
+//! The delivery logic of amqp_outbox that is neither PostgreSQL's API nor a connection to it:
+//! plain Rust, shared by whatever hosts the delivery (today the extension's background worker,
+//! which reads and writes the outbox through SPI on its main thread).
+//!
+//! - [`flight`]: what is in flight, held back after a nack, or due for a retry; the proof of
+//!   delivery each message still needs.
+//! - [`scan_floor`]: the lowest id a claim must read from, so that a claim reads about one
+//!   tuple per delivered message and never misses a row committed late.
+//! - [`pacer`], [`gather`]: when to claim and how long to gather commits into one batch.
+//! - [`standby_gate`]: what may leave for the broker once the named standbys have the commits.
+//! - [`row`], [`message`]: a claimed row, and the AMQP message made of it.
+//!
+//! Nothing here may depend on pgrx (`make lint` checks): it never runs PostgreSQL code.
+
+pub mod flight;
+pub mod gather;
+pub mod message;
+pub mod pacer;
+pub mod row;
+pub mod scan_floor;
+pub mod standby_gate;
