@@ -192,8 +192,50 @@ def source_objects(root: Path) -> set[str]:
     return {n for n in names if not n.startswith("amqp_outbox.test_")}
 
 
+HOSTED_SECTION = "## Only in the plain-SQL install"
+
+
+def hosted_only_entries(root: Path) -> set[str]:
+    """The entries under the heading HOSTED_SECTION: objects of the plain-SQL install
+    (sql/hosted/) that the extension does not have."""
+    names = set()
+    inside = False
+    for _, line in strip_code((root / REFERENCE).read_text(encoding="utf-8")):
+        if line.startswith("## "):
+            inside = line.strip() == HOSTED_SECTION
+        if inside and line.startswith("|"):
+            cells = line.split("|")
+            for code in re.findall(r"`([^`]*)`", cells[1] if len(cells) > 2 else ""):
+                m = re.match(rf"\s*(amqp\.{NAME})", code)
+                if m:
+                    names.add(m.group(1))
+    return names
+
+
+def hosted_objects(root: Path) -> set[str]:
+    """What the plain-SQL install's own files (sql/hosted/*.sql but the generated script)
+    define in the schema amqp."""
+    create = re.compile(
+        rf"CREATE\s+(?:OR\s+REPLACE\s+)?(?:UNLOGGED\s+)?(?:FUNCTION|VIEW|TABLE|TYPE)\s+"
+        rf"(?:IF\s+NOT\s+EXISTS\s+)?amqp\.({NAME})",
+        re.I,
+    )
+    names: set[str] = set()
+    for f in sorted((root / "sql" / "hosted").glob("*.sql")):
+        if f.name.startswith("amqp_outbox_hosted--"):
+            continue
+        text = re.sub(r"--[^\n]*", "", f.read_text(encoding="utf-8"))
+        names.update("amqp." + n for n in create.findall(text))
+    return names
+
+
 def check_sources(root: Path) -> list[str]:
-    return compare(reference_entries(root), source_objects(root), "in the sources")
+    extension = source_objects(root)
+    problems = compare(reference_entries(root), extension | hosted_objects(root), "in the sources")
+    # The plain-SQL install's section lists exactly what only it has.
+    problems += compare(hosted_only_entries(root), hosted_objects(root) - extension,
+                        f"only in sql/hosted, under \"{HOSTED_SECTION}\"")
+    return problems
 
 
 # --- the installed catalog --------------------------------------------------------------------
@@ -257,7 +299,8 @@ def catalog_objects(conn: list[str]) -> set[str]:
 
 
 def check_catalog(root: Path, conn: list[str]) -> list[str]:
-    return compare(reference_entries(root), catalog_objects(conn), "in the installed catalog")
+    documented = reference_entries(root) - hosted_only_entries(root)
+    return compare(documented, catalog_objects(conn), "in the installed catalog")
 
 
 # --- self-test --------------------------------------------------------------------------------
