@@ -2319,6 +2319,7 @@ $scheduled_changed$;
 CREATE FUNCTION amqp.disconnect(broker_id integer) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
     AS $disconnect$
+#variable_conflict use_column
 BEGIN
     IF broker_id IS NULL THEN
         RAISE EXCEPTION 'amqp_outbox: broker_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -2336,6 +2337,7 @@ $disconnect$;
 CREATE FUNCTION amqp.retry(message_id bigint) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     AS $retry$
+#variable_conflict use_column
 BEGIN
     IF message_id IS NULL THEN
         RAISE EXCEPTION 'amqp_outbox: message_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -2369,6 +2371,7 @@ $retry$;
 CREATE FUNCTION amqp.retry_all(broker_id integer) RETURNS bigint
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     AS $retry_all$
+#variable_conflict use_column
 DECLARE
     n bigint;
 BEGIN
@@ -2388,6 +2391,7 @@ $retry_all$;
 CREATE FUNCTION amqp.discard(message_id bigint, reason text DEFAULT NULL) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     AS $discard$
+#variable_conflict use_column
 BEGIN
     IF message_id IS NULL THEN
         RAISE EXCEPTION 'amqp_outbox: message_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -2438,6 +2442,7 @@ CREATE FUNCTION amqp.exchange_declare(broker_id integer, exchange text, exchange
     RETURNS boolean
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
     AS $exchange_declare$
+#variable_conflict use_column
 DECLARE
     kind text := coalesce(exchange_type, 'direct');
 BEGIN
@@ -2525,6 +2530,7 @@ CREATE FUNCTION amqp.queue_declare(broker_id integer, queue text, durable boolea
     RETURNS boolean
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
     AS $queue_declare$
+#variable_conflict use_column
 DECLARE
     args jsonb;
 BEGIN
@@ -2555,6 +2561,7 @@ CREATE FUNCTION amqp.queue_bind(broker_id integer, queue text, exchange text,
     RETURNS boolean
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
     AS $queue_bind$
+#variable_conflict use_column
 DECLARE
     key text := coalesce(routing_key, '');
     args jsonb;
