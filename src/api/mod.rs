@@ -9,6 +9,7 @@ mod outbox_row;
 mod parked;
 mod publish;
 mod publish_later;
+mod row_params;
 pub(crate) mod run_as;
 mod standbys;
 mod status;

@@ -6,11 +6,12 @@ use super::jsonb_arg::JsonbArg;
 use super::known_brokers;
 use super::outbox_row;
 use super::publish_later::{self, KeyClaim, Later};
+use super::row_params::{row_args, MESSAGE_COLUMNS, MESSAGE_VALUES, TAG_COLUMNS, TAG_VALUES};
 use super::run_as::{extension_owner, RunAs};
 use crate::error::{OrRaise, OutboxError};
 use crate::headers::Unsendable;
 use crate::{commit_wake, shmem};
-use pgrx::datum::{DatumWithOid, Interval};
+use pgrx::datum::Interval;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::spi::OwnedPreparedStatement;
@@ -38,42 +39,6 @@ thread_local! {
     static LAST_ID: Cell<Option<i64>> = const { Cell::new(None) };
     /// Whether this session was checked for publishing in a database the worker does not serve.
     static NOT_SERVED_CHECKED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// The columns [`row_args`] gives values for, in its order: the message, then its tags.
-pub(super) const MESSAGE_COLUMNS: &str = "producer_pid, producer_started_at, broker_id, \
-exchange, routing_key, body, delivery_mode, content_type, reply_to, correlation_id, headers";
-pub(super) const TAG_COLUMNS: &str = "business_type, business_key, traceparent, system_id, host_id";
-/// The parameters of [`MESSAGE_COLUMNS`], then of [`TAG_COLUMNS`].
-pub(super) const MESSAGE_VALUES: &str =
-    "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::pg_catalog.jsonb";
-pub(super) const TAG_VALUES: &str = "$12, $13, $14, $15, $16";
-
-/// The values of [`MESSAGE_COLUMNS`], and of [`TAG_COLUMNS`] when `tags`.
-pub(super) fn row_args<'a>(row: &'a outbox_row::Row<'a>, tags: bool) -> Vec<DatumWithOid<'a>> {
-    let mut args: Vec<DatumWithOid> = vec![
-        row.producer_pid.into(),
-        producer_started_at().into(),
-        row.broker_id.into(),
-        row.exchange.into(),
-        row.routing_key.into(),
-        row.body.into(),
-        row.delivery_mode.into(),
-        row.content_type.into(),
-        row.reply_to.into(),
-        row.correlation_id.into(),
-        row.headers.into(),
-    ];
-    if tags {
-        args.extend([
-            row.business_type.into(),
-            row.business_key.into(),
-            row.traceparent.into(),
-            row.system_id.into(),
-            row.host_id.into(),
-        ]);
-    }
-    args
 }
 
 /// The ordinary INSERT's variants: with tags (0.4.0) and with an id drawn already (an

@@ -8,7 +8,7 @@
 
 use super::key_row::{self, Claim};
 use super::outbox_row::Row;
-use super::publish::{row_args, MESSAGE_COLUMNS, MESSAGE_VALUES, TAG_COLUMNS, TAG_VALUES};
+use super::row_params::{row_args, MESSAGE_COLUMNS, MESSAGE_VALUES, TAG_COLUMNS, TAG_VALUES};
 use super::run_as::{extension_owner, RunAs};
 use crate::error::OutboxError;
 use pgrx::datum::{DatumWithOid, Interval};
