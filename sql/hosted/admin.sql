@@ -14,8 +14,6 @@
 --   ASCII, 1 for the outbox side); its counters are in amqp._relay_counters, its connections in
 --   amqp._relay_broker (both written only by the relay). Without a relay the database's state is
 --   'no relay'; nothing is in flight.
--- - amqp.discard() records the session's login role (session_user) as discarded_by; the
---   extension records the current role (which differs after SET ROLE).
 -- - amqp.wait_for_standbys() waits for the WAL position the server had written when it was
 --   called (at or after the session's last commit; the extension waits for that commit's end
 --   exactly) and looks at pg_stat_replication every millisecond.
@@ -208,17 +206,23 @@ END
 $retry_all$;
 
 -- Removes a parked message for good, or cancels a delayed one, recording it in amqp.discarded
--- with who, when and why.
-CREATE FUNCTION amqp.discard(message_id bigint, reason text DEFAULT NULL) RETURNS boolean
+-- with who, when and why: as the install's owner (admins cannot insert into amqp.discarded,
+-- they must not forge its rows), `by` being the calling role (amqp.discard() passes it).
+CREATE FUNCTION amqp._discard(message_id bigint, reason text, by name) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    AS $discard$
+    AS $_discard$
 #variable_conflict use_column
 BEGIN
     IF message_id IS NULL THEN
         RAISE EXCEPTION 'amqp_outbox: message_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
+    -- Recorded as the role the caller acts as: one its session may become, nobody else.
+    IF by IS NULL OR NOT pg_catalog.pg_has_role(session_user, by, 'MEMBER') THEN
+        RAISE EXCEPTION 'amqp_outbox: discarded_by must be a role this session may act as'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     WITH gone AS (DELETE FROM amqp.message m
-                   WHERE m.parked_at IS NOT NULL AND m.id OPERATOR(pg_catalog.=) discard.message_id
+                   WHERE m.parked_at IS NOT NULL AND m.id OPERATOR(pg_catalog.=) _discard.message_id
                   RETURNING m.*)
     INSERT INTO amqp.discarded (id, producer_pid, producer_started_at, broker_id, exchange,
                                 routing_key, body, delivery_mode, content_type, reply_to,
@@ -229,11 +233,11 @@ BEGIN
     SELECT id, producer_pid, producer_started_at, broker_id, exchange, routing_key, body,
            delivery_mode, content_type, reply_to, correlation_id, headers, created_at, attempts,
            next_attempt_at, last_error, parked_at, gone.message_id, business_type, business_key,
-           traceparent, system_id, host_id, resends, pg_catalog.now(), session_user, discard.reason
+           traceparent, system_id, host_id, resends, pg_catalog.now(), _discard.by, _discard.reason
       FROM gone;
     IF NOT FOUND THEN
         WITH gone AS (DELETE FROM amqp.scheduled_message s
-                       WHERE s.id OPERATOR(pg_catalog.=) discard.message_id RETURNING s.*)
+                       WHERE s.id OPERATOR(pg_catalog.=) _discard.message_id RETURNING s.*)
         INSERT INTO amqp.discarded (id, producer_pid, producer_started_at, broker_id, exchange,
                                     routing_key, body, delivery_mode, content_type, reply_to,
                                     correlation_id, headers, created_at, attempts,
@@ -244,7 +248,7 @@ BEGIN
                delivery_mode, content_type, reply_to, correlation_id, headers, created_at,
                attempts, next_attempt_at, last_error, parked_at, gone.message_id, business_type,
                business_key, traceparent, system_id, host_id, resends, pg_catalog.now(),
-               session_user, discard.reason
+               _discard.by, _discard.reason
           FROM gone;
         IF NOT FOUND THEN
             RAISE EXCEPTION 'amqp_outbox: message % is neither parked nor scheduled', message_id
@@ -253,7 +257,11 @@ BEGIN
     END IF;
     RETURN true;
 END
-$discard$;
+$_discard$;
+
+CREATE FUNCTION amqp.discard(message_id bigint, reason text DEFAULT NULL) RETURNS boolean
+    LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+    AS $discard$SELECT amqp._discard(message_id, reason, current_user)$discard$;
 
 -- Declarations the relay makes on each connection, recorded transactionally (as the
 -- extension's amqp.exchange_declare(), pg_amqp's signature).
@@ -323,9 +331,9 @@ END
 $check_name$;
 
 -- Queue or binding arguments, checked as the relay will send them: a JSON object whose values
--- AMQP can carry (the checks of message headers, amqp._amqp_table_error()).
+-- AMQP can carry (the checks of message headers in sql/hosted/publish.sql, in the same order).
 CREATE FUNCTION amqp._check_arguments(arguments jsonb) RETURNS jsonb
-    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
     AS $check_arguments$
 DECLARE
     why text;
@@ -333,10 +341,14 @@ BEGIN
     IF arguments IS NULL THEN
         RETURN '{}'::pg_catalog.jsonb;
     END IF;
+    why := amqp._amqp_value_error(arguments);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: invalid arguments: %', why USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF pg_catalog.jsonb_typeof(arguments) OPERATOR(pg_catalog.<>) 'object' THEN
         RAISE EXCEPTION 'amqp_outbox: arguments must be a JSON object' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    why := amqp._amqp_table_error(arguments);
+    why := amqp._amqp_name_error(arguments);
     IF why IS NOT NULL THEN
         RAISE EXCEPTION 'amqp_outbox: invalid arguments: %', why USING ERRCODE = 'invalid_parameter_value';
     END IF;

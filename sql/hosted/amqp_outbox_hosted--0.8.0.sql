@@ -2183,8 +2183,9 @@ GRANT EXECUTE ON FUNCTION amqp.trace(text) TO amqp_outbox_admin;
 -- publishers need EXECUTE on the function, no right on the tables. Every object is qualified and
 -- every operator on user data is OPERATOR(pg_catalog.x), as search_path is pg_catalog, pg_temp.
 --
--- Instead of the worker's commit wake-up, a publish that wrote a row runs
--- pg_notify('amqp_outbox', ''): PostgreSQL folds a transaction's identical notifications into
+-- Instead of the worker's commit wake-up, a publish that wrote a row into amqp.message runs
+-- pg_notify('amqp_outbox', '') (a delayed one: amqp.scheduled_message's trigger notifies
+-- 'scheduled'): PostgreSQL folds a transaction's identical notifications into
 -- one and delivers it at commit only, to the relay that LISTENs on channel amqp_outbox.
 --
 -- What differs from the extension (nothing here can do what needs the library):
@@ -2320,28 +2321,29 @@ $$;
 -- ---- headers ----
 
 -- What the worker could not send is refused here, as NewMessage::check does (src/headers.rs,
--- amqp_outbox_broker::header_table_size): numbers AMQP would get as another value or that a
--- double cannot hold, nesting deeper than serde_json's 128 levels, a value that is not an
--- object, a header name over 255 bytes, a table over 64 KiB once encoded. Checks cost little on
--- small headers: each one runs only where the text is long enough to fail it.
-CREATE FUNCTION amqp._check_headers(headers jsonb) RETURNS void
+-- amqp_outbox_broker::header_table_size), in the extension's order: a value AMQP cannot carry,
+-- a value that is not an object, a name over 255 bytes, a table over 64 KiB once encoded. The
+-- first two checks are shared with queue and binding arguments (amqp._check_arguments). Checks
+-- cost little on small headers: each one runs only where the text is long enough to fail it.
+
+-- Why the JSON value cannot be sent as AMQP field values (NULL: it can): numbers AMQP would get
+-- as another value or that a double cannot hold, nesting deeper than serde_json's 128 levels.
+CREATE FUNCTION amqp._amqp_value_error(value jsonb) RETURNS text
     LANGUAGE plpgsql STABLE PARALLEL SAFE
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    text_bytes integer := pg_catalog.octet_length(headers::text);
+    text_bytes integer := pg_catalog.octet_length(value::text);
     n numeric;
     shown text;
     why text;
-    long_name text;
-    bytes bigint;
 BEGIN
     -- Numbers: none under 20 characters can be out of range or inexact.
     IF text_bytes OPERATOR(pg_catalog.>=) 20 THEN
         -- First a number AMQP would get as another value: an integer beyond 64 bits (an
         -- inexact double), a non-zero number too small for a double (0).
         FOR n IN
-            SELECT v::text::numeric FROM pg_catalog.jsonb_path_query(headers,
+            SELECT v::text::numeric FROM pg_catalog.jsonb_path_query(value,
                 'strict $.** ? (@.type() == "number" && (@ > 18446744073709551615 || @ < -9223372036854775808 || (@ != 0 && @ < 2.4703282292062328e-324 && @ > -2.4703282292062328e-324)))') v
         LOOP
             shown := n::text;
@@ -2359,20 +2361,64 @@ BEGIN
             END IF;
         END LOOP;
         -- Then what the JSON parser refuses: a number beyond a double's range.
-        IF why IS NULL AND pg_catalog.jsonb_path_exists(headers,
+        IF why IS NULL AND pg_catalog.jsonb_path_exists(value,
                'strict $.** ? (@.type() == "number" && (@ >= 1.7976931348623158e308 || @ <= -1.7976931348623158e308))') THEN
             why := 'number out of range';
         END IF;
         IF why IS NOT NULL THEN
-            RAISE EXCEPTION 'amqp_outbox: invalid headers: cannot be sent as AMQP field values: %', why
-                USING ERRCODE = 'invalid_parameter_value';
+            RETURN 'cannot be sent as AMQP field values: ' OPERATOR(pg_catalog.||) why;
         END IF;
     END IF;
     -- ... and nesting deeper than 128 (serde_json's limit: a container at level 127).
-    IF text_bytes OPERATOR(pg_catalog.>=) 256 AND pg_catalog.jsonb_path_exists(headers,
+    IF text_bytes OPERATOR(pg_catalog.>=) 256 AND pg_catalog.jsonb_path_exists(value,
            'strict $.**{127} ? (@.type() == "object" || @.type() == "array")') THEN
-        RAISE EXCEPTION 'amqp_outbox: invalid headers: cannot be sent as AMQP field values: recursion limit exceeded'
-            USING ERRCODE = 'invalid_parameter_value';
+        RETURN 'cannot be sent as AMQP field values: recursion limit exceeded';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- A name (at any depth) over 255 bytes, AMQP's short string (NULL: none): why, as the
+-- extension says it.
+CREATE FUNCTION amqp._amqp_name_error(value jsonb) RETURNS text
+    LANGUAGE plpgsql STABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    long_name text;
+    shown text;
+BEGIN
+    IF pg_catalog.octet_length(value::text) OPERATOR(pg_catalog.<=) 256 THEN
+        RETURN NULL;
+    END IF;
+    SELECT k #>> '{}' INTO long_name
+      FROM pg_catalog.jsonb_path_query(value, 'strict $.** ? (@.type() == "object").keyvalue().key') k
+     WHERE pg_catalog.octet_length(k #>> '{}') OPERATOR(pg_catalog.>) 255
+     LIMIT 1;
+    IF long_name IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- At most 40 bytes of it, cut on a character boundary.
+    shown := pg_catalog.left(long_name, 40);
+    WHILE pg_catalog.octet_length(shown) OPERATOR(pg_catalog.>) 40 LOOP
+        shown := pg_catalog.left(shown, -1);
+    END LOOP;
+    RETURN pg_catalog.format('header name longer than 255 bytes: %s...', shown);
+END
+$$;
+
+CREATE FUNCTION amqp._check_headers(headers jsonb) RETURNS void
+    LANGUAGE plpgsql STABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    text_bytes integer := pg_catalog.octet_length(headers::text);
+    why text;
+    bytes bigint;
+BEGIN
+    why := amqp._amqp_value_error(headers);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: invalid headers: %', why USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object' THEN
         RAISE EXCEPTION 'amqp_outbox: invalid headers: expected a JSON object of header names to values, got %',
@@ -2381,21 +2427,9 @@ BEGIN
                              WHEN 'boolean' THEN 'a boolean' ELSE 'null' END
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- A header name (at any depth) over 255 bytes: AMQP's short string.
-    IF text_bytes OPERATOR(pg_catalog.>) 256 THEN
-        SELECT k #>> '{}' INTO long_name
-          FROM pg_catalog.jsonb_path_query(headers, 'strict $.** ? (@.type() == "object").keyvalue().key') k
-         WHERE pg_catalog.octet_length(k #>> '{}') OPERATOR(pg_catalog.>) 255
-         LIMIT 1;
-        IF long_name IS NOT NULL THEN
-            -- At most 40 bytes of it, cut on a character boundary.
-            shown := pg_catalog.left(long_name, 40);
-            WHILE pg_catalog.octet_length(shown) OPERATOR(pg_catalog.>) 40 LOOP
-                shown := pg_catalog.left(shown, -1);
-            END LOOP;
-            RAISE EXCEPTION 'amqp_outbox: invalid headers: header name longer than 255 bytes: %...', shown
-                USING ERRCODE = 'invalid_parameter_value';
-        END IF;
+    why := amqp._amqp_name_error(headers);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: invalid headers: %', why USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- The encoded size: no JSON text is more than 5 times smaller than its AMQP table, so short
     -- headers need no count. Each value: its own bytes (a table or array 4, a long string 4 and
@@ -2623,8 +2657,11 @@ BEGIN
     -- The id for last_message_id(), with the sequence's value it was drawn as (see there).
     PERFORM pg_catalog.set_config('amqp_outbox.last_message_id',
         new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false);
-    -- The relay's wake-up: delivered at commit only, once per transaction.
-    PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+    -- The relay's wake-up: delivered at commit only, once per transaction. A delayed message
+    -- wakes it through amqp.scheduled_message's trigger ('scheduled'), as in the extension.
+    IF NOT later THEN
+        PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+    END IF;
     RETURN new_id;
 END
 $$;
@@ -2746,8 +2783,6 @@ $$;
 --   ASCII, 1 for the outbox side); its counters are in amqp._relay_counters, its connections in
 --   amqp._relay_broker (both written only by the relay). Without a relay the database's state is
 --   'no relay'; nothing is in flight.
--- - amqp.discard() records the session's login role (session_user) as discarded_by; the
---   extension records the current role (which differs after SET ROLE).
 -- - amqp.wait_for_standbys() waits for the WAL position the server had written when it was
 --   called (at or after the session's last commit; the extension waits for that commit's end
 --   exactly) and looks at pg_stat_replication every millisecond.
@@ -2940,17 +2975,23 @@ END
 $retry_all$;
 
 -- Removes a parked message for good, or cancels a delayed one, recording it in amqp.discarded
--- with who, when and why.
-CREATE FUNCTION amqp.discard(message_id bigint, reason text DEFAULT NULL) RETURNS boolean
+-- with who, when and why: as the install's owner (admins cannot insert into amqp.discarded,
+-- they must not forge its rows), `by` being the calling role (amqp.discard() passes it).
+CREATE FUNCTION amqp._discard(message_id bigint, reason text, by name) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    AS $discard$
+    AS $_discard$
 #variable_conflict use_column
 BEGIN
     IF message_id IS NULL THEN
         RAISE EXCEPTION 'amqp_outbox: message_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
+    -- Recorded as the role the caller acts as: one its session may become, nobody else.
+    IF by IS NULL OR NOT pg_catalog.pg_has_role(session_user, by, 'MEMBER') THEN
+        RAISE EXCEPTION 'amqp_outbox: discarded_by must be a role this session may act as'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     WITH gone AS (DELETE FROM amqp.message m
-                   WHERE m.parked_at IS NOT NULL AND m.id OPERATOR(pg_catalog.=) discard.message_id
+                   WHERE m.parked_at IS NOT NULL AND m.id OPERATOR(pg_catalog.=) _discard.message_id
                   RETURNING m.*)
     INSERT INTO amqp.discarded (id, producer_pid, producer_started_at, broker_id, exchange,
                                 routing_key, body, delivery_mode, content_type, reply_to,
@@ -2961,11 +3002,11 @@ BEGIN
     SELECT id, producer_pid, producer_started_at, broker_id, exchange, routing_key, body,
            delivery_mode, content_type, reply_to, correlation_id, headers, created_at, attempts,
            next_attempt_at, last_error, parked_at, gone.message_id, business_type, business_key,
-           traceparent, system_id, host_id, resends, pg_catalog.now(), session_user, discard.reason
+           traceparent, system_id, host_id, resends, pg_catalog.now(), _discard.by, _discard.reason
       FROM gone;
     IF NOT FOUND THEN
         WITH gone AS (DELETE FROM amqp.scheduled_message s
-                       WHERE s.id OPERATOR(pg_catalog.=) discard.message_id RETURNING s.*)
+                       WHERE s.id OPERATOR(pg_catalog.=) _discard.message_id RETURNING s.*)
         INSERT INTO amqp.discarded (id, producer_pid, producer_started_at, broker_id, exchange,
                                     routing_key, body, delivery_mode, content_type, reply_to,
                                     correlation_id, headers, created_at, attempts,
@@ -2976,7 +3017,7 @@ BEGIN
                delivery_mode, content_type, reply_to, correlation_id, headers, created_at,
                attempts, next_attempt_at, last_error, parked_at, gone.message_id, business_type,
                business_key, traceparent, system_id, host_id, resends, pg_catalog.now(),
-               session_user, discard.reason
+               _discard.by, _discard.reason
           FROM gone;
         IF NOT FOUND THEN
             RAISE EXCEPTION 'amqp_outbox: message % is neither parked nor scheduled', message_id
@@ -2985,7 +3026,11 @@ BEGIN
     END IF;
     RETURN true;
 END
-$discard$;
+$_discard$;
+
+CREATE FUNCTION amqp.discard(message_id bigint, reason text DEFAULT NULL) RETURNS boolean
+    LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+    AS $discard$SELECT amqp._discard(message_id, reason, current_user)$discard$;
 
 -- Declarations the relay makes on each connection, recorded transactionally (as the
 -- extension's amqp.exchange_declare(), pg_amqp's signature).
@@ -3055,9 +3100,9 @@ END
 $check_name$;
 
 -- Queue or binding arguments, checked as the relay will send them: a JSON object whose values
--- AMQP can carry (the checks of message headers, amqp._amqp_table_error()).
+-- AMQP can carry (the checks of message headers in sql/hosted/publish.sql, in the same order).
 CREATE FUNCTION amqp._check_arguments(arguments jsonb) RETURNS jsonb
-    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
     AS $check_arguments$
 DECLARE
     why text;
@@ -3065,10 +3110,14 @@ BEGIN
     IF arguments IS NULL THEN
         RETURN '{}'::pg_catalog.jsonb;
     END IF;
+    why := amqp._amqp_value_error(arguments);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: invalid arguments: %', why USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF pg_catalog.jsonb_typeof(arguments) OPERATOR(pg_catalog.<>) 'object' THEN
         RAISE EXCEPTION 'amqp_outbox: arguments must be a JSON object' USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    why := amqp._amqp_table_error(arguments);
+    why := amqp._amqp_name_error(arguments);
     IF why IS NOT NULL THEN
         RAISE EXCEPTION 'amqp_outbox: invalid arguments: %', why USING ERRCODE = 'invalid_parameter_value';
     END IF;

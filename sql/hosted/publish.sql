@@ -7,8 +7,9 @@
 -- publishers need EXECUTE on the function, no right on the tables. Every object is qualified and
 -- every operator on user data is OPERATOR(pg_catalog.x), as search_path is pg_catalog, pg_temp.
 --
--- Instead of the worker's commit wake-up, a publish that wrote a row runs
--- pg_notify('amqp_outbox', ''): PostgreSQL folds a transaction's identical notifications into
+-- Instead of the worker's commit wake-up, a publish that wrote a row into amqp.message runs
+-- pg_notify('amqp_outbox', '') (a delayed one: amqp.scheduled_message's trigger notifies
+-- 'scheduled'): PostgreSQL folds a transaction's identical notifications into
 -- one and delivers it at commit only, to the relay that LISTENs on channel amqp_outbox.
 --
 -- What differs from the extension (nothing here can do what needs the library):
@@ -144,28 +145,29 @@ $$;
 -- ---- headers ----
 
 -- What the worker could not send is refused here, as NewMessage::check does (src/headers.rs,
--- amqp_outbox_broker::header_table_size): numbers AMQP would get as another value or that a
--- double cannot hold, nesting deeper than serde_json's 128 levels, a value that is not an
--- object, a header name over 255 bytes, a table over 64 KiB once encoded. Checks cost little on
--- small headers: each one runs only where the text is long enough to fail it.
-CREATE FUNCTION amqp._check_headers(headers jsonb) RETURNS void
+-- amqp_outbox_broker::header_table_size), in the extension's order: a value AMQP cannot carry,
+-- a value that is not an object, a name over 255 bytes, a table over 64 KiB once encoded. The
+-- first two checks are shared with queue and binding arguments (amqp._check_arguments). Checks
+-- cost little on small headers: each one runs only where the text is long enough to fail it.
+
+-- Why the JSON value cannot be sent as AMQP field values (NULL: it can): numbers AMQP would get
+-- as another value or that a double cannot hold, nesting deeper than serde_json's 128 levels.
+CREATE FUNCTION amqp._amqp_value_error(value jsonb) RETURNS text
     LANGUAGE plpgsql STABLE PARALLEL SAFE
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    text_bytes integer := pg_catalog.octet_length(headers::text);
+    text_bytes integer := pg_catalog.octet_length(value::text);
     n numeric;
     shown text;
     why text;
-    long_name text;
-    bytes bigint;
 BEGIN
     -- Numbers: none under 20 characters can be out of range or inexact.
     IF text_bytes OPERATOR(pg_catalog.>=) 20 THEN
         -- First a number AMQP would get as another value: an integer beyond 64 bits (an
         -- inexact double), a non-zero number too small for a double (0).
         FOR n IN
-            SELECT v::text::numeric FROM pg_catalog.jsonb_path_query(headers,
+            SELECT v::text::numeric FROM pg_catalog.jsonb_path_query(value,
                 'strict $.** ? (@.type() == "number" && (@ > 18446744073709551615 || @ < -9223372036854775808 || (@ != 0 && @ < 2.4703282292062328e-324 && @ > -2.4703282292062328e-324)))') v
         LOOP
             shown := n::text;
@@ -183,20 +185,64 @@ BEGIN
             END IF;
         END LOOP;
         -- Then what the JSON parser refuses: a number beyond a double's range.
-        IF why IS NULL AND pg_catalog.jsonb_path_exists(headers,
+        IF why IS NULL AND pg_catalog.jsonb_path_exists(value,
                'strict $.** ? (@.type() == "number" && (@ >= 1.7976931348623158e308 || @ <= -1.7976931348623158e308))') THEN
             why := 'number out of range';
         END IF;
         IF why IS NOT NULL THEN
-            RAISE EXCEPTION 'amqp_outbox: invalid headers: cannot be sent as AMQP field values: %', why
-                USING ERRCODE = 'invalid_parameter_value';
+            RETURN 'cannot be sent as AMQP field values: ' OPERATOR(pg_catalog.||) why;
         END IF;
     END IF;
     -- ... and nesting deeper than 128 (serde_json's limit: a container at level 127).
-    IF text_bytes OPERATOR(pg_catalog.>=) 256 AND pg_catalog.jsonb_path_exists(headers,
+    IF text_bytes OPERATOR(pg_catalog.>=) 256 AND pg_catalog.jsonb_path_exists(value,
            'strict $.**{127} ? (@.type() == "object" || @.type() == "array")') THEN
-        RAISE EXCEPTION 'amqp_outbox: invalid headers: cannot be sent as AMQP field values: recursion limit exceeded'
-            USING ERRCODE = 'invalid_parameter_value';
+        RETURN 'cannot be sent as AMQP field values: recursion limit exceeded';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- A name (at any depth) over 255 bytes, AMQP's short string (NULL: none): why, as the
+-- extension says it.
+CREATE FUNCTION amqp._amqp_name_error(value jsonb) RETURNS text
+    LANGUAGE plpgsql STABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    long_name text;
+    shown text;
+BEGIN
+    IF pg_catalog.octet_length(value::text) OPERATOR(pg_catalog.<=) 256 THEN
+        RETURN NULL;
+    END IF;
+    SELECT k #>> '{}' INTO long_name
+      FROM pg_catalog.jsonb_path_query(value, 'strict $.** ? (@.type() == "object").keyvalue().key') k
+     WHERE pg_catalog.octet_length(k #>> '{}') OPERATOR(pg_catalog.>) 255
+     LIMIT 1;
+    IF long_name IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- At most 40 bytes of it, cut on a character boundary.
+    shown := pg_catalog.left(long_name, 40);
+    WHILE pg_catalog.octet_length(shown) OPERATOR(pg_catalog.>) 40 LOOP
+        shown := pg_catalog.left(shown, -1);
+    END LOOP;
+    RETURN pg_catalog.format('header name longer than 255 bytes: %s...', shown);
+END
+$$;
+
+CREATE FUNCTION amqp._check_headers(headers jsonb) RETURNS void
+    LANGUAGE plpgsql STABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    text_bytes integer := pg_catalog.octet_length(headers::text);
+    why text;
+    bytes bigint;
+BEGIN
+    why := amqp._amqp_value_error(headers);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: invalid headers: %', why USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object' THEN
         RAISE EXCEPTION 'amqp_outbox: invalid headers: expected a JSON object of header names to values, got %',
@@ -205,21 +251,9 @@ BEGIN
                              WHEN 'boolean' THEN 'a boolean' ELSE 'null' END
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- A header name (at any depth) over 255 bytes: AMQP's short string.
-    IF text_bytes OPERATOR(pg_catalog.>) 256 THEN
-        SELECT k #>> '{}' INTO long_name
-          FROM pg_catalog.jsonb_path_query(headers, 'strict $.** ? (@.type() == "object").keyvalue().key') k
-         WHERE pg_catalog.octet_length(k #>> '{}') OPERATOR(pg_catalog.>) 255
-         LIMIT 1;
-        IF long_name IS NOT NULL THEN
-            -- At most 40 bytes of it, cut on a character boundary.
-            shown := pg_catalog.left(long_name, 40);
-            WHILE pg_catalog.octet_length(shown) OPERATOR(pg_catalog.>) 40 LOOP
-                shown := pg_catalog.left(shown, -1);
-            END LOOP;
-            RAISE EXCEPTION 'amqp_outbox: invalid headers: header name longer than 255 bytes: %...', shown
-                USING ERRCODE = 'invalid_parameter_value';
-        END IF;
+    why := amqp._amqp_name_error(headers);
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: invalid headers: %', why USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- The encoded size: no JSON text is more than 5 times smaller than its AMQP table, so short
     -- headers need no count. Each value: its own bytes (a table or array 4, a long string 4 and
@@ -447,8 +481,11 @@ BEGIN
     -- The id for last_message_id(), with the sequence's value it was drawn as (see there).
     PERFORM pg_catalog.set_config('amqp_outbox.last_message_id',
         new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false);
-    -- The relay's wake-up: delivered at commit only, once per transaction.
-    PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+    -- The relay's wake-up: delivered at commit only, once per transaction. A delayed message
+    -- wakes it through amqp.scheduled_message's trigger ('scheduled'), as in the extension.
+    IF NOT later THEN
+        PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+    END IF;
     RETURN new_id;
 END
 $$;

@@ -2,6 +2,10 @@
 -- database and CREATEROLE, what a hosted service's administrator has.
 CREATE ROLE hosted_admin LOGIN CREATEROLE;
 GRANT CREATE ON DATABASE contrib_regression TO hosted_admin;
+-- Services' administrator roles can read every session's statistics: publish() then keys each
+-- producer by its backend's start time, as the extension does (without it, by the time of the
+-- session's first publishing transaction).
+GRANT pg_monitor TO hosted_admin;
 SET ROLE hosted_admin;
 \set ECHO none
 \ir amqp_outbox_hosted.sql

@@ -53,8 +53,8 @@ SELECT amqp.publish(1, 'ex', 'rk', 'dropped');
 ROLLBACK TO SAVEPOINT s;
 COMMIT;
 SELECT pg_temp.wakeups('10 s') AS after_savepoint;
--- A delayed message wakes it too (it learns when the message is due); a publish whose
--- idempotency key was seen before publishes nothing and wakes nothing.
+-- A delayed message wakes it too, as "scheduled" (amqp.scheduled_message's trigger: it learns
+-- when the message is due); a publish whose idempotency key was seen before wakes nothing.
 SELECT amqp.publish_message(1, 'ex', 'later', 'x', deliver_after => '1 hour',
                             idempotency_key => 'once') > 0 AS scheduled;
 SELECT pg_temp.wakeups('10 s') AS after_scheduled;

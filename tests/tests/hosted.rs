@@ -1,0 +1,219 @@
+//! The plain-SQL install for hosted PostgreSQL (sql/hosted/), on a private cluster that does not
+//! load the library: installed by a role that is not a superuser, it tells a relay what the
+//! extension tells its worker through shared memory, as a `NOTIFY amqp_outbox` sent at commit
+//! and never on rollback, and reports the relay that holds the database's advisory lock in
+//! `amqp.worker_status`.
+
+use std::path::{Path, PathBuf};
+
+use std::time::Duration;
+
+use amqp_outbox_e2e::{eventually, PgCluster, PgConfig};
+use postgres::fallible_iterator::FallibleIterator;
+use postgres::Client;
+
+const DB: &str = "hosted";
+const OWNER: &str = "hosted_owner";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the repository")
+        .to_path_buf()
+}
+
+/// The committed script of the current version (psql's meta-commands left out).
+fn script() -> String {
+    // The extension's version, from its Cargo.toml (this crate has its own).
+    let manifest = std::fs::read_to_string(repo_root().join("Cargo.toml")).expect("Cargo.toml");
+    let version = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("the extension's version in Cargo.toml");
+    let path = repo_root().join(format!("sql/hosted/amqp_outbox_hosted--{version}.sql"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    text.lines()
+        .filter(|l| !l.starts_with('\\'))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A cluster without the library, and a database where a role with CREATE on it and CREATEROLE
+/// (what a hosted service's administrator has) ran the script in one transaction.
+fn installed() -> PgCluster {
+    let cluster = PgCluster::new(PgConfig::new().without_preload());
+    let mut admin = cluster.client_db("postgres");
+    // One statement each: a multi-statement string runs as one transaction block, and CREATE
+    // DATABASE refuses to.
+    for statement in [
+        format!("CREATE ROLE {OWNER} LOGIN CREATEROLE"),
+        format!("CREATE DATABASE {DB}"),
+        format!("GRANT CREATE ON DATABASE {DB} TO {OWNER}"),
+        format!("GRANT pg_monitor TO {OWNER}"),
+    ] {
+        admin.batch_execute(&statement).expect("roles and database");
+    }
+    let url = cluster
+        .connection_string(DB)
+        .replace("user=postgres", &format!("user={OWNER}"));
+    let mut owner = Client::connect(&url, postgres::NoTls).expect("connect as the owner");
+    owner
+        .batch_execute(&format!("BEGIN; {}\nCOMMIT;", script()))
+        .unwrap_or_else(|e| panic!("the plain-SQL install failed: {e}"));
+    cluster
+}
+
+/// The notifications on `amqp_outbox` that arrive within `wait`, as payloads.
+fn notifications(listener: &mut Client, wait: Duration) -> Vec<String> {
+    let mut seen = Vec::new();
+    let mut n = listener.notifications();
+    let mut it = n.timeout_iter(wait);
+    while let Ok(Some(note)) = it.next() {
+        if note.channel() == "amqp_outbox" {
+            seen.push(note.payload().to_string());
+        }
+    }
+    seen
+}
+
+#[test]
+fn commits_notify_the_relay_and_rollbacks_do_not() {
+    let cluster = installed();
+    let mut listener = cluster.client_db(DB);
+    listener
+        .batch_execute("LISTEN amqp_outbox")
+        .expect("LISTEN");
+    let mut c = cluster.client_db(DB);
+    c.batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+        .expect("broker");
+    assert_eq!(
+        notifications(&mut listener, Duration::from_millis(500)),
+        ["reload"],
+        "a configuration change"
+    );
+
+    // Published and rolled back (whole transaction, savepoint): nothing.
+    c.batch_execute(
+        "BEGIN; SELECT amqp.publish(1, 'ex', 'rk', 'undone'); ROLLBACK; \
+         BEGIN; SAVEPOINT s; SELECT amqp.publish(1, 'ex', 'rk', 'undone'); \
+         ROLLBACK TO SAVEPOINT s; COMMIT;",
+    )
+    .expect("rolled back publishes");
+    assert!(
+        notifications(&mut listener, Duration::from_millis(500)).is_empty(),
+        "a rollback wakes nobody"
+    );
+    // Three publishes in one transaction: one wake-up, after the commit.
+    c.batch_execute("BEGIN").expect("BEGIN");
+    for i in 0..3 {
+        c.query_one(
+            "SELECT amqp.publish(1, 'ex', 'rk', $1)",
+            &[&format!("m{i}")],
+        )
+        .expect("publish");
+    }
+    assert!(
+        notifications(&mut listener, Duration::from_millis(300)).is_empty(),
+        "nothing before the commit"
+    );
+    c.batch_execute("COMMIT").expect("COMMIT");
+    assert_eq!(
+        notifications(&mut listener, Duration::from_millis(500)),
+        [""]
+    );
+    let rows: i64 = c
+        .query_one("SELECT count(*) FROM amqp.message", &[])
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 3, "the committed messages wait in the outbox");
+
+    // A delayed message, a declaration, a parked message retried, a disconnect request.
+    c.query_one(
+        "SELECT amqp.publish_message(1, 'ex', 'rk', 'later', deliver_after => '1 hour')",
+        &[],
+    )
+    .expect("delayed publish");
+    assert_eq!(
+        notifications(&mut listener, Duration::from_millis(500)),
+        ["scheduled"]
+    );
+    c.query_one(
+        "SELECT amqp.exchange_declare(1, 'ex', 'topic', false, true)",
+        &[],
+    )
+    .expect("exchange_declare");
+    c.query_one(
+        "SELECT amqp.queue_declare(1, 'q', arguments => '{\"x-queue-type\": \"quorum\"}')",
+        &[],
+    )
+    .expect("queue_declare");
+    let mut got = notifications(&mut listener, Duration::from_millis(500));
+    got.sort();
+    assert_eq!(got, ["reload", "reload"]);
+    c.batch_execute(
+        "UPDATE amqp.message SET parked_at = now(), last_error = 'refused' \
+          WHERE id = (SELECT min(id) FROM amqp.message)",
+    )
+    .expect("park one");
+    let parked: i64 = c
+        .query_one(
+            "SELECT min(id) FROM amqp.message WHERE parked_at IS NOT NULL",
+            &[],
+        )
+        .expect("parked")
+        .get(0);
+    c.query_one("SELECT amqp.retry($1)", &[&parked])
+        .expect("retry");
+    c.query_one("SELECT amqp.disconnect(1)", &[])
+        .expect("disconnect");
+    let mut got = notifications(&mut listener, Duration::from_millis(500));
+    got.sort();
+    assert_eq!(got, ["", "disconnect:1"]);
+}
+
+#[test]
+fn worker_status_reports_the_relay_that_holds_the_database() {
+    let cluster = installed();
+    let mut c = cluster.client_db(DB);
+    let state = |c: &mut Client| -> (String, Option<i32>) {
+        let r = c
+            .query_one(
+                "SELECT state, worker_pid FROM amqp.worker_status WHERE database = current_database()",
+                &[],
+            )
+            .expect("worker_status");
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(state(&mut c), ("no relay".to_string(), None));
+    let mut relay = cluster.client_db(DB);
+    let pid: i32 = relay
+        .query_one(
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock(1634562416, 1)) l",
+            &[],
+        )
+        .expect("the relay's lock")
+        .get(0);
+    relay
+        .batch_execute("INSERT INTO amqp._relay_counters (published, confirmed) VALUES (7, 6)")
+        .expect("the relay's report");
+    assert_eq!(state(&mut c), ("running".to_string(), Some(pid)));
+    let published: i64 = c
+        .query_one(
+            "SELECT published FROM amqp.worker_status WHERE database = current_database()",
+            &[],
+        )
+        .expect("counters")
+        .get(0);
+    assert_eq!(published, 7);
+    drop(relay);
+    // The lock goes when the relay's backend has exited.
+    eventually(
+        Duration::from_secs(10),
+        "the relay's lock to go",
+        || match state(&mut c) {
+            (s, None) if s == "no relay" => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+}
