@@ -9,6 +9,7 @@
 //! - [`pacer`], [`gather`]: when to claim and how long to gather commits into one batch.
 //! - [`standby_gate`]: what may leave for the broker once the named standbys have the commits.
 //! - [`row`], [`message`]: a claimed row, and the AMQP message made of it.
+//! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs PostgreSQL code.
 
@@ -18,4 +19,5 @@ pub mod message;
 pub mod pacer;
 pub mod row;
 pub mod scan_floor;
+pub mod settings;
 pub mod standby_gate;

@@ -15,7 +15,7 @@ use super::settle::{self, Settlement};
 use super::shrink::Shrink;
 use super::standbys::{self, StandbyWait};
 use super::status::{Status, STATUS_EVERY};
-use crate::gucs::WorkerSettings;
+use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use amqp_outbox_broker::{BrokerHandle, Command};
 use pgrx::prelude::*;
@@ -64,7 +64,7 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(handle: BrokerHandle) -> Self {
-        let settings = WorkerSettings::snapshot();
+        let settings = gucs::worker_settings();
         let mut flight = Flight::default();
         Faults::configure(&settings, &mut flight);
         Worker {
@@ -101,7 +101,7 @@ impl Worker {
                 self.exit();
             }
             if pg::reload_config_if_requested() {
-                self.settings = WorkerSettings::snapshot();
+                self.settings = gucs::worker_settings();
                 Faults::configure(&self.settings, &mut self.flight);
                 self.brokers.request_reload();
                 let now_free = self.standbys.configure(&self.settings.standby_names);
