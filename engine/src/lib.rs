@@ -10,14 +10,18 @@
 //! - [`standby_gate`]: what may leave for the broker once the named standbys have the commits.
 //! - [`row`], [`message`]: a claimed row, and the AMQP message made of it.
 //! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
+//! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
+//!   it runs on `amqp.message`; where its counters and log lines go.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs PostgreSQL code.
 
 pub mod flight;
 pub mod gather;
 pub mod message;
+pub mod outbox;
 pub mod pacer;
 pub mod row;
 pub mod scan_floor;
 pub mod settings;
 pub mod standby_gate;
+pub mod telemetry;

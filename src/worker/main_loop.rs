@@ -7,6 +7,7 @@ use super::events;
 use super::faults::Faults;
 use super::flight::Flight;
 use super::gather::Gather;
+use super::host::{SpiOutbox, WorkerTelemetry};
 use super::pg;
 use super::presence::Presence;
 use super::scan_floor::ScanFloor;
@@ -114,12 +115,19 @@ impl Worker {
             }
             self.brokers.reconnect(requests.disconnect, &self.handle);
 
-            let mut settlement = events::take(
+            let taken = events::take(
                 self.handle.drain_events(),
+                &WorkerTelemetry,
                 &self.settings,
                 &mut self.flight,
                 &mut self.status,
             );
+            let mut settlement = match taken {
+                Ok(settlement) => settlement,
+                Err(events::ThreadFailed(why)) => {
+                    error!("amqp_outbox: the AMQP thread failed: {why}")
+                }
+            };
             self.sweep(&mut settlement);
             let flushed = self.standbys.poll();
             let flushed = standbys::sent(&mut self.flight, flushed);
@@ -299,8 +307,14 @@ impl Worker {
             if !presence.still_installed() {
                 return Vec::new();
             }
+            let keep_log = crate::gucs::RECONCILE_WINDOW.get() > 0;
             let result = Spi::connect_mut(|client| {
-                settle::delete_delivered(client, delivered, locked_before)
+                settle::delete_delivered(
+                    &mut SpiOutbox::new(client),
+                    delivered,
+                    locked_before,
+                    keep_log,
+                )
             });
             match result {
                 Ok(locked) => locked,

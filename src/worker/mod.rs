@@ -10,12 +10,14 @@
 //! - [`brokers`]: the configuration sent to the AMQP thread; [`presence`]: is the extension
 //!   there; [`status`]: copies to the status views; [`faults`]: test-only fault injection.
 //! - [`queries`]: every SQL statement (the claim in `claim.sql`); [`pg`]: the PostgreSQL calls
-//!   around them.
+//!   around them; [`host`]: the engine's traits for the worker (its statements through SPI, its
+//!   counters and log lines).
 
 pub(crate) mod brokers;
 mod claim;
 mod events;
 mod faults;
+mod host;
 mod main_loop;
 mod origin;
 pub(crate) mod pg;

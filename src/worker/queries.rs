@@ -11,11 +11,10 @@ pub use config::load_brokers;
 
 use super::flight::Proof;
 use super::scan_floor::Probe;
-use amqp_outbox_broker::backoff::Backoff;
+use amqp_outbox_engine::outbox::{Recorded, RetryDelays};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use std::time::Duration;
 
 thread_local! {
     /// The worker's hot statements, planned once and kept (re-planned by PostgreSQL itself when
@@ -360,10 +359,6 @@ pub fn delete_delivered(
     })
 }
 
-/// The longest the worker's DELETE of delivered rows waits for a lock before it deletes only
-/// the rows no other session holds ([`lock_free`]).
-pub const DELETE_LOCK_WAIT: &str = "100ms";
-
 /// Bounds the lock waits of the rest of the current (sub)transaction. A kept plan: it runs
 /// before every DELETE of delivered rows.
 pub fn set_lock_timeout(client: &mut SpiClient<'_>, timeout: &str) -> SpiResult<()> {
@@ -400,48 +395,6 @@ fn ids_of(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<i64>> {
         ids.push(r.get::<i64>(1)?.unwrap_or_default());
     }
     Ok(ids)
-}
-
-pub struct Recorded {
-    pub attempts: i32,
-    pub parked: bool,
-    /// How long until the retry is due.
-    pub retry_in: Duration,
-}
-
-/// The retry delay for each count of earlier attempts, drawn from the product's one backoff
-/// policy: index `n` is the delay after a failure that had `n` attempts before it; the last
-/// entry (the cap) serves every count beyond. Bound as one array, so that the statement picks
-/// the delay from the row's `attempts` as it updates it: one statement, no separate read.
-pub struct RetryDelays(Vec<Duration>);
-
-impl RetryDelays {
-    pub fn new(backoff: &Backoff) -> Self {
-        let mut delays = Vec::new();
-        for n in 0u32.. {
-            delays.push(backoff.delay(n));
-            // Past this the cap no longer grows (`ceiling` stops doubling after n = 31).
-            if backoff.ceiling(n) >= backoff.max || n >= 31 {
-                break;
-            }
-        }
-        RetryDelays(delays)
-    }
-
-    /// The delay the statement picked for a row whose attempts are now `attempts`: the same
-    /// index as its `$4[least(greatest(attempts, 0), cardinality($4) - 1) + 1]`, taken before
-    /// the increment.
-    pub fn after(&self, attempts: i32) -> Duration {
-        let before = usize::try_from(attempts.saturating_sub(1)).unwrap_or(0);
-        self.0[before.min(self.0.len() - 1)]
-    }
-
-    fn micros(&self) -> Vec<i64> {
-        self.0
-            .iter()
-            .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-            .collect()
-    }
 }
 
 /// A refused publish: count the attempt, keep the error, schedule the retry after the backoff
@@ -607,42 +560,5 @@ mod tests {
             DELETE_DELIVERED_SQL,
             "pg_regress/sql/delete_plan.sql must PREPARE the text of src/worker/delete_delivered.sql",
         );
-    }
-
-    #[test]
-    fn retry_delays_follow_the_backoff_and_stop_at_its_cap() {
-        let min = Duration::from_millis(200);
-        let max = Duration::from_secs(60);
-        let delays = RetryDelays::new(&Backoff::new(min, max));
-        // 200 ms · 2^9 = 102.4 s is the first ceiling past 60 s.
-        assert_eq!(delays.0.len(), 10);
-        assert_eq!(delays.after(1), min, "first failure: exactly min");
-        for attempts in 2..=40 {
-            let d = delays.after(attempts);
-            let cap = (min * 2u32.pow((attempts - 1).min(9) as u32)).min(max);
-            assert!(
-                d >= (cap / 2).max(min) && d <= cap,
-                "{d:?} after {attempts}"
-            );
-        }
-        assert_eq!(
-            delays.after(0),
-            min,
-            "a row set back by hand takes the first delay"
-        );
-        assert_eq!(delays.micros()[0], 200_000);
-    }
-
-    #[test]
-    fn retry_delays_tolerate_odd_settings() {
-        let same = RetryDelays::new(&Backoff::new(
-            Duration::from_secs(1),
-            Duration::from_secs(1),
-        ));
-        assert_eq!(same.0, vec![Duration::from_secs(1)]);
-        let zero = RetryDelays::new(&Backoff::new(Duration::ZERO, Duration::ZERO));
-        assert_eq!(zero.after(7), Duration::ZERO);
-        let huge = RetryDelays::new(&Backoff::new(Duration::from_millis(1), Duration::MAX));
-        assert_eq!(huge.0.len(), 32, "the ceiling stops doubling after 31");
     }
 }
