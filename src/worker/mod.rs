@@ -14,9 +14,6 @@
 //!   counters and log lines).
 
 pub(crate) mod brokers;
-mod claim;
-mod events;
-mod faults;
 mod host;
 mod main_loop;
 mod origin;
@@ -24,14 +21,16 @@ pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;
 mod scheduled;
-mod settle;
 mod shrink;
 pub(crate) mod standbys;
 mod status;
 mod step;
 
-// The parts that need neither PostgreSQL's API nor a connection (crate amqp_outbox_engine).
-pub(crate) use amqp_outbox_engine::{flight, gather, message, pacer, scan_floor, standby_gate};
+// The parts that need neither PostgreSQL's API nor a connection (crate amqp_outbox_engine);
+// claim, settle and events run their statements through the traits of `host`.
+pub(crate) use amqp_outbox_engine::{
+    claim, events, faults, flight, gather, message, pacer, scan_floor, settle, standby_gate,
+};
 
 use crate::shmem;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};

@@ -1,16 +1,16 @@
 //! Claims the next rows (suspects first, alone), fits them into each broker's window of
 //! messages and bytes, and turns them into publish commands for the AMQP thread.
 
-use super::faults::Faults;
-use super::flight::{Flight, Room};
-use super::message::{message_at, to_message};
-use super::queries::Row;
-use super::scan_floor::{Reach, ScanFloor};
-use super::settle::park_now;
+use crate::faults::Faults;
+use crate::flight::{Flight, Room};
+use crate::message::{message_at, to_message};
+use crate::outbox::Outbox;
+use crate::row::Row;
+use crate::scan_floor::{Reach, ScanFloor};
+use crate::settings::WorkerSettings;
+use crate::settle::park_now;
+use crate::telemetry::{Counter, Level, Telemetry};
 use amqp_outbox_broker::{Command, OutboundMessage};
-use amqp_outbox_engine::outbox::Outbox;
-use amqp_outbox_engine::settings::WorkerSettings;
-use amqp_outbox_engine::telemetry::{Counter, Level, Telemetry};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -47,7 +47,7 @@ pub fn claim<O: Outbox>(
 ) -> Result<Claimed, O::Error> {
     let mut commands = Vec::new();
     // Rows to park are written last: a statement that writes would give the statements after
-    // it a newer snapshot than the probe's (see super::step).
+    // it a newer snapshot than the probe's (see the worker's step, src/worker/step.rs).
     let mut parks = Vec::new();
     floor.note_released(flight.released());
 

@@ -2,11 +2,11 @@
 //! failed attempts (scheduling the retry with the product's backoff, or parking), parks what can
 //! never be sent.
 
-use super::flight::{Flight, Proof};
+use crate::flight::{Flight, Proof};
+use crate::outbox::{Outbox, RetryDelays, DELETE_LOCK_WAIT, LOCK_NOT_AVAILABLE};
+use crate::settings::WorkerSettings;
+use crate::telemetry::{Counter, Level, Telemetry};
 use amqp_outbox_broker::backoff::Backoff;
-use amqp_outbox_engine::outbox::{Outbox, RetryDelays, DELETE_LOCK_WAIT, LOCK_NOT_AVAILABLE};
-use amqp_outbox_engine::settings::WorkerSettings;
-use amqp_outbox_engine::telemetry::{Counter, Level, Telemetry};
 use std::collections::HashSet;
 use std::time::Instant;
 

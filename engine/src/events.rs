@@ -2,11 +2,11 @@
 //! delivery outcomes become a [`Settlement`] for the next transaction; log lines are logged here,
 //! on the thread that may call PostgreSQL (the host's [`Telemetry`]).
 
-use super::flight::{Flight, Verdict};
-use super::settle::Settlement;
+use crate::flight::{Flight, Verdict};
+use crate::settings::WorkerSettings;
+use crate::settle::Settlement;
+use crate::telemetry::{Counter, Level, Telemetry};
 use amqp_outbox_broker::{Event, Failure, LogLevel};
-use amqp_outbox_engine::settings::WorkerSettings;
-use amqp_outbox_engine::telemetry::{Counter, Level, Telemetry};
 
 /// What the host shows of the brokers' connections (the extension's status views).
 pub trait BrokerStatus {
