@@ -16,7 +16,7 @@
 //! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
 //! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
 //!   it runs on `amqp.message` (inside the transactions the host opens); where its counters and
-//!   log lines go.
+//!   log lines go; [`statements`]: the texts of those statements, for every host to run.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs PostgreSQL code.
 
@@ -34,4 +34,5 @@ pub mod scan_floor;
 pub mod settings;
 pub mod settle;
 pub mod standby_gate;
+pub mod statements;
 pub mod telemetry;

@@ -9,7 +9,8 @@
 //! - [`flight`]: what is in flight, held back after a nack, or due for a retry.
 //! - [`brokers`]: the configuration sent to the AMQP thread; [`presence`]: is the extension
 //!   there; [`status`]: copies to the status views; [`faults`]: test-only fault injection.
-//! - [`queries`]: every SQL statement (the claim in `claim.sql`); [`pg`]: the PostgreSQL calls
+//! - [`queries`]: runs every SQL statement (the delivery's texts are the engine's,
+//!   `amqp_outbox_engine::statements`); [`pg`]: the PostgreSQL calls
 //!   around them; [`host`]: the engine's traits for the worker (its statements through SPI, its
 //!   counters and log lines).
 
