@@ -1,7 +1,6 @@
 //! The `amqp_outbox.*` settings. Read them only on a PostgreSQL thread; the worker copies what
 //! the AMQP thread needs into plain values ([`WorkerSettings`]).
 
-use amqp_outbox_broker::backoff::Backoff;
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 use std::time::Duration;
@@ -396,64 +395,36 @@ fn fractional_ms(setting: &GucSetting<f64>) -> Duration {
     Duration::try_from_secs_f64(setting.get() / 1000.0).unwrap_or_default()
 }
 
-/// The settings the worker uses, copied once per reload so the loop never reads a GUC mid-way.
-#[derive(Clone, Debug, PartialEq)]
-pub struct WorkerSettings {
-    pub enabled: bool,
-    pub max_message_size: usize,
-    pub max_attempts: i32,
-    pub naptime: Duration,
-    pub batch_interval: Duration,
-    pub batch_size: usize,
-    pub max_in_flight: usize,
-    pub max_in_flight_bytes: usize,
-    pub connect_timeout: Duration,
-    pub heartbeat_secs: u16,
-    pub confirm_timeout: Duration,
-    pub retry_backoff_min: Duration,
-    pub retry_backoff_max: Duration,
-    pub resend_after: Duration,
-    pub ack_queue_quorum: bool,
-    #[cfg(feature = "fault-injection")]
-    pub lose_one_in: u32,
-    #[cfg(feature = "fault-injection")]
-    pub delete_after: Option<Duration>,
-    pub max_pending: i32,
-    pub randomize_hosts: bool,
-    pub standby_names: String,
-}
+// The settings the worker uses are a plain struct of the engine (a relay fills the same one
+// from its own configuration); here they are read from the GUCs.
+pub use amqp_outbox_engine::settings::WorkerSettings;
 
-impl WorkerSettings {
-    /// The product's one retry backoff, from `retry_backoff_min` and `retry_backoff_max`.
-    pub fn retry_backoff(&self) -> Backoff {
-        Backoff::new(self.retry_backoff_min, self.retry_backoff_max)
-    }
-
-    pub fn snapshot() -> Self {
-        WorkerSettings {
-            enabled: ENABLED.get(),
-            max_message_size: MAX_MESSAGE_SIZE.get().max(0) as usize,
-            max_attempts: MAX_ATTEMPTS.get(),
-            naptime: ms(&NAPTIME),
-            batch_interval: fractional_ms(&BATCH_INTERVAL),
-            batch_size: BATCH_SIZE.get().max(1) as usize,
-            max_in_flight: MAX_IN_FLIGHT.get().max(1) as usize,
-            max_in_flight_bytes: MAX_IN_FLIGHT_BYTES.get().max(1024) as usize,
-            connect_timeout: ms(&CONNECT_TIMEOUT),
-            heartbeat_secs: HEARTBEAT.get().clamp(0, u16::MAX as i32) as u16,
-            confirm_timeout: ms(&CONFIRM_TIMEOUT),
-            retry_backoff_min: ms(&RETRY_BACKOFF_MIN),
-            retry_backoff_max: ms(&RETRY_BACKOFF_MAX).max(ms(&RETRY_BACKOFF_MIN)),
-            resend_after: ms(&RESEND_AFTER),
-            ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
-            #[cfg(feature = "fault-injection")]
-            lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
-            #[cfg(feature = "fault-injection")]
-            delete_after: Some(ms(&TEST_DELETE_AFTER)).filter(|d| !d.is_zero()),
-            max_pending: MAX_PENDING.get(),
-            randomize_hosts: RANDOMIZE_HOSTS.get(),
-            standby_names: text(&STANDBY_NAMES).unwrap_or_default(),
-        }
+/// [`WorkerSettings`] from the GUCs, copied once per reload so the loop never reads a GUC
+/// mid-way.
+pub fn worker_settings() -> WorkerSettings {
+    WorkerSettings {
+        enabled: ENABLED.get(),
+        max_message_size: MAX_MESSAGE_SIZE.get().max(0) as usize,
+        max_attempts: MAX_ATTEMPTS.get(),
+        naptime: ms(&NAPTIME),
+        batch_interval: fractional_ms(&BATCH_INTERVAL),
+        batch_size: BATCH_SIZE.get().max(1) as usize,
+        max_in_flight: MAX_IN_FLIGHT.get().max(1) as usize,
+        max_in_flight_bytes: MAX_IN_FLIGHT_BYTES.get().max(1024) as usize,
+        connect_timeout: ms(&CONNECT_TIMEOUT),
+        heartbeat_secs: HEARTBEAT.get().clamp(0, u16::MAX as i32) as u16,
+        confirm_timeout: ms(&CONFIRM_TIMEOUT),
+        retry_backoff_min: ms(&RETRY_BACKOFF_MIN),
+        retry_backoff_max: ms(&RETRY_BACKOFF_MAX).max(ms(&RETRY_BACKOFF_MIN)),
+        resend_after: ms(&RESEND_AFTER),
+        ack_queue_quorum: ACK_QUEUE_QUORUM.get(),
+        #[cfg(feature = "fault-injection")]
+        lose_one_in: TEST_LOSE_ONE_IN.get().max(0) as u32,
+        #[cfg(feature = "fault-injection")]
+        delete_after: Some(ms(&TEST_DELETE_AFTER)).filter(|d| !d.is_zero()),
+        max_pending: MAX_PENDING.get(),
+        randomize_hosts: RANDOMIZE_HOSTS.get(),
+        standby_names: text(&STANDBY_NAMES).unwrap_or_default(),
     }
 }
 

@@ -11,7 +11,6 @@ mod database_statements;
 mod drop_guard;
 mod error;
 mod gucs;
-mod headers;
 mod inbox;
 mod launcher;
 mod message_table;
@@ -23,6 +22,9 @@ mod subtransaction;
 mod wait_event;
 mod watchdog;
 mod worker;
+
+// Plain Rust, shared with the worker's engine (crate amqp_outbox_engine).
+pub(crate) use amqp_outbox_engine::headers;
 
 pgrx::pg_module_magic!();
 

@@ -5,24 +5,18 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-/// An error caught in a subtransaction: what the status views and `amqp.inbox_failed` show.
-#[derive(Debug, Clone)]
-pub struct Caught {
-    pub sqlstate: String,
-    pub message: String,
-}
+// An error caught in a subtransaction: the engine's, whose `Outbox::subtransaction` returns it.
+pub use amqp_outbox_engine::outbox::Caught;
 
-impl Caught {
-    fn from_report(e: &pg_sys::panic::ErrorReportWithLevel) -> Caught {
-        let mut message = e.message().to_string();
-        if let Some(d) = e.detail() {
-            message.push_str(": ");
-            message.push_str(d);
-        }
-        Caught {
-            sqlstate: sqlstate_text(e.sql_error_code() as i32),
-            message,
-        }
+fn caught_from_report(e: &pg_sys::panic::ErrorReportWithLevel) -> Caught {
+    let mut message = e.message().to_string();
+    if let Some(d) = e.detail() {
+        message.push_str(": ");
+        message.push_str(d);
+    }
+    Caught {
+        sqlstate: sqlstate_text(e.sql_error_code() as i32),
+        message,
     }
 }
 
@@ -49,7 +43,7 @@ pub fn subtransaction<R>(work: impl FnOnce() -> R) -> Result<R, Caught> {
             pg_sys::panic::CaughtError::PostgresError(r)
             | pg_sys::panic::CaughtError::ErrorReport(r)
             | pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => {
-                Err(Caught::from_report(&r))
+                Err(caught_from_report(&r))
             }
         })
         .execute();

@@ -357,14 +357,14 @@ fn table_stats(env: &mut Env) -> Result<[i64; 4], String> {
     Ok([r.get(0), r.get(1), r.get(2), r.get(3)])
 }
 
-/// The plan PostgreSQL picks now for the worker's claim: its very text (src/worker/claim.sql),
-/// prepared and explained with the worker's default batch size and byte budget and the planner
+/// The plan PostgreSQL picks now for the worker's claim: its very text
+/// (engine/src/statements/claim.sql), prepared and explained with the worker's default batch size and byte budget and the planner
 /// settings it pins (src/worker/mod.rs).
 fn claim_plan(env: &mut Env) -> String {
     let prepare = format!(
         "SET enable_bitmapscan = off; SET enable_sort = off; \
          PREPARE bench_claim(integer[], bigint, bigint[], bigint, bigint) AS {}",
-        include_str!("../../src/worker/claim.sql")
+        include_str!("../../engine/src/statements/claim.sql")
     );
     let plan = env
         .admin

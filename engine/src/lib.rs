@@ -8,14 +8,31 @@
 //!   tuple per delivered message and never misses a row committed late.
 //! - [`pacer`], [`gather`]: when to claim and how long to gather commits into one batch.
 //! - [`standby_gate`]: what may leave for the broker once the named standbys have the commits.
-//! - [`row`], [`message`]: a claimed row, and the AMQP message made of it.
+//! - [`row`], [`message`]: a claimed row, and the AMQP message made of it; [`headers`]: the
+//!   user's jsonb headers and arguments, checked before they go to AMQP.
+//! - [`claim`]: reads the next rows and hands them over; [`events`] turns the AMQP thread's
+//!   events into a [`settle::Settlement`], which [`settle`] writes to the table; [`faults`]:
+//!   test-only fault injection.
+//! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
+//! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
+//!   it runs on `amqp.message` (inside the transactions the host opens); where its counters and
+//!   log lines go; [`statements`]: the texts of those statements, for every host to run.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs PostgreSQL code.
 
+pub mod claim;
+pub mod events;
+pub mod faults;
 pub mod flight;
 pub mod gather;
+pub mod headers;
 pub mod message;
+pub mod outbox;
 pub mod pacer;
 pub mod row;
 pub mod scan_floor;
+pub mod settings;
+pub mod settle;
 pub mod standby_gate;
+pub mod statements;
+pub mod telemetry;

@@ -1,4 +1,4 @@
--- The plan of the worker's claim. The statement below is the text of src/worker/claim.sql,
+-- The plan of the worker's claim. The statement below is the text of engine/src/statements/claim.sql,
 -- which the worker runs (a unit test checks that this file holds it unchanged). On a backlog it
 -- must read amqp.message from its lowest id through the primary key and stop after LIMIT rows:
 -- an index scan, never a Sort of the whole table. The worker is off (regress.conf): rows stay.

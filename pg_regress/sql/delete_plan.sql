@@ -1,5 +1,5 @@
 -- The plan of the worker's DELETE of delivered rows. The statement below is the text of
--- src/worker/delete_delivered.sql, which the worker runs (a unit test checks that this file
+-- engine/src/statements/delete_delivered.sql, which the worker runs (a unit test checks that this file
 -- holds it unchanged). It must read amqp.message only through the ids it is given, whatever
 -- the table's statistics say when the worker plans it: a plan made from an empty table's
 -- statistics that scanned the whole index once per deleted row cost seconds per statement once

@@ -14,7 +14,7 @@ use super::book::Book;
 use super::handling::{self, Outcome, Rules};
 use super::queries;
 use super::types::{Ordering, Sub};
-use crate::gucs::WorkerSettings;
+use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
@@ -72,7 +72,7 @@ impl Lane {
     fn new(n: usize) -> Self {
         Lane {
             n,
-            settings: WorkerSettings::snapshot(),
+            settings: gucs::worker_settings(),
             subs: BTreeMap::new(),
             generation: None,
             book: Book::default(),
@@ -91,7 +91,7 @@ impl Lane {
                 unsafe { crate::pg_compat::proc_exit(0) };
             }
             if pg::reload_config_if_requested() {
-                self.settings = WorkerSettings::snapshot();
+                self.settings = gucs::worker_settings();
             }
             if !self.step() {
                 pg::wait(None, NAPTIME, pg::WaitEvent::LaneMain);

@@ -70,7 +70,7 @@ impl Inbox {
     pub fn new(handle: InboxHandle) -> Self {
         Inbox {
             handle,
-            settings: WorkerSettings::snapshot(),
+            settings: gucs::worker_settings(),
             subs: Subscriptions::default(),
             book: Book::default(),
             pending: VecDeque::new(),
@@ -99,7 +99,7 @@ impl Inbox {
                 unsafe { crate::pg_compat::proc_exit(0) };
             }
             if pg::reload_config_if_requested() {
-                self.settings = WorkerSettings::snapshot();
+                self.settings = gucs::worker_settings();
                 self.need_reload = true;
                 let now_free = self.standbys.configure(&self.settings.standby_names);
                 self.send_all(now_free);

@@ -47,7 +47,7 @@ pub struct Monitor {
 
 impl Monitor {
     pub fn run(mut self) -> ! {
-        let mut settings = WorkerSettings::snapshot();
+        let mut settings = gucs::worker_settings();
         loop {
             if pg::shutdown_requested() {
                 log!("amqp_outbox: monitor shutting down");
@@ -56,7 +56,7 @@ impl Monitor {
                 unsafe { crate::pg_compat::proc_exit(0) };
             }
             if pg::reload_config_if_requested() {
-                settings = WorkerSettings::snapshot();
+                settings = gucs::worker_settings();
             }
             let started = Instant::now();
             match presence() {

@@ -7,6 +7,7 @@ use super::events;
 use super::faults::Faults;
 use super::flight::Flight;
 use super::gather::Gather;
+use super::host::{SpiOutbox, WorkerTelemetry};
 use super::pg;
 use super::presence::Presence;
 use super::scan_floor::ScanFloor;
@@ -15,7 +16,7 @@ use super::settle::{self, Settlement};
 use super::shrink::Shrink;
 use super::standbys::{self, StandbyWait};
 use super::status::{Status, STATUS_EVERY};
-use crate::gucs::WorkerSettings;
+use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use amqp_outbox_broker::{BrokerHandle, Command};
 use pgrx::prelude::*;
@@ -64,7 +65,7 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(handle: BrokerHandle) -> Self {
-        let settings = WorkerSettings::snapshot();
+        let settings = gucs::worker_settings();
         let mut flight = Flight::default();
         Faults::configure(&settings, &mut flight);
         Worker {
@@ -101,7 +102,7 @@ impl Worker {
                 self.exit();
             }
             if pg::reload_config_if_requested() {
-                self.settings = WorkerSettings::snapshot();
+                self.settings = gucs::worker_settings();
                 Faults::configure(&self.settings, &mut self.flight);
                 self.brokers.request_reload();
                 let now_free = self.standbys.configure(&self.settings.standby_names);
@@ -114,12 +115,19 @@ impl Worker {
             }
             self.brokers.reconnect(requests.disconnect, &self.handle);
 
-            let mut settlement = events::take(
+            let taken = events::take(
                 self.handle.drain_events(),
+                &WorkerTelemetry,
                 &self.settings,
                 &mut self.flight,
                 &mut self.status,
             );
+            let mut settlement = match taken {
+                Ok(settlement) => settlement,
+                Err(events::ThreadFailed(why)) => {
+                    error!("amqp_outbox: the AMQP thread failed: {why}")
+                }
+            };
             self.sweep(&mut settlement);
             let flushed = self.standbys.poll();
             let flushed = standbys::sent(&mut self.flight, flushed);
@@ -299,8 +307,14 @@ impl Worker {
             if !presence.still_installed() {
                 return Vec::new();
             }
+            let keep_log = crate::gucs::RECONCILE_WINDOW.get() > 0;
             let result = Spi::connect_mut(|client| {
-                settle::delete_delivered(client, delivered, locked_before)
+                settle::delete_delivered(
+                    &mut SpiOutbox::new(client),
+                    delivered,
+                    locked_before,
+                    keep_log,
+                )
             });
             match result {
                 Ok(locked) => locked,

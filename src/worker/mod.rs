@@ -9,27 +9,29 @@
 //! - [`flight`]: what is in flight, held back after a nack, or due for a retry.
 //! - [`brokers`]: the configuration sent to the AMQP thread; [`presence`]: is the extension
 //!   there; [`status`]: copies to the status views; [`faults`]: test-only fault injection.
-//! - [`queries`]: every SQL statement (the claim in `claim.sql`); [`pg`]: the PostgreSQL calls
-//!   around them.
+//! - [`queries`]: runs every SQL statement (the delivery's texts are the engine's,
+//!   `amqp_outbox_engine::statements`); [`pg`]: the PostgreSQL calls
+//!   around them; [`host`]: the engine's traits for the worker (its statements through SPI, its
+//!   counters and log lines).
 
 pub(crate) mod brokers;
-mod claim;
-mod events;
-mod faults;
+mod host;
 mod main_loop;
 mod origin;
 pub(crate) mod pg;
 mod presence;
 pub(crate) mod queries;
 mod scheduled;
-mod settle;
 mod shrink;
 pub(crate) mod standbys;
 mod status;
 mod step;
 
-// The parts that need neither PostgreSQL's API nor a connection (crate amqp_outbox_engine).
-pub(crate) use amqp_outbox_engine::{flight, gather, message, pacer, scan_floor, standby_gate};
+// The parts that need neither PostgreSQL's API nor a connection (crate amqp_outbox_engine);
+// claim, settle and events run their statements through the traits of `host`.
+pub(crate) use amqp_outbox_engine::{
+    claim, events, faults, flight, gather, message, pacer, scan_floor, settle, standby_gate,
+};
 
 use crate::shmem;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};

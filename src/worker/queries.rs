@@ -1,6 +1,9 @@
 //! Every SQL statement the worker runs. Each runs inside a short transaction opened by the
 //! caller ([`super::pg::transaction`]); none waits on the broker.
 //!
+//! The texts of the delivery's statements (those the engine's `Outbox` runs) are the engine's
+//! ([`amqp_outbox_engine::statements`]), so that a relay runs the very same ones.
+//!
 //! The worker pins its `search_path` to `pg_catalog, pg_temp` at start ([`super::pg::pin`]),
 //! so these statements are plain SQL: no user's function or operator can be picked instead of
 //! the built-in one. Only the extension's own tables are qualified (`amqp.`).
@@ -11,11 +14,11 @@ pub use config::load_brokers;
 
 use super::flight::Proof;
 use super::scan_floor::Probe;
-use amqp_outbox_broker::backoff::Backoff;
+use amqp_outbox_engine::outbox::{Recorded, RetryDelays};
+use amqp_outbox_engine::statements;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use std::time::Duration;
 
 thread_local! {
     /// The worker's hot statements, planned once and kept (re-planned by PostgreSQL itself when
@@ -99,20 +102,6 @@ fn unix_micros(ts: Option<TimestampWithTimeZone>) -> i64 {
         .unwrap_or(0)
 }
 
-/// The next rows to publish, in id order: not in flight or held back (`$3`), and no more body
-/// bytes than `$4` (the first row always: it may be larger). `octet_length` reads a toasted
-/// body's size from its pointer, so rows past the budget cost no detoasting. Kept in its own
-/// file so that pg_regress/sql/claim_plan.sql and the bench explain this very text.
-pub const CLAIM_SQL: &str = include_str!("claim.sql");
-
-const CLAIM_BY_ID_SQL: &str = "\
-SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
-       correlation_id, headers::text, producer_pid, producer_started_at, created_at, \
-       attempts, message_id, business_type, business_key, traceparent, system_id, host_id \
-  FROM amqp.message \
- WHERE id = ANY ($1) AND parked_at IS NULL \
- ORDER BY id";
-
 fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
     let mut rows = Vec::with_capacity(table.len());
     for r in table {
@@ -164,19 +153,8 @@ pub fn claim(
         (max_bytes.min(i64::MAX as usize) as i64).into(),
         after.into(),
     ];
-    run_kept(client, CLAIM_SQL, &args, false, rows_from)
+    run_kept(client, statements::CLAIM_SQL, &args, false, rows_from)
 }
-
-/// The claim's snapshot (its xmin, its xmax and the transaction ids it sees running) and the
-/// sequence's last value, for the scan floor; the next transaction id is read once the
-/// statement has returned, so after the last value. `None` when the floor cannot be trusted:
-/// the sequence caches values per session (they are drawn out of order), or cycles, or is gone.
-const PROBE_SQL: &str = "\
-SELECT pg_snapshot_xmin(c.snap)::text::int8, pg_snapshot_xmax(c.snap)::text::int8, \
-       ARRAY(SELECT x::text::int8 FROM pg_snapshot_xip(c.snap) AS x ORDER BY 1), \
-       coalesce(pg_sequence_last_value(s.seqrelid), 0) \
-  FROM pg_sequence s, pg_current_snapshot() AS c (snap) \
- WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle";
 
 thread_local! {
     /// The oid of `amqp.message`'s id sequence: looked up once (the lookup scans pg_depend),
@@ -189,11 +167,7 @@ pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
         Some(oid) => oid,
         None => {
             let oid = client
-                .select(
-                    "SELECT pg_get_serial_sequence('amqp.message', 'id')::regclass::oid",
-                    None,
-                    &[],
-                )?
+                .select(statements::ID_SEQUENCE_SQL, None, &[])?
                 .first()
                 .get_one::<pg_sys::Oid>()?;
             let Some(oid) = oid else {
@@ -204,7 +178,7 @@ pub fn probe(client: &mut SpiClient<'_>) -> SpiResult<Option<Probe>> {
         }
     };
     let args: [DatumWithOid; 1] = [seq.into()];
-    let probe = run_kept(client, PROBE_SQL, &args, false, |t| {
+    let probe = run_kept(client, statements::PROBE_SQL, &args, false, |t| {
         let Some(r) = t.into_iter().next() else {
             return Ok(None);
         };
@@ -298,23 +272,8 @@ pub fn truncate_if_empty(client: &mut SpiClient<'_>, slack: i64) -> SpiResult<Op
 
 pub fn claim_ids(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<Row>> {
     let args: [DatumWithOid; 1] = [ids.to_vec().into()];
-    rows_from(client.select(CLAIM_BY_ID_SQL, None, &args)?)
+    rows_from(client.select(statements::CLAIM_BY_ID_SQL, None, &args)?)
 }
-
-/// Deletes rows whose delivery is proven, in one statement that also keeps their record in
-/// the production log (`log`: `amqp_outbox.reconcile_window` is not 0) and counts them in the
-/// day's statistics. Resends of the monitor (`resends > 0`) are in the log already. The
-/// statistics rows written here (`part` 0) are this worker's alone, so it never waits on the
-/// subscription worker's counting. Returns how many rows existed.
-///
-/// The DELETE returns the body and properties (the whole row, `kept`) only for monitored
-/// business types: copying every body costs the drain. It reads `amqp.message` once, through
-/// the ids: a second read of the table joined to the deleted rows was planned, from the
-/// statistics of an empty table, as a full index scan per deleted row, which a long transaction
-/// (dead rows that stay) turned into seconds per statement (pg_regress/sql/delete_plan.sql).
-/// The message's time comes from the worker (`$8`, [`super::message::message_at`]), not from a
-/// function per row. Kept in its own file so that the plan test explains this very text.
-const DELETE_DELIVERED_SQL: &str = include_str!("delete_delivered.sql");
 
 /// What the production log records beside each delivered row.
 pub struct LogSettings<'a> {
@@ -355,21 +314,17 @@ pub fn delete_delivered(
             .collect::<Vec<i64>>()
             .into(),
     ];
-    run_kept(client, DELETE_DELIVERED_SQL, &args, true, |t| {
+    run_kept(client, statements::DELETE_DELIVERED_SQL, &args, true, |t| {
         Ok(t.first().get_one::<i64>()?.unwrap_or(0) as usize)
     })
 }
-
-/// The longest the worker's DELETE of delivered rows waits for a lock before it deletes only
-/// the rows no other session holds ([`lock_free`]).
-pub const DELETE_LOCK_WAIT: &str = "100ms";
 
 /// Bounds the lock waits of the rest of the current (sub)transaction. A kept plan: it runs
 /// before every DELETE of delivered rows.
 pub fn set_lock_timeout(client: &mut SpiClient<'_>, timeout: &str) -> SpiResult<()> {
     run_kept(
         client,
-        "SELECT pg_catalog.set_config('lock_timeout', $1, true)",
+        statements::SET_LOCK_TIMEOUT_SQL,
         &[timeout.into()],
         true,
         |_| Ok(()),
@@ -378,20 +333,12 @@ pub fn set_lock_timeout(client: &mut SpiClient<'_>, timeout: &str) -> SpiResult<
 
 /// Of these rows, the ones no other session holds, locked now for this transaction.
 pub fn lock_free(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<i64>> {
-    ids_of(client.update(
-        "SELECT id FROM amqp.message WHERE id = ANY ($1) FOR UPDATE SKIP LOCKED",
-        None,
-        &[ids.to_vec().into()],
-    )?)
+    ids_of(client.update(statements::LOCK_FREE_SQL, None, &[ids.to_vec().into()])?)
 }
 
 /// Of these rows, the ones still in the table.
 pub fn existing(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<i64>> {
-    ids_of(client.select(
-        "SELECT id FROM amqp.message WHERE id = ANY ($1)",
-        None,
-        &[ids.to_vec().into()],
-    )?)
+    ids_of(client.select(statements::EXISTING_SQL, None, &[ids.to_vec().into()])?)
 }
 
 fn ids_of(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<i64>> {
@@ -400,48 +347,6 @@ fn ids_of(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<i64>> {
         ids.push(r.get::<i64>(1)?.unwrap_or_default());
     }
     Ok(ids)
-}
-
-pub struct Recorded {
-    pub attempts: i32,
-    pub parked: bool,
-    /// How long until the retry is due.
-    pub retry_in: Duration,
-}
-
-/// The retry delay for each count of earlier attempts, drawn from the product's one backoff
-/// policy: index `n` is the delay after a failure that had `n` attempts before it; the last
-/// entry (the cap) serves every count beyond. Bound as one array, so that the statement picks
-/// the delay from the row's `attempts` as it updates it: one statement, no separate read.
-pub struct RetryDelays(Vec<Duration>);
-
-impl RetryDelays {
-    pub fn new(backoff: &Backoff) -> Self {
-        let mut delays = Vec::new();
-        for n in 0u32.. {
-            delays.push(backoff.delay(n));
-            // Past this the cap no longer grows (`ceiling` stops doubling after n = 31).
-            if backoff.ceiling(n) >= backoff.max || n >= 31 {
-                break;
-            }
-        }
-        RetryDelays(delays)
-    }
-
-    /// The delay the statement picked for a row whose attempts are now `attempts`: the same
-    /// index as its `$4[least(greatest(attempts, 0), cardinality($4) - 1) + 1]`, taken before
-    /// the increment.
-    pub fn after(&self, attempts: i32) -> Duration {
-        let before = usize::try_from(attempts.saturating_sub(1)).unwrap_or(0);
-        self.0[before.min(self.0.len() - 1)]
-    }
-
-    fn micros(&self) -> Vec<i64> {
-        self.0
-            .iter()
-            .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-            .collect()
-    }
 }
 
 /// A refused publish: count the attempt, keep the error, schedule the retry after the backoff
@@ -462,20 +367,7 @@ pub fn record_failure(
         max_attempts.into(),
         delays.micros().into(),
     ];
-    let table = client.update(
-        "UPDATE amqp.message \
-            SET attempts = attempts + 1, \
-                last_error = $2, \
-                next_attempt_at = clock_timestamp() \
-                    + $4[least(greatest(attempts, 0), cardinality($4) - 1) + 1] \
-                      * interval '1 microsecond', \
-                parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
-          WHERE id = (SELECT id FROM amqp.message \
-                       WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED) \
-      RETURNING attempts, parked_at IS NOT NULL",
-        None,
-        &args,
-    )?;
+    let table = client.update(statements::RECORD_FAILURE_SQL, None, &args)?;
     let mut out = None;
     for r in table {
         let attempts = r.get::<i32>(1)?.unwrap_or_default();
@@ -499,17 +391,7 @@ pub fn record_resend(
     max_attempts: i32,
 ) -> SpiResult<Vec<i64>> {
     let args: [DatumWithOid; 3] = [ids.to_vec().into(), reason.into(), max_attempts.into()];
-    let table = client.update(
-        "UPDATE amqp.message \
-            SET attempts = attempts + 1, last_error = $2, next_attempt_at = NULL, \
-                parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
-          WHERE id = ANY (ARRAY(SELECT id FROM amqp.message \
-                                 WHERE id = ANY ($1) AND parked_at IS NULL \
-                                 FOR UPDATE SKIP LOCKED)) \
-      RETURNING id, parked_at IS NOT NULL",
-        None,
-        &args,
-    )?;
+    let table = client.update(statements::RECORD_RESEND_SQL, None, &args)?;
     let mut parked = Vec::new();
     for r in table {
         if r.get::<bool>(2)?.unwrap_or(false) {
@@ -523,14 +405,7 @@ pub fn record_resend(
 /// already parked, or locked by another session (see [`record_failure`]).
 pub fn park(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<bool> {
     let args: [DatumWithOid; 2] = [id.into(), error.into()];
-    let table = client.update(
-        "UPDATE amqp.message SET attempts = attempts + 1, last_error = $2, \
-                parked_at = clock_timestamp() \
-          WHERE id = (SELECT id FROM amqp.message \
-                       WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED)",
-        None,
-        &args,
-    )?;
+    let table = client.update(statements::PARK_SQL, None, &args)?;
     Ok(table.len() == 1)
 }
 
@@ -579,70 +454,4 @@ pub fn park_orphans(client: &mut SpiClient<'_>) -> SpiResult<usize> {
         &[],
     )?;
     Ok(table.len())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A plan test must PREPARE the very statement the worker runs.
-    fn assert_prepares(regress: &str, sql: &str, what: &str) {
-        let prepared = format!("AS\n{};\n", sql.trim_end());
-        assert!(regress.contains(&prepared), "{what}");
-    }
-
-    #[test]
-    fn the_claim_plan_test_explains_the_workers_own_claim() {
-        assert_prepares(
-            include_str!("../../pg_regress/sql/claim_plan.sql"),
-            CLAIM_SQL,
-            "pg_regress/sql/claim_plan.sql must PREPARE the text of src/worker/claim.sql",
-        );
-    }
-
-    #[test]
-    fn the_delete_plan_test_explains_the_workers_own_delete() {
-        assert_prepares(
-            include_str!("../../pg_regress/sql/delete_plan.sql"),
-            DELETE_DELIVERED_SQL,
-            "pg_regress/sql/delete_plan.sql must PREPARE the text of src/worker/delete_delivered.sql",
-        );
-    }
-
-    #[test]
-    fn retry_delays_follow_the_backoff_and_stop_at_its_cap() {
-        let min = Duration::from_millis(200);
-        let max = Duration::from_secs(60);
-        let delays = RetryDelays::new(&Backoff::new(min, max));
-        // 200 ms · 2^9 = 102.4 s is the first ceiling past 60 s.
-        assert_eq!(delays.0.len(), 10);
-        assert_eq!(delays.after(1), min, "first failure: exactly min");
-        for attempts in 2..=40 {
-            let d = delays.after(attempts);
-            let cap = (min * 2u32.pow((attempts - 1).min(9) as u32)).min(max);
-            assert!(
-                d >= (cap / 2).max(min) && d <= cap,
-                "{d:?} after {attempts}"
-            );
-        }
-        assert_eq!(
-            delays.after(0),
-            min,
-            "a row set back by hand takes the first delay"
-        );
-        assert_eq!(delays.micros()[0], 200_000);
-    }
-
-    #[test]
-    fn retry_delays_tolerate_odd_settings() {
-        let same = RetryDelays::new(&Backoff::new(
-            Duration::from_secs(1),
-            Duration::from_secs(1),
-        ));
-        assert_eq!(same.0, vec![Duration::from_secs(1)]);
-        let zero = RetryDelays::new(&Backoff::new(Duration::ZERO, Duration::ZERO));
-        assert_eq!(zero.after(7), Duration::ZERO);
-        let huge = RetryDelays::new(&Backoff::new(Duration::from_millis(1), Duration::MAX));
-        assert_eq!(huge.0.len(), 32, "the ceiling stops doubling after 31");
-    }
 }

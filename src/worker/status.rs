@@ -107,3 +107,9 @@ impl Status {
         Ok(())
     }
 }
+
+impl super::events::BrokerStatus for Status {
+    fn mark_changed(&mut self) {
+        Status::mark_changed(self);
+    }
+}

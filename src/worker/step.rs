@@ -10,6 +10,7 @@
 //! statement, so the claim runs in a transaction of its own that reads before it writes.
 
 use super::claim::{self, Claimed};
+use super::host::{SpiOutbox, WorkerTelemetry};
 use super::main_loop::Worker;
 use super::presence::Found;
 use super::settle::Settlement;
@@ -32,7 +33,8 @@ impl Worker {
             }
             let result = Spi::connect_mut(|client| {
                 claim::claim(
-                    client,
+                    &mut SpiOutbox::new(client),
+                    &WorkerTelemetry,
                     &self.settings,
                     &mut self.flight,
                     &mut self.floor,
@@ -82,7 +84,12 @@ impl Worker {
             self.floor.reset();
         }
         let result = Spi::connect_mut(|client| {
-            settlement.record(client, &self.settings, &mut self.flight)?;
+            settlement.record(
+                &mut SpiOutbox::new(client),
+                &WorkerTelemetry,
+                &self.settings,
+                &mut self.flight,
+            )?;
             self.brokers.reload_if_requested(
                 client,
                 &self.settings,

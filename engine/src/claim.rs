@@ -1,17 +1,16 @@
 //! Claims the next rows (suspects first, alone), fits them into each broker's window of
 //! messages and bytes, and turns them into publish commands for the AMQP thread.
 
-use super::faults::Faults;
-use super::flight::{Flight, Room};
-use super::message::{message_at, to_message, Origin};
-use super::origin;
-use super::queries::{self, Row};
-use super::scan_floor::{Reach, ScanFloor};
-use super::settle::park_now;
-use crate::gucs::WorkerSettings;
-use crate::shmem;
+use crate::faults::Faults;
+use crate::flight::{Flight, Room};
+use crate::message::{message_at, to_message};
+use crate::outbox::Outbox;
+use crate::row::Row;
+use crate::scan_floor::{Reach, ScanFloor};
+use crate::settings::WorkerSettings;
+use crate::settle::park_now;
+use crate::telemetry::{Counter, Level, Telemetry};
 use amqp_outbox_broker::{Command, OutboundMessage};
-use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -38,28 +37,29 @@ impl Claimed {
     }
 }
 
-pub fn claim(
-    client: &mut SpiClient<'_>,
+pub fn claim<O: Outbox>(
+    outbox: &mut O,
+    telemetry: &impl Telemetry,
     settings: &WorkerSettings,
     flight: &mut Flight,
     floor: &mut ScanFloor,
     faults: &mut Faults,
-) -> SpiResult<Claimed> {
+) -> Result<Claimed, O::Error> {
     let mut commands = Vec::new();
     // Rows to park are written last: a statement that writes would give the statements after
-    // it a newer snapshot than the probe's (see super::step).
+    // it a newer snapshot than the probe's (see the worker's step, src/worker/step.rs).
     let mut parks = Vec::new();
     floor.note_released(flight.released());
 
     // Suspects first: alone on their channel, one at a time.
     for (broker_id, ids) in flight.isolation_ready() {
-        let rows = queries::claim_ids(client, &ids)?;
+        let rows = outbox.claim_ids(&ids)?;
         let found: Vec<i64> = rows.iter().map(|r| r.id).collect();
         flight
             .broker(broker_id)
             .suspects
             .retain(|id| found.contains(id));
-        let messages = prepare(rows, settings, faults, &mut parks);
+        let messages = prepare(rows, &*outbox, settings, faults, &mut parks);
         for m in &messages {
             flight.mark_sent(broker_id, m.id, m.body.len(), message_at(m));
         }
@@ -75,7 +75,7 @@ pub fn claim(
     let open = flight.open_brokers(settings.max_in_flight, settings.max_in_flight_bytes);
     let every_broker_open = open.len() == flight.connected_brokers() && !flight.any_isolating();
     if open.is_empty() {
-        park_all(client, parks, settings, flight)?;
+        park_all(outbox, telemetry, parks, settings, flight)?;
         return Ok(Claimed {
             commands,
             more: false,
@@ -84,7 +84,7 @@ pub fn claim(
     }
     let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
     let broker_ids: Vec<i32> = room.keys().copied().collect();
-    let probe = queries::probe(client)?;
+    let probe = outbox.probe()?;
     let from = match &probe {
         Some(probe) => {
             floor.observe(probe, Instant::now());
@@ -109,10 +109,10 @@ pub fn claim(
     let budget: usize = room.values().map(|r| r.bytes.max(1)).sum();
     let limit = settings.batch_size;
     let started = Instant::now();
-    let rows = queries::claim(client, &broker_ids, limit, &skip, budget, from)?;
+    let rows = outbox.claim(&broker_ids, limit, &skip, budget, from)?;
     let cost = started.elapsed();
     if from == 0 {
-        say_what_was_passed(floor.passed(), &rows);
+        say_what_was_passed(telemetry, floor.passed(), &rows);
     }
     let fetched: usize = rows.iter().map(|r| r.body.len()).sum();
     // A full batch, or one cut short by the byte budget: there is probably more.
@@ -146,21 +146,21 @@ pub fn claim(
         more = false;
     }
     for (broker_id, rows) in batches {
-        let messages = prepare(rows, settings, faults, &mut parks);
+        let messages = prepare(rows, &*outbox, settings, faults, &mut parks);
         if messages.is_empty() {
             continue;
         }
         for m in &messages {
             flight.mark_sent(broker_id, m.id, m.body.len(), message_at(m));
         }
-        shmem::count(|c| &c.published, messages.len() as u64);
+        telemetry.count(Counter::Published, messages.len() as u64);
         commands.push(Command::Publish {
             broker_id,
             messages,
             solo: false,
         });
     }
-    park_all(client, parks, settings, flight)?;
+    park_all(outbox, telemetry, parks, settings, flight)?;
     Ok(Claimed {
         commands,
         more,
@@ -168,31 +168,35 @@ pub fn claim(
     })
 }
 
-fn park_all(
-    client: &mut SpiClient<'_>,
+fn park_all<O: Outbox>(
+    outbox: &mut O,
+    telemetry: &impl Telemetry,
     parks: Vec<(i64, String)>,
     settings: &WorkerSettings,
     flight: &mut Flight,
-) -> SpiResult<()> {
+) -> Result<(), O::Error> {
     let backoff = settings.retry_backoff();
     for (id, why) in parks {
-        park_now(client, id, &why, &backoff, flight)?;
+        park_now(outbox, telemetry, id, &why, &backoff, flight)?;
     }
     Ok(())
 }
 
 /// A read from the lowest id found rows at or below the floor it had before: rows nothing
 /// announced (inserted directly rather than through `amqp.publish()`, or retried by hand).
-fn say_what_was_passed(passed: i64, rows: &[Row]) {
+fn say_what_was_passed(telemetry: &impl Telemetry, passed: i64, rows: &[Row]) {
     let below: Vec<i64> = rows
         .iter()
         .map(|r| r.id)
         .filter(|id| *id <= passed)
         .collect();
     if !below.is_empty() {
-        pgrx::log!(
-            "amqp_outbox: the claim found {} row(s) at or below its last scan floor {passed}: {below:?}",
-            below.len()
+        telemetry.log(
+            Level::Log,
+            &format!(
+                "amqp_outbox: the claim found {} row(s) at or below its last scan floor {passed}: {below:?}",
+                below.len()
+            ),
         );
     }
 }
@@ -200,6 +204,7 @@ fn say_what_was_passed(passed: i64, rows: &[Row]) {
 /// Turns rows into messages; rows that can never be published as they are go to `parks`.
 fn prepare(
     rows: Vec<Row>,
+    outbox: &impl Outbox,
     settings: &WorkerSettings,
     faults: &mut Faults,
     parks: &mut Vec<(i64, String)>,
@@ -224,10 +229,7 @@ fn prepare(
             }
         };
         let first_attempt = row.attempts == 0;
-        let origin = Origin {
-            system_id: origin::system_id(),
-            host_id: origin::host_id(),
-        };
+        let origin = outbox.origin();
         let mut message = to_message(row, headers, &origin);
         message.lose_in_transit = faults.lose_this_one(settings, first_attempt);
         out.push(message);

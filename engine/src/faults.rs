@@ -4,8 +4,8 @@
 //! to prove that a clean shutdown deletes them. Only a build with the `fault-injection` feature
 //! has these settings; any other build never loses or holds anything on purpose.
 
-use super::flight::Flight;
-use crate::gucs::WorkerSettings;
+use crate::flight::Flight;
+use crate::settings::WorkerSettings;
 
 #[derive(Default)]
 pub struct Faults {

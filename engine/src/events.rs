@@ -1,21 +1,32 @@
 //! What the AMQP thread reports: connection changes are applied to the in-flight state at once;
 //! delivery outcomes become a [`Settlement`] for the next transaction; log lines are logged here,
-//! on the thread that may call PostgreSQL.
+//! on the thread that may call PostgreSQL (the host's [`Telemetry`]).
 
-use super::flight::{Flight, Verdict};
-use super::settle::Settlement;
-use super::status::Status;
-use crate::gucs::WorkerSettings;
-use crate::shmem;
+use crate::flight::{Flight, Verdict};
+use crate::settings::WorkerSettings;
+use crate::settle::Settlement;
+use crate::telemetry::{Counter, Level, Telemetry};
 use amqp_outbox_broker::{Event, Failure, LogLevel};
-use pgrx::prelude::*;
 
+/// What the host shows of the brokers' connections (the extension's status views).
+pub trait BrokerStatus {
+    /// A broker connected, disconnected, or its flow control changed: its state is shown anew.
+    fn mark_changed(&mut self);
+}
+
+/// The AMQP thread failed: the worker cannot go on (the extension raises an ERROR with this).
+#[derive(Debug)]
+pub struct ThreadFailed(pub String);
+
+/// Takes the events in order. `Err` at the first [`Event::Fatal`]: the events after it are left
+/// untaken, the settlement so far dropped (the host stops).
 pub fn take(
     events: Vec<Event>,
+    telemetry: &impl Telemetry,
     settings: &WorkerSettings,
     flight: &mut Flight,
-    status: &mut Status,
-) -> Settlement {
+    status: &mut impl BrokerStatus,
+) -> Result<Settlement, ThreadFailed> {
     let mut s = Settlement::default();
     for event in events {
         s.reopened |= !matches!(
@@ -34,7 +45,12 @@ pub fn take(
                 b.epoch = epoch;
                 b.error = None;
                 status.mark_changed();
-                log!("amqp_outbox: broker {broker_id} connected to {host} (channel {epoch})");
+                telemetry.log(
+                    Level::Log,
+                    &format!(
+                        "amqp_outbox: broker {broker_id} connected to {host} (channel {epoch})"
+                    ),
+                );
                 b.host = Some(host);
             }
             Event::Disconnected { broker_id, error } => {
@@ -42,7 +58,10 @@ pub fn take(
                 let b = flight.broker(broker_id);
                 b.connected = false;
                 b.host = None;
-                warning!("amqp_outbox: broker {broker_id} unavailable: {error}");
+                telemetry.log(
+                    Level::Warning,
+                    &format!("amqp_outbox: broker {broker_id} unavailable: {error}"),
+                );
                 b.error = Some(error);
                 status.mark_changed();
             }
@@ -51,7 +70,7 @@ pub fn take(
                 status.mark_changed();
             }
             Event::Confirmed { ids, .. } => {
-                shmem::count(|c| &c.confirmed, ids.len() as u64);
+                telemetry.count(Counter::Confirmed, ids.len() as u64);
                 for id in ids {
                     flight.holds.release(id);
                     // Delivered ones wait in the flight for their batched DELETE.
@@ -59,7 +78,7 @@ pub fn take(
                 }
             }
             Event::Acked { ids, .. } => {
-                shmem::count(|c| &c.acknowledged, ids.len() as u64);
+                telemetry.count(Counter::Acknowledged, ids.len() as u64);
                 for id in ids {
                     let _ = flight.acked(id);
                 }
@@ -72,10 +91,13 @@ pub fn take(
                     }
                 }
                 if !lost.is_empty() {
-                    shmem::count(|c| &c.resent_gap, lost.len() as u64);
-                    log!(
-                        "amqp_outbox: {} message(s) lost in transit (a later acknowledgement arrived first), publishing again: {lost:?}",
-                        lost.len()
+                    telemetry.count(Counter::ResentGap, lost.len() as u64);
+                    telemetry.log(
+                        Level::Log,
+                        &format!(
+                            "amqp_outbox: {} message(s) lost in transit (a later acknowledgement arrived first), publishing again: {lost:?}",
+                            lost.len()
+                        ),
                     );
                     s.resend.push((lost, "lost in transit: a later message of the same channel was acknowledged first"));
                 }
@@ -95,39 +117,48 @@ pub fn take(
                     }
                     Failure::Nacked => {
                         flight.broker(broker_id).suspects.remove(&id);
-                        hold_nacked(id, settings, flight);
+                        hold_nacked(telemetry, id, settings, flight);
                     }
                     Failure::Rejected => {
                         flight.broker(broker_id).suspects.remove(&id);
-                        shmem::count(|c| &c.failed, 1);
+                        telemetry.count(Counter::Failed, 1);
                         s.rejected.push((id, error));
                     }
                     Failure::Unsendable => {
                         flight.broker(broker_id).suspects.remove(&id);
-                        shmem::count(|c| &c.failed, 1);
+                        telemetry.count(Counter::Failed, 1);
                         s.unsendable.push((id, error));
                     }
                 }
             }
-            Event::Log { level, message } => match level {
-                LogLevel::Debug => debug1!("amqp_outbox: {message}"),
-                LogLevel::Info => log!("amqp_outbox: {message}"),
-                LogLevel::Warning => warning!("amqp_outbox: {message}"),
-            },
-            Event::Fatal(why) => {
-                error!("amqp_outbox: the AMQP thread failed: {why}");
+            Event::Log { level, message } => {
+                let level = match level {
+                    LogLevel::Debug => Level::Debug,
+                    LogLevel::Info => Level::Log,
+                    LogLevel::Warning => Level::Warning,
+                };
+                telemetry.log(level, &format!("amqp_outbox: {message}"));
             }
+            Event::Fatal(why) => return Err(ThreadFailed(why)),
         }
     }
-    s
+    Ok(s)
 }
 
 /// A nack is the broker's trouble, not the message's: held back with the product's backoff,
 /// no attempt counted. One log line a while.
-fn hold_nacked(id: i64, settings: &WorkerSettings, flight: &mut Flight) {
+fn hold_nacked(
+    telemetry: &impl Telemetry,
+    id: i64,
+    settings: &WorkerSettings,
+    flight: &mut Flight,
+) {
     if let Some(n) = flight.holds.hold_nacked(id, &settings.retry_backoff()) {
-        log!(
-            "amqp_outbox: {n} message(s) nacked by the broker since the last report; each is published again after a growing delay"
+        telemetry.log(
+            Level::Log,
+            &format!(
+                "amqp_outbox: {n} message(s) nacked by the broker since the last report; each is published again after a growing delay"
+            ),
         );
     }
 }

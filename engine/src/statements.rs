@@ -1,0 +1,123 @@
+//! The statements the delivery runs on `amqp.message` (those of [`crate::outbox::Outbox`]), as
+//! text with bound parameters, so that every host runs the very same ones: the background
+//! worker through SPI (its `queries.rs`, which keeps each hot one as a prepared plan), a relay
+//! over its connection. They are written for a `search_path` of `pg_catalog, pg_temp`: only the
+//! extension's own tables are qualified (`amqp.`), so no user's function or operator can be
+//! picked instead of the built-in one.
+
+/// The next rows to publish, in id order: not in flight or held back (`$3`), and no more body
+/// bytes than `$4` (the first row always: it may be larger). `octet_length` reads a toasted
+/// body's size from its pointer, so rows past the budget cost no detoasting. Kept in its own
+/// file so that pg_regress/sql/claim_plan.sql and the bench explain this very text.
+pub const CLAIM_SQL: &str = include_str!("statements/claim.sql");
+
+/// These rows (`$1`), in id order, unless parked or gone: the suspects, published alone.
+pub const CLAIM_BY_ID_SQL: &str = "\
+SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
+       correlation_id, headers::text, producer_pid, producer_started_at, created_at, \
+       attempts, message_id, business_type, business_key, traceparent, system_id, host_id \
+  FROM amqp.message \
+ WHERE id = ANY ($1) AND parked_at IS NULL \
+ ORDER BY id";
+
+/// The claim's snapshot (its xmin, its xmax and the transaction ids it sees running) and the
+/// sequence's last value, for the scan floor; the next transaction id is read once the
+/// statement has returned, so after the last value. `None` when the floor cannot be trusted:
+/// the sequence caches values per session (they are drawn out of order), or cycles, or is gone.
+pub const PROBE_SQL: &str = "\
+SELECT pg_snapshot_xmin(c.snap)::text::int8, pg_snapshot_xmax(c.snap)::text::int8, \
+       ARRAY(SELECT x::text::int8 FROM pg_snapshot_xip(c.snap) AS x ORDER BY 1), \
+       coalesce(pg_sequence_last_value(s.seqrelid), 0) \
+  FROM pg_sequence s, pg_current_snapshot() AS c (snap) \
+ WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle";
+
+/// Deletes rows whose delivery is proven, in one statement that also keeps their record in
+/// the production log (`$5`: `amqp_outbox.reconcile_window` is not 0) and counts them in the
+/// day's statistics. Resends of the monitor (`resends > 0`) are in the log already. The
+/// statistics rows written here (`part` 0) are this worker's alone, so it never waits on the
+/// subscription worker's counting. Returns how many rows existed.
+///
+/// The DELETE returns the body and properties (the whole row, `kept`) only for monitored
+/// business types: copying every body costs the drain. It reads `amqp.message` once, through
+/// the ids: a second read of the table joined to the deleted rows was planned, from the
+/// statistics of an empty table, as a full index scan per deleted row, which a long transaction
+/// (dead rows that stay) turned into seconds per statement (pg_regress/sql/delete_plan.sql).
+/// The message's time comes from the worker (`$8`, [`crate::message::message_at`]), not from a
+/// function per row. Kept in its own file so that the plan test explains this very text.
+pub const DELETE_DELIVERED_SQL: &str = include_str!("statements/delete_delivered.sql");
+
+/// The oid of `amqp.message`'s id sequence (NULL when it has none).
+pub const ID_SEQUENCE_SQL: &str =
+    "SELECT pg_get_serial_sequence('amqp.message', 'id')::regclass::oid";
+
+/// Bounds the lock waits of the rest of the current (sub)transaction (`$1`: as `lock_timeout`
+/// takes it). Ended with the (sub)transaction: `is_local`.
+pub const SET_LOCK_TIMEOUT_SQL: &str = "SELECT pg_catalog.set_config('lock_timeout', $1, true)";
+
+/// Of these rows (`$1`), the ones no other session holds, locked now for this transaction.
+pub const LOCK_FREE_SQL: &str =
+    "SELECT id FROM amqp.message WHERE id = ANY ($1) FOR UPDATE SKIP LOCKED";
+
+/// Of these rows (`$1`), the ones still in the table.
+pub const EXISTING_SQL: &str = "SELECT id FROM amqp.message WHERE id = ANY ($1)";
+
+/// A refused publish (see [`crate::outbox::Outbox::record_failure`]): `$1` the id, `$2` the
+/// error, `$3` max_attempts, `$4` the retry delays in microseconds ([`crate::outbox::RetryDelays`]).
+/// Returns the attempts and whether the row is parked now; no row when it is gone, parked or
+/// locked by another session.
+pub const RECORD_FAILURE_SQL: &str = "UPDATE amqp.message \
+            SET attempts = attempts + 1, \
+                last_error = $2, \
+                next_attempt_at = clock_timestamp() \
+                    + $4[least(greatest(attempts, 0), cardinality($4) - 1) + 1] \
+                      * interval '1 microsecond', \
+                parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
+          WHERE id = (SELECT id FROM amqp.message \
+                       WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED) \
+      RETURNING attempts, parked_at IS NOT NULL";
+
+/// Messages to publish again (see [`crate::outbox::Outbox::record_resend`]): `$1` the ids, `$2`
+/// why, `$3` max_attempts. Returns each counted row's id and whether it is parked now.
+pub const RECORD_RESEND_SQL: &str = "UPDATE amqp.message \
+            SET attempts = attempts + 1, last_error = $2, next_attempt_at = NULL, \
+                parked_at = CASE WHEN attempts + 1 >= $3 THEN clock_timestamp() END \
+          WHERE id = ANY (ARRAY(SELECT id FROM amqp.message \
+                                 WHERE id = ANY ($1) AND parked_at IS NULL \
+                                 FOR UPDATE SKIP LOCKED)) \
+      RETURNING id, parked_at IS NOT NULL";
+
+/// Parks a row at once (`$1` the id, `$2` why); no row changed when it is gone, already parked
+/// or locked by another session.
+pub const PARK_SQL: &str = "UPDATE amqp.message SET attempts = attempts + 1, last_error = $2, \
+                parked_at = clock_timestamp() \
+          WHERE id = (SELECT id FROM amqp.message \
+                       WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plan test must PREPARE the very statement the worker runs.
+    fn assert_prepares(regress: &str, sql: &str, what: &str) {
+        let prepared = format!("AS\n{};\n", sql.trim_end());
+        assert!(regress.contains(&prepared), "{what}");
+    }
+
+    #[test]
+    fn the_claim_plan_test_explains_the_workers_own_claim() {
+        assert_prepares(
+            include_str!("../../pg_regress/sql/claim_plan.sql"),
+            CLAIM_SQL,
+            "pg_regress/sql/claim_plan.sql must PREPARE the text of engine/src/statements/claim.sql",
+        );
+    }
+
+    #[test]
+    fn the_delete_plan_test_explains_the_workers_own_delete() {
+        assert_prepares(
+            include_str!("../../pg_regress/sql/delete_plan.sql"),
+            DELETE_DELIVERED_SQL,
+            "pg_regress/sql/delete_plan.sql must PREPARE the text of engine/src/statements/delete_delivered.sql",
+        );
+    }
+}
