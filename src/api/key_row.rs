@@ -17,6 +17,7 @@
 //! transaction's snapshot. So does a table not as the extension made it (a trigger, a constraint,
 //! a column a DBA added).
 
+use super::table_write::Shaped;
 use pgrx::prelude::*;
 use pgrx::IntoDatum;
 use std::cell::{Cell, RefCell};
@@ -52,7 +53,7 @@ enum Shape {
     General { relid: pg_sys::Oid },
 }
 
-impl Shape {
+impl Shaped for Shape {
     fn relid(&self) -> pg_sys::Oid {
         match self {
             Shape::Direct { relid, .. } | Shape::General { relid } => *relid,
@@ -171,45 +172,11 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
     }
 }
 
-/// `amqp.idempotency_key`'s oid, or `None` when it is not there (an extension before 0.8.0).
-fn lookup_relid() -> Option<pg_sys::Oid> {
-    // SAFETY: catalog lookups on the backend's main thread inside a transaction; missing_ok.
-    unsafe {
-        let schema = pg_sys::get_namespace_oid(c"amqp".as_ptr(), true);
-        if schema == pg_sys::InvalidOid {
-            return None;
-        }
-        let relid = pg_sys::get_relname_relid(c"idempotency_key".as_ptr(), schema);
-        (relid != pg_sys::InvalidOid).then_some(relid)
-    }
-}
-
-/// Opens the table for an INSERT, with its shape.
+/// Opens the table for an INSERT, with its shape; `None` when it is not there (before 0.8.0).
 fn open() -> Option<(pg_sys::Relation, Shape)> {
     register_callback();
-    let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
-    let cached = SHAPE.with_borrow(|s| s.map(|s| s.relid()));
-    let mut rel = match cached {
-        // SAFETY: inside a transaction on the main thread; NULL for a dropped relation.
-        Some(relid) => unsafe { pg_sys::try_table_open(relid, lock) },
-        None => std::ptr::null_mut(),
-    };
-    if rel.is_null() {
-        SHAPE.with_borrow_mut(|s| *s = None);
-        // SAFETY: as above; the oid was just looked up.
-        rel = unsafe { pg_sys::try_table_open(lookup_relid()?, lock) };
-        if rel.is_null() {
-            return None;
-        }
-    }
-    // Taking the lock processed pending invalidations: a cached shape still here is current.
-    if let Some(shape) = SHAPE.with_borrow(|s| *s) {
-        return Some((rel, shape));
-    }
-    // SAFETY: `rel` is open and locked.
-    let shape = unsafe { shape_of(rel) };
-    SHAPE.with_borrow_mut(|s| *s = Some(shape));
-    Some((rel, shape))
+    super::table_write::open_cached(&SHAPE, c"idempotency_key", shape_of)
+        .map(|(rel, shape, _)| (rel, shape))
 }
 
 /// What the primary key holds for the key, as a unique check sees it.

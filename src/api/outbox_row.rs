@@ -18,6 +18,7 @@
 //! TABLE`, `CREATE TRIGGER` or `DROP` sends. Row security applies to neither path: the row is
 //! written for the extension's owner, a superuser.
 
+use super::table_write::Shaped;
 use pgrx::prelude::*;
 use pgrx::{direct_function_call, IntoDatum};
 use std::cell::{Cell, RefCell};
@@ -129,7 +130,7 @@ enum Shape {
     },
 }
 
-impl Shape {
+impl Shaped for Shape {
     fn relid(&self) -> pg_sys::Oid {
         match self {
             Shape::Direct { relid, .. } | Shape::General { relid, .. } => *relid,
@@ -207,19 +208,6 @@ impl Row<'_> {
             || self.traceparent.is_some()
             || self.system_id.is_some()
             || self.host_id.is_some()
-    }
-}
-
-/// `amqp.message`'s oid, or `None` when the extension's table is not there.
-fn lookup_relid() -> Option<pg_sys::Oid> {
-    // SAFETY: catalog lookups on the backend's main thread inside a transaction; missing_ok.
-    unsafe {
-        let schema = pg_sys::get_namespace_oid(c"amqp".as_ptr(), true);
-        if schema == pg_sys::InvalidOid {
-            return None;
-        }
-        let relid = pg_sys::get_relname_relid(c"message".as_ptr(), schema);
-        (relid != pg_sys::InvalidOid).then_some(relid)
     }
 }
 
@@ -303,35 +291,11 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
 /// table is not there (the ordinary INSERT then raises the proper error).
 fn open() -> Option<(pg_sys::Relation, Shape)> {
     register_callback();
-    let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
-    let cached = SHAPE.with_borrow(|s| s.map(|s| s.relid()));
-    // SAFETY: on the backend's main thread inside a transaction; try_table_open returns NULL
-    // for a relation dropped since it was cached.
-    let mut rel = match cached {
-        // SAFETY: as above.
-        Some(relid) => unsafe { pg_sys::try_table_open(relid, lock) },
-        None => std::ptr::null_mut(),
-    };
-    if rel.is_null() {
-        SHAPE.with_borrow_mut(|s| *s = None);
-        let relid = lookup_relid()?;
-        // SAFETY: as above; the oid was just looked up.
-        rel = unsafe { pg_sys::try_table_open(relid, lock) };
-        if rel.is_null() {
-            return None;
-        }
-    }
-    // Taking the lock processed pending invalidations: a cached shape still here is current.
-    if let Some(shape) = SHAPE.with_borrow(|s| *s) {
-        return Some((rel, shape));
-    }
-    // SAFETY: `rel` is open and locked.
-    let shape = unsafe { shape_of(rel) };
-    if let Shape::General { why, .. } = shape {
+    let (rel, shape, fresh) = super::table_write::open_cached(&SHAPE, c"message", shape_of)?;
+    if let (true, Shape::General { why, .. }) = (fresh, shape) {
         // Once per session and change of the table: why publish() costs an executor here.
         debug1!("amqp_outbox: publish() writes amqp.message with an INSERT, since {why}");
     }
-    SHAPE.with_borrow_mut(|s| *s = Some(shape));
     Some((rel, shape))
 }
 

@@ -2,6 +2,62 @@
 //! instead of through SPI and an executor: shared by the outbox row and the idempotency key.
 
 use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::ffi::CStr;
+use std::thread::LocalKey;
+
+/// What a session keeps of a table it writes directly: read from the open relation, dropped by
+/// the module's relcache callback when the table changes.
+pub trait Shaped: Copy + 'static {
+    fn relid(&self) -> pg_sys::Oid;
+}
+
+/// The oid of `amqp.<name>`, or `None` when it is not there.
+fn relid_of(name: &CStr) -> Option<pg_sys::Oid> {
+    // SAFETY: catalog lookups on the backend's main thread inside a transaction; missing_ok.
+    unsafe {
+        let schema = pg_sys::get_namespace_oid(c"amqp".as_ptr(), true);
+        if schema == pg_sys::InvalidOid {
+            return None;
+        }
+        let relid = pg_sys::get_relname_relid(name.as_ptr(), schema);
+        (relid != pg_sys::InvalidOid).then_some(relid)
+    }
+}
+
+/// Opens `amqp.<name>` with RowExclusiveLock (kept until the transaction ends, as for an
+/// INSERT) with its shape: the one in `cache`, or read by `shape_of` (then `true`, a new
+/// reading). `None` when the table is not there.
+pub fn open_cached<S: Shaped>(
+    cache: &'static LocalKey<RefCell<Option<S>>>,
+    name: &CStr,
+    shape_of: unsafe fn(pg_sys::Relation) -> S,
+) -> Option<(pg_sys::Relation, S, bool)> {
+    let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
+    let cached = cache.with_borrow(|s| s.map(|s| s.relid()));
+    let mut rel = match cached {
+        // SAFETY: on the backend's main thread inside a transaction; try_table_open returns
+        // NULL for a relation dropped since it was cached.
+        Some(relid) => unsafe { pg_sys::try_table_open(relid, lock) },
+        None => std::ptr::null_mut(),
+    };
+    if rel.is_null() {
+        cache.with_borrow_mut(|s| *s = None);
+        // SAFETY: as above; the oid was just looked up.
+        rel = unsafe { pg_sys::try_table_open(relid_of(name)?, lock) };
+        if rel.is_null() {
+            return None;
+        }
+    }
+    // Taking the lock processed pending invalidations: a cached shape still here is current.
+    if let Some(shape) = cache.with_borrow(|s| *s) {
+        return Some((rel, shape, false));
+    }
+    // SAFETY: `rel` is open and locked.
+    let shape = unsafe { shape_of(rel) };
+    cache.with_borrow_mut(|s| *s = Some(shape));
+    Some((rel, shape, true))
+}
 
 /// Stores the virtual tuple in `slot` into `rel` with `simple_table_tuple_insert` (TOAST, WAL,
 /// statistics as for any INSERT), inserts its entries into every index of the table
