@@ -1,7 +1,8 @@
 //! The outbox as the delivery sees it: the statements the claim and the settling of outcomes
 //! run on `amqp.message`, one method each, whatever runs them (the background worker through
 //! SPI, a relay over a client connection). Every method runs inside the transaction the host
-//! opened; none waits on the broker. The statements' texts stay with the host for now.
+//! opened; none waits on the broker. Their texts are in [`crate::statements`], the same for
+//! every host.
 
 use crate::flight::Proof;
 use crate::message::Origin;

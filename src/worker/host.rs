@@ -1,6 +1,6 @@
-//! The engine's traits for the background worker: [`SpiOutbox`] runs the delivery's statements
-//! through SPI (their texts stay in [`super::queries`]), [`WorkerTelemetry`] counts in shared
-//! memory and logs to the server log.
+//! The engine's traits for the background worker: [`SpiOutbox`] runs the delivery's
+//! statements through SPI ([`super::queries`] binds and runs the engine's texts),
+//! [`WorkerTelemetry`] counts in shared memory and logs to the server log.
 
 use super::flight::Proof;
 use super::message::Origin;
