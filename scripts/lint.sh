@@ -5,8 +5,9 @@
 #   fmt        cargo fmt --check
 #   clippy     clippy -D warnings on every target of the workspace, with
 #              clippy::undocumented_unsafe_blocks (every `unsafe {}` says why it is sound)
-#   no-pgrx    the AMQP crate (amqp_outbox_broker) does not depend on pgrx, even transitively:
-#              its thread must never call PostgreSQL (README, "How it works")
+#   no-pgrx    the AMQP crate (amqp_outbox_broker), the delivery engine (amqp_outbox_engine) and
+#              the relay (amqp_outbox_relay) do not depend on pgrx, even transitively: they
+#              never call PostgreSQL's API (README, "How it works")
 #   sql        update scripts assembled from install-script files (`make sql`) are current
 #   pg_guard   every `extern "C"`/`extern "C-unwind"` fn under src/ carries #[pg_guard], so a
 #              panic or ERROR inside a callback PostgreSQL calls cannot unwind through C frames;
@@ -26,6 +27,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 CARGO=${CARGO:-cargo}
 BROKER_CRATE=amqp_outbox_broker
 ENGINE_CRATE=amqp_outbox_engine
+RELAY_CRATE=amqp_outbox_relay
 failed=()
 
 run() {
@@ -71,12 +73,12 @@ check_clippy() {
 }
 
 check_no_pgrx() {
-    # The AMQP thread's crate and the delivery engine never reach PostgreSQL's API.
+    # The AMQP thread's crate, the delivery engine and the relay never reach PostgreSQL's API.
     # `cargo tree -i pgrx` is no use here: "not in the graph" and "cargo failed" both exit 101.
     # So list the whole graph (every target platform, build scripts included), require that the
     # listing worked, and look for any pgrx crate in it.
     local crate tree found
-    for crate in "$BROKER_CRATE" "$ENGINE_CRATE"; do
+    for crate in "$BROKER_CRATE" "$ENGINE_CRATE" "$RELAY_CRATE"; do
         if ! tree=$("$CARGO" tree -p "$crate" -e normal,build --target all --prefix none \
             --format '{p}'); then
             echo "lint: cargo tree failed for $crate" >&2
