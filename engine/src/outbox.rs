@@ -37,7 +37,11 @@ pub trait Outbox {
     fn claim_ids(&mut self, ids: &[i64]) -> Result<Vec<Row>, Self::Error>;
 
     /// The claim's snapshot and the id sequence's last value, for the scan floor; `None` when
-    /// the floor cannot be trusted (see [`Probe`]).
+    /// the floor cannot be trusted (see [`Probe`]). The probe and the claim after it must read
+    /// in one snapshot, or a writer the probe saw running could commit in between and its rows
+    /// above the floor go out before those below: the worker's claim transaction reads before
+    /// it writes; a client runs it as REPEATABLE READ. The next transaction id must be read
+    /// after the probe's statement, at least as late as every id handed out by then.
     fn probe(&mut self) -> Result<Option<Probe>, Self::Error>;
 
     /// Deletes rows whose delivery is proven, keeping their record in the production log when
