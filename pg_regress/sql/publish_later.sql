@@ -63,8 +63,10 @@ UPDATE amqp.idempotency_key SET published_at = now() - interval '25 hours' WHERE
 SELECT amqp.publish_message(7, 'ex', 'once', 'after the window', idempotency_key => 'payment-42') AS again \gset
 SELECT :again <> :first AS new_message, (SELECT id FROM amqp.idempotency_key WHERE key = 'payment-42') = :again AS key_moved;
 SELECT count(*) AS payments FROM amqp.message WHERE routing_key = 'once';
--- A trigger a DBA puts on the key table sends every claim through the upsert: the same answers.
-CREATE FUNCTION public.keep_key() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RETURN NEW; END$$;
+-- A trigger a DBA puts on the key table sends every claim through the upsert: the same answers,
+-- and the trigger fires (the session's direct path forgets the table's shape when it changes).
+CREATE FUNCTION public.keep_key() RETURNS trigger LANGUAGE plpgsql
+    AS $$BEGIN RAISE NOTICE 'key table trigger: %', NEW.key; RETURN NEW; END$$;
 CREATE TRIGGER keep BEFORE INSERT OR UPDATE ON amqp.idempotency_key
     FOR EACH ROW EXECUTE FUNCTION public.keep_key();
 SELECT amqp.publish_message(7, 'ex', 'once', 'again', idempotency_key => 'payment-42') = :again AS seen_by_upsert;

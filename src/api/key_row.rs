@@ -17,10 +17,9 @@
 //! transaction's snapshot. So does a table not as the extension made it (a trigger, a constraint,
 //! a column a DBA added).
 
-use super::table_write::Shaped;
+use super::table_write::{ShapeCache, Shaped};
 use pgrx::prelude::*;
 use pgrx::IntoDatum;
-use std::cell::{Cell, RefCell};
 use std::ffi::CStr;
 
 extern "C-unwind" {
@@ -59,40 +58,18 @@ impl Shaped for Shape {
             Shape::Direct { relid, .. } | Shape::General { relid } => *relid,
         }
     }
+
+    /// The primary key too: a REINDEX CONCURRENTLY gives it another oid.
+    fn depends_on(&self, relid: pg_sys::Oid) -> bool {
+        match self {
+            Shape::Direct { relid: r, pkey, .. } => *r == relid || *pkey == relid,
+            Shape::General { relid: r } => *r == relid,
+        }
+    }
 }
 
 thread_local! {
-    static SHAPE: RefCell<Option<Shape>> = const { RefCell::new(None) };
-    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs in the middle of cache invalidation processing: only forgets, never raises.
-#[pg_guard]
-unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
-    let _ = SHAPE.try_with(|s| {
-        if let Ok(mut s) = s.try_borrow_mut() {
-            let ours = |shape: &Shape| match shape {
-                Shape::Direct { relid: r, pkey, .. } => *r == relid || *pkey == relid,
-                Shape::General { relid: r } => *r == relid,
-            };
-            if relid == pg_sys::InvalidOid || s.as_ref().is_some_and(ours) {
-                *s = None;
-            }
-        }
-    });
-}
-
-fn register_callback() {
-    if !CALLBACK_REGISTERED.replace(true) {
-        // SAFETY: on the backend's main thread, once per process (the flag above). The callback
-        // has PostgreSQL's RelcacheCallbackFunction signature and lives as long as the library.
-        unsafe {
-            pg_sys::CacheRegisterRelcacheCallback(
-                Some(on_relcache_invalidation),
-                pg_sys::Datum::from(0),
-            )
-        };
-    }
+    static SHAPE: ShapeCache<Shape> = const { ShapeCache::new() };
 }
 
 /// The table's one CHECK constraint, enforced by `Later::check` before a key gets here.
@@ -174,7 +151,6 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
 
 /// Opens the table for an INSERT, with its shape; `None` when it is not there (before 0.8.0).
 fn open() -> Option<(pg_sys::Relation, Shape)> {
-    register_callback();
     super::table_write::open_cached(&SHAPE, c"idempotency_key", shape_of)
         .map(|(rel, shape, _)| (rel, shape))
 }

@@ -18,10 +18,9 @@
 //! TABLE`, `CREATE TRIGGER` or `DROP` sends. Row security applies to neither path: the row is
 //! written for the extension's owner, a superuser.
 
-use super::table_write::Shaped;
+use super::table_write::{ShapeCache, Shaped};
 use pgrx::prelude::*;
 use pgrx::{direct_function_call, IntoDatum};
-use std::cell::{Cell, RefCell};
 use std::ffi::{CStr, CString};
 
 /// A column of `amqp.message` that the direct path writes.
@@ -147,34 +146,7 @@ extern "C-unwind" {
 }
 
 thread_local! {
-    static SHAPE: RefCell<Option<Shape>> = const { RefCell::new(None) };
-    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs in the middle of cache invalidation processing: only forgets, never raises.
-#[pg_guard]
-unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
-    let _ = SHAPE.try_with(|s| {
-        if let Ok(mut s) = s.try_borrow_mut() {
-            if relid == pg_sys::InvalidOid || s.as_ref().is_some_and(|shape| shape.relid() == relid)
-            {
-                *s = None;
-            }
-        }
-    });
-}
-
-fn register_callback() {
-    if !CALLBACK_REGISTERED.replace(true) {
-        // SAFETY: on the backend's main thread, once per process (the flag above). The callback
-        // has PostgreSQL's RelcacheCallbackFunction signature and lives as long as the library.
-        unsafe {
-            pg_sys::CacheRegisterRelcacheCallback(
-                Some(on_relcache_invalidation),
-                pg_sys::Datum::from(0),
-            )
-        };
-    }
+    static SHAPE: ShapeCache<Shape> = const { ShapeCache::new() };
 }
 
 /// The values of one message; `None` is SQL NULL.
@@ -290,7 +262,6 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
 /// Opens `amqp.message` for an INSERT and returns it with its shape, or `None` when the
 /// table is not there (the ordinary INSERT then raises the proper error).
 fn open() -> Option<(pg_sys::Relation, Shape)> {
-    register_callback();
     let (rel, shape, fresh) = super::table_write::open_cached(&SHAPE, c"message", shape_of)?;
     if let (true, Shape::General { why, .. }) = (fresh, shape) {
         // Once per session and change of the table: why publish() costs an executor here.

@@ -2,14 +2,49 @@
 //! instead of through SPI and an executor: shared by the outbox row and the idempotency key.
 
 use pgrx::prelude::*;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::CStr;
 use std::thread::LocalKey;
 
-/// What a session keeps of a table it writes directly: read from the open relation, dropped by
-/// the module's relcache callback when the table changes.
+/// What a session keeps of a table it writes directly, read from the open relation.
 pub trait Shaped: Copy + 'static {
     fn relid(&self) -> pg_sys::Oid;
+    /// Whether a change of the relation `relid` (its relcache invalidation) may change this.
+    fn depends_on(&self, relid: pg_sys::Oid) -> bool {
+        self.relid() == relid
+    }
+}
+
+/// A session's shape of one table (in a `thread_local!`), forgotten when the table (or what
+/// the shape [`Shaped::depends_on`]) changes: any `ALTER TABLE`, `CREATE TRIGGER` or `DROP`
+/// sends the invalidation.
+pub struct ShapeCache<S: 'static> {
+    shape: RefCell<Option<S>>,
+    registered: Cell<bool>,
+}
+
+impl<S> ShapeCache<S> {
+    pub const fn new() -> Self {
+        ShapeCache {
+            shape: RefCell::new(None),
+            registered: Cell::new(false),
+        }
+    }
+}
+
+/// Runs in the middle of cache invalidation processing: only forgets, never raises. `arg` is
+/// the address of the `thread_local!` key of a `ShapeCache<S>` (see [`open_cached`]).
+#[pg_guard]
+unsafe extern "C-unwind" fn forget_shape<S: Shaped>(arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // SAFETY: registered by open_cached with the address of a 'static LocalKey of this type.
+    let key = unsafe { &*arg.cast_mut_ptr::<LocalKey<ShapeCache<S>>>() };
+    let _ = key.try_with(|cache| {
+        if let Ok(mut s) = cache.shape.try_borrow_mut() {
+            if relid == pg_sys::InvalidOid || s.as_ref().is_some_and(|s| s.depends_on(relid)) {
+                *s = None;
+            }
+        }
+    });
 }
 
 /// The oid of `amqp.<name>`, or `None` when it is not there.
@@ -29,12 +64,23 @@ fn relid_of(name: &CStr) -> Option<pg_sys::Oid> {
 /// INSERT) with its shape: the one in `cache`, or read by `shape_of` (then `true`, a new
 /// reading). `None` when the table is not there.
 pub fn open_cached<S: Shaped>(
-    cache: &'static LocalKey<RefCell<Option<S>>>,
+    cache: &'static LocalKey<ShapeCache<S>>,
     name: &CStr,
     shape_of: unsafe fn(pg_sys::Relation) -> S,
 ) -> Option<(pg_sys::Relation, S, bool)> {
+    if !cache.with(|c| c.registered.replace(true)) {
+        // SAFETY: on the backend's main thread, once per process and cache (the flag). The
+        // callback has PostgreSQL's RelcacheCallbackFunction signature and lives as long as
+        // the library; its argument is the address of a 'static thread-local key.
+        unsafe {
+            pg_sys::CacheRegisterRelcacheCallback(
+                Some(forget_shape::<S>),
+                pg_sys::Datum::from(cache as *const LocalKey<ShapeCache<S>> as usize),
+            )
+        };
+    }
     let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
-    let cached = cache.with_borrow(|s| s.map(|s| s.relid()));
+    let cached = cache.with(|c| c.shape.borrow().map(|s| s.relid()));
     let mut rel = match cached {
         // SAFETY: on the backend's main thread inside a transaction; try_table_open returns
         // NULL for a relation dropped since it was cached.
@@ -42,7 +88,7 @@ pub fn open_cached<S: Shaped>(
         None => std::ptr::null_mut(),
     };
     if rel.is_null() {
-        cache.with_borrow_mut(|s| *s = None);
+        cache.with(|c| *c.shape.borrow_mut() = None);
         // SAFETY: as above; the oid was just looked up.
         rel = unsafe { pg_sys::try_table_open(relid_of(name)?, lock) };
         if rel.is_null() {
@@ -50,12 +96,12 @@ pub fn open_cached<S: Shaped>(
         }
     }
     // Taking the lock processed pending invalidations: a cached shape still here is current.
-    if let Some(shape) = cache.with_borrow(|s| *s) {
+    if let Some(shape) = cache.with(|c| *c.shape.borrow()) {
         return Some((rel, shape, false));
     }
     // SAFETY: `rel` is open and locked.
     let shape = unsafe { shape_of(rel) };
-    cache.with_borrow_mut(|s| *s = Some(shape));
+    cache.with(|c| *c.shape.borrow_mut() = Some(shape));
     Some((rel, shape, true))
 }
 
