@@ -16,10 +16,6 @@ HOSTED_REGRESS="${HOSTED_REGRESS:-surface publish rollback bad_input broker brok
 HOSTED_ONLY="hosted_install hosted_publish"
 
 PG_CONFIG_REAL="$(real_pg_config)"
-BINDIR="$("$PG_CONFIG_REAL" --bindir)"
-PKGLIBDIR="$("$PG_CONFIG_REAL" --pkglibdir)"
-PG_REGRESS="$PKGLIBDIR/pgxs/src/test/regress/pg_regress"
-[ -x "$PG_REGRESS" ] || die "pg_regress not found at $PG_REGRESS (PostgreSQL 15: install postgresql-server-dev-15; 16-18: scripts/pg_versions.sh)"
 
 python3 "$ROOT/scripts/hosted_sql.py"
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)"
@@ -43,26 +39,5 @@ done
 grep -v '^shared_preload_libraries' "$ROOT/pg_regress/regress.conf" > "$WORK/regress.conf"
 if is_root; then chown -R postgres: "$WORK"; fi
 
-LIBDIR="$("$PG_CONFIG_REAL" --libdir)"
-status=0
 # shellcheck disable=SC2086 # lists of test names
-(cd "$WORK" && as_pg env LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$PG_REGRESS" \
-    --bindir="$BINDIR" \
-    --inputdir="$WORK" \
-    --outputdir="$WORK" \
-    --temp-instance="$WORK/tmp_check" \
-    --temp-config="$WORK/regress.conf" \
-    --dbname=contrib_regression \
-    --encoding=UTF8 --no-locale \
-    $HOSTED_ONLY $HOSTED_REGRESS) || status=$?
-
-for f in results regression.diffs regression.out log; do
-    if [ -e "$WORK/$f" ]; then cp -r "$WORK/$f" "$OUT/"; fi
-done
-if [ "$status" -ne 0 ]; then
-    if [ -s "$OUT/regression.diffs" ]; then
-        echo "---- pg_regress/hosted/regression.diffs ----"
-        head -n 300 "$OUT/regression.diffs"
-    fi
-    die "hosted installcheck failed (pg_regress exit $status); results in pg_regress/hosted/results"
-fi
+run_pg_regress "$WORK" "$OUT" "hosted installcheck" $HOSTED_ONLY $HOSTED_REGRESS

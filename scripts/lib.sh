@@ -79,3 +79,50 @@ pg_superuser() { if is_root; then echo postgres; else id -un; fi; }
 # Is a cargo subcommand wanted version? `cargo pgrx --version` prints "cargo-pgrx 0.18.0".
 PGRX_VERSION="0.18.0"
 have_cargo_pgrx() { cargo pgrx --version 2>/dev/null | grep -qw "$PGRX_VERSION"; }
+
+# Runs PGXS's pg_regress (of PG_CONFIG_REAL's PostgreSQL) on TESTS from WORK (sql/, expected/,
+# regress.conf) in a temporary instance, copies results, diffs and log to OUT, and on a failure
+# shows the diffs and the instance's last log lines and dies naming WHAT.
+#   run_pg_regress WORK OUT WHAT TEST...
+run_pg_regress() {
+    local work="$1" out="$2" what="$3"
+    shift 3
+    local bindir pkglibdir libdir status=0
+    bindir="$("$PG_CONFIG_REAL" --bindir)"
+    pkglibdir="$("$PG_CONFIG_REAL" --pkglibdir)"
+    libdir="$("$PG_CONFIG_REAL" --libdir)"
+    local pg_regress="$pkglibdir/pgxs/src/test/regress/pg_regress"
+    [ -x "$pg_regress" ] || die "pg_regress not found at $pg_regress (PostgreSQL 15: install postgresql-server-dev-15; 16-18: scripts/pg_versions.sh)"
+    # The server's own libraries first: the private installs of scripts/pg_versions.sh were
+    # built for /opt/postgresql, so their contrib modules (dblink) would otherwise load the
+    # system's older libpq (PostgreSQL 17's dblink: undefined PQcancelStart).
+    # RUST_BACKTRACE=1 in the server's environment (as a developer's shell often has): errors
+    # must still reach clients without Rust backtraces (bad_input checks their DETAIL).
+    (cd "$work" && as_pg env RUST_BACKTRACE=1 LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$pg_regress" \
+        --bindir="$bindir" \
+        --inputdir="$work" \
+        --outputdir="$work" \
+        --temp-instance="$work/tmp_check" \
+        --temp-config="$work/regress.conf" \
+        --dbname=contrib_regression \
+        --encoding=UTF8 --no-locale \
+        "$@") || status=$?
+    if [ "$work" != "$out" ]; then
+        local f
+        for f in results regression.diffs regression.out log; do
+            if [ -e "$work/$f" ]; then cp -r "$work/$f" "$out/"; fi
+        done
+    fi
+    if [ "$status" -ne 0 ]; then
+        if [ -s "$out/regression.diffs" ]; then
+            echo "---- ${out#"$ROOT"/}/regression.diffs ----"
+            cat "$out/regression.diffs"
+        fi
+        if [ -f "$out/log/postmaster.log" ]; then
+            echo "---- last lines of the temporary instance's log ----"
+            tail -n 40 "$out/log/postmaster.log"
+        fi
+        die "$what failed (pg_regress exit $status); results in ${out#"$ROOT"/}/results"
+    fi
+    rm -rf "$work/tmp_check"
+}
