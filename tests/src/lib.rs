@@ -14,6 +14,7 @@
 //! (`make install` / `cargo pgrx install` runs before these tests).
 
 pub mod chaos;
+pub mod hosted;
 pub mod ledger;
 pub mod outbox;
 pub mod pg;

@@ -4,65 +4,12 @@
 //! and never on rollback, and reports the relay that holds the database's advisory lock in
 //! `amqp.worker_status`.
 
-use std::path::{Path, PathBuf};
-
 use std::time::Duration;
 
-use amqp_outbox_e2e::{eventually, PgCluster, PgConfig};
+use amqp_outbox_e2e::eventually;
+use amqp_outbox_e2e::hosted::{installed, DB};
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::Client;
-
-const DB: &str = "hosted";
-const OWNER: &str = "hosted_owner";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate lives in the repository")
-        .to_path_buf()
-}
-
-/// The committed script of the current version (psql's meta-commands left out).
-fn script() -> String {
-    // The extension's version, from its Cargo.toml (this crate has its own).
-    let manifest = std::fs::read_to_string(repo_root().join("Cargo.toml")).expect("Cargo.toml");
-    let version = manifest
-        .lines()
-        .find_map(|l| l.strip_prefix("version = \""))
-        .and_then(|v| v.strip_suffix('"'))
-        .expect("the extension's version in Cargo.toml");
-    let path = repo_root().join(format!("sql/hosted/amqp_outbox_hosted--{version}.sql"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
-    text.lines()
-        .filter(|l| !l.starts_with('\\'))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-/// A cluster without the library, and a database where a role with CREATE on it and CREATEROLE
-/// (what a hosted service's administrator has) ran the script in one transaction.
-fn installed() -> PgCluster {
-    let cluster = PgCluster::new(PgConfig::new().without_preload());
-    let mut admin = cluster.client_db("postgres");
-    // One statement each: a multi-statement string runs as one transaction block, and CREATE
-    // DATABASE refuses to.
-    for statement in [
-        format!("CREATE ROLE {OWNER} LOGIN CREATEROLE"),
-        format!("CREATE DATABASE {DB}"),
-        format!("GRANT CREATE ON DATABASE {DB} TO {OWNER}"),
-        format!("GRANT pg_monitor TO {OWNER}"),
-    ] {
-        admin.batch_execute(&statement).expect("roles and database");
-    }
-    let url = cluster
-        .connection_string(DB)
-        .replace("user=postgres", &format!("user={OWNER}"));
-    let mut owner = Client::connect(&url, postgres::NoTls).expect("connect as the owner");
-    owner
-        .batch_execute(&format!("BEGIN; {}\nCOMMIT;", script()))
-        .unwrap_or_else(|e| panic!("the plain-SQL install failed: {e}"));
-    cluster
-}
 
 /// The notifications on `amqp_outbox` that arrive within `wait`, as payloads.
 fn notifications(listener: &mut Client, wait: Duration) -> Vec<String> {

@@ -3,43 +3,17 @@
 //! superuser ran the plain-SQL install (sql/hosted/). Each method against the rows it must
 //! read or write, with other sessions holding rows where that matters.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use amqp_outbox_broker::backoff::Backoff;
-use amqp_outbox_e2e::{PgCluster, PgConfig};
+use amqp_outbox_e2e::hosted::{installed, owner_client, DB};
+use amqp_outbox_e2e::PgCluster;
 use amqp_outbox_engine::flight::Proof;
 use amqp_outbox_engine::message::uuid7_unix_ms;
 use amqp_outbox_engine::outbox::{Outbox, RetryDelays};
 use amqp_outbox_engine::row::Row;
 use amqp_outbox_relay::client_outbox::{ClientOutbox, Session};
-use postgres::{Client, IsolationLevel, NoTls, Transaction};
-
-const DB: &str = "hosted";
-const OWNER: &str = "hosted_owner";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate lives in the repository")
-        .to_path_buf()
-}
-
-/// The committed plain-SQL install of the current version (psql's meta-commands left out).
-fn script() -> String {
-    let manifest = std::fs::read_to_string(repo_root().join("Cargo.toml")).expect("Cargo.toml");
-    let version = manifest
-        .lines()
-        .find_map(|l| l.strip_prefix("version = \""))
-        .and_then(|v| v.strip_suffix('"'))
-        .expect("the extension's version in Cargo.toml");
-    let path = repo_root().join(format!("sql/hosted/amqp_outbox_hosted--{version}.sql"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
-    text.lines()
-        .filter(|l| !l.starts_with('\\'))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
+use postgres::{Client, IsolationLevel, Transaction};
 
 /// A cluster without the library, the script run by a role with CREATE on the database and
 /// CREATEROLE (what a hosted service's administrator has), brokers 1 and 2, and the relay's
@@ -52,38 +26,20 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Fixture {
-        let cluster = PgCluster::new(PgConfig::new().without_preload());
-        let mut admin = cluster.client_db("postgres");
-        for statement in [
-            format!("CREATE ROLE {OWNER} LOGIN CREATEROLE"),
-            format!("CREATE DATABASE {DB}"),
-            format!("GRANT CREATE ON DATABASE {DB} TO {OWNER}"),
-        ] {
-            admin.batch_execute(&statement).expect("roles and database");
-        }
-        let mut owner = Self::owner_client(&cluster);
-        owner
-            .batch_execute(&format!("BEGIN; {}\nCOMMIT;", script()))
-            .unwrap_or_else(|e| panic!("the plain-SQL install failed: {e}"));
+        let cluster = installed();
+        let mut owner = owner_client(&cluster);
         owner
             .batch_execute(
                 "INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1'), (2, '127.0.0.1')",
             )
             .expect("brokers");
-        let mut relay = Self::owner_client(&cluster);
+        let mut relay = owner_client(&cluster);
         let session = Session::new(&mut relay).expect("the relay's session");
         Fixture {
             cluster,
             relay,
             session,
         }
-    }
-
-    fn owner_client(cluster: &PgCluster) -> Client {
-        let url = cluster
-            .connection_string(DB)
-            .replace("user=postgres", &format!("user={OWNER}"));
-        Client::connect(&url, NoTls).expect("connect as the owner")
     }
 
     /// Another session (a publisher, an admin holding rows).
@@ -400,7 +356,7 @@ fn probe_reads_the_snapshot_and_a_next_xid_above_every_running_publisher() {
     tx.commit().expect("COMMIT");
 
     // A sequence that caches values hands them out of order: no floor, until it no longer does.
-    let mut owner = Fixture::owner_client(&f.cluster);
+    let mut owner = owner_client(&f.cluster);
     owner
         .batch_execute("ALTER TABLE amqp.message ALTER COLUMN id SET CACHE 10")
         .expect("cache 10");
