@@ -1,30 +1,39 @@
 //! The `amqp_outbox.*` settings. Read them only on a PostgreSQL thread; the worker copies what
 //! the AMQP thread needs into plain values ([`WorkerSettings`]).
 
+// Defaults shared with a relay.
+use amqp_outbox_engine::settings::defaults::{self, millis};
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 use std::time::Duration;
 
 pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
 pub static MAX_WORKERS: GucSetting<i32> = GucSetting::<i32>::new(8);
-pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
-pub static MAX_MESSAGE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024 * 1024);
-pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
-pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(1000);
+pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(defaults::ENABLED);
+pub static MAX_MESSAGE_SIZE: GucSetting<i32> =
+    GucSetting::<i32>::new(defaults::MAX_MESSAGE_SIZE as i32);
+pub static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(defaults::MAX_ATTEMPTS);
+pub static NAPTIME: GucSetting<i32> = GucSetting::<i32>::new(millis(defaults::NAPTIME));
 /// Milliseconds, fractions allowed ('500us').
-pub static BATCH_INTERVAL: GucSetting<f64> = GucSetting::<f64>::new(2.0);
-pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(500);
-pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(2000);
-pub static MAX_IN_FLIGHT_BYTES: GucSetting<i32> = GucSetting::<i32>::new(32 * 1024 * 1024);
-pub static CONNECT_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(5000);
-pub static HEARTBEAT: GucSetting<i32> = GucSetting::<i32>::new(10);
-pub static CONFIRM_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(15000);
-pub static RETRY_BACKOFF_MIN: GucSetting<i32> = GucSetting::<i32>::new(200);
-pub static RETRY_BACKOFF_MAX: GucSetting<i32> = GucSetting::<i32>::new(60000);
-pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(30000);
-pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(false);
-pub static RANDOMIZE_HOSTS: GucSetting<bool> = GucSetting::<bool>::new(false);
-pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(0);
+pub static BATCH_INTERVAL: GucSetting<f64> =
+    GucSetting::<f64>::new(millis(defaults::BATCH_INTERVAL) as f64);
+pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(defaults::BATCH_SIZE as i32);
+pub static MAX_IN_FLIGHT: GucSetting<i32> = GucSetting::<i32>::new(defaults::MAX_IN_FLIGHT as i32);
+pub static MAX_IN_FLIGHT_BYTES: GucSetting<i32> =
+    GucSetting::<i32>::new(defaults::MAX_IN_FLIGHT_BYTES as i32);
+pub static CONNECT_TIMEOUT: GucSetting<i32> =
+    GucSetting::<i32>::new(millis(defaults::CONNECT_TIMEOUT));
+pub static HEARTBEAT: GucSetting<i32> = GucSetting::<i32>::new(defaults::HEARTBEAT_SECS as i32);
+pub static CONFIRM_TIMEOUT: GucSetting<i32> =
+    GucSetting::<i32>::new(millis(defaults::CONFIRM_TIMEOUT));
+pub static RETRY_BACKOFF_MIN: GucSetting<i32> =
+    GucSetting::<i32>::new(millis(defaults::RETRY_BACKOFF_MIN));
+pub static RETRY_BACKOFF_MAX: GucSetting<i32> =
+    GucSetting::<i32>::new(millis(defaults::RETRY_BACKOFF_MAX));
+pub static RESEND_AFTER: GucSetting<i32> = GucSetting::<i32>::new(millis(defaults::RESEND_AFTER));
+pub static ACK_QUEUE_QUORUM: GucSetting<bool> = GucSetting::<bool>::new(defaults::ACK_QUEUE_QUORUM);
+pub static RANDOMIZE_HOSTS: GucSetting<bool> = GucSetting::<bool>::new(defaults::RANDOMIZE_HOSTS);
+pub static MAX_PENDING: GucSetting<i32> = GucSetting::<i32>::new(defaults::MAX_PENDING);
 pub static HANDLER_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 /// Minutes (settings accept units: '15d').
 pub static DEDUP_WINDOW: GucSetting<i32> = GucSetting::<i32>::new(15 * 24 * 60);

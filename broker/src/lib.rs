@@ -43,7 +43,7 @@ mod runtime_thread;
 mod session;
 mod supervisor;
 mod thread;
-mod wake;
+pub mod wake;
 
 pub use amqp_values::header_table_size;
 pub use bridge::{Command, Event, Failure, LogLevel, OutboundMessage};

@@ -1,6 +1,7 @@
 //! The wake socket: the AMQP thread writes a byte when it queues events, and the worker's main
 //! thread waits for the read end with `WaitLatchOrSocket`. A flag shared by both ends keeps at
-//! most one byte in flight, so a burst of events costs one syscall.
+//! most one byte in flight, so a burst of events costs one syscall. (Public: a relay wakes its
+//! loop the same way from the thread that listens to PostgreSQL.)
 
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
@@ -9,20 +10,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// The worker's end: readable when events are pending.
-pub(crate) struct WakeReceiver {
+pub struct WakeReceiver {
     stream: UnixStream,
     pending: Arc<AtomicBool>,
 }
 
 /// The AMQP thread's end.
 #[derive(Clone)]
-pub(crate) struct WakeSender {
+pub struct WakeSender {
     stream: Arc<UnixStream>,
     pending: Arc<AtomicBool>,
 }
 
 /// A connected, non-blocking, close-on-exec pair.
-pub(crate) fn pair() -> io::Result<(WakeReceiver, WakeSender)> {
+pub fn pair() -> io::Result<(WakeReceiver, WakeSender)> {
     let (rx, tx) = UnixStream::pair()?;
     rx.set_nonblocking(true)?;
     tx.set_nonblocking(true)?;
@@ -40,7 +41,7 @@ pub(crate) fn pair() -> io::Result<(WakeReceiver, WakeSender)> {
 }
 
 impl WakeReceiver {
-    pub(crate) fn fd(&self) -> RawFd {
+    pub fn fd(&self) -> RawFd {
         self.stream.as_raw_fd()
     }
 
@@ -50,7 +51,7 @@ impl WakeReceiver {
     /// them next. (Cleared first, a wake-up in between wrote a byte the drain then swallowed,
     /// leaving the flag set with nothing to read: every later wake-up wrote nothing, and the
     /// worker slept until its naptime.)
-    pub(crate) fn clear(&self) {
+    pub fn clear(&self) {
         self.clear_with(|| {});
     }
 
@@ -76,7 +77,7 @@ impl WakeReceiver {
 
 impl WakeSender {
     /// Call after queueing an event. Writes only when no wake-up is pending.
-    pub(crate) fn wake(&self) {
+    pub fn wake(&self) {
         if self.pending.swap(true, Ordering::SeqCst) {
             return;
         }

@@ -1,9 +1,10 @@
 //! The outbox as the delivery sees it: the statements the claim and the settling of outcomes
-//! run on `amqp.message`, one method each, whatever runs them (the background worker through
+//! run on `amqp.message` (and the read of the broker configuration), one method each, whatever runs them (the background worker through
 //! SPI, a relay over a client connection). Every method runs inside the transaction the host
 //! opened; none waits on the broker. Their texts are in [`crate::statements`], the same for
 //! every host.
 
+use crate::brokers::BrokerTables;
 use crate::flight::Proof;
 use crate::message::Origin;
 use crate::row::Row;
@@ -84,6 +85,14 @@ pub trait Outbox {
     /// Parks a row at once (it can never be published as it is). `false`: the row is gone,
     /// already parked, or locked by another session.
     fn park(&mut self, id: i64, error: &str) -> Result<bool, Self::Error>;
+
+    /// The brokers and declarations ([`crate::statements::BROKER_HOSTS_SQL`] and the three
+    /// statements after it), read in this transaction.
+    fn broker_tables(&mut self) -> Result<BrokerTables, Self::Error>;
+
+    /// Parks the rows whose broker_id names no broker
+    /// ([`crate::statements::PARK_ORPHANS_SQL`]); returns how many.
+    fn park_orphans(&mut self) -> Result<usize, Self::Error>;
 
     /// Runs `work` so that an error inside undoes only what `work` did, and the transaction
     /// goes on: a subtransaction in the background worker, a SAVEPOINT over a client

@@ -8,7 +8,7 @@ use crate::settings::WorkerSettings;
 use crate::telemetry::{Counter, Level, Telemetry};
 use amqp_outbox_broker::backoff::Backoff;
 use std::collections::HashSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What the events of one wake-up ask the database to do before the next claim (the delivered
 /// rows are deleted after it, in batches: [`delete_delivered`]).
@@ -72,6 +72,55 @@ impl Settlement {
             }
         }
         Ok(())
+    }
+}
+
+/// How often the host looks for messages in flight past `resend_after`.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
+
+/// The timeout sweep: what has been in flight past `resend_after` without proof of delivery is
+/// taken back and published again.
+pub struct Sweep {
+    swept_at: Instant,
+}
+
+impl Default for Sweep {
+    fn default() -> Self {
+        Sweep {
+            swept_at: Instant::now(),
+        }
+    }
+}
+
+impl Sweep {
+    /// Every `SWEEP_EVERY`, adds the expired messages to `s` for a resend.
+    pub fn run(
+        &mut self,
+        flight: &mut Flight,
+        resend_after: Duration,
+        telemetry: &impl Telemetry,
+        s: &mut Settlement,
+    ) {
+        if self.swept_at.elapsed() < SWEEP_EVERY {
+            return;
+        }
+        self.swept_at = Instant::now();
+        let expired = flight.expire(resend_after);
+        if expired.is_empty() {
+            return;
+        }
+        telemetry.count(Counter::ResentTimeout, expired.len() as u64);
+        telemetry.log(
+            Level::Log,
+            &format!(
+                "amqp_outbox: {} message(s) without proof of delivery after amqp_outbox.resend_after, publishing again",
+                expired.len()
+            ),
+        );
+        s.resend.push((
+            expired,
+            "no proof of delivery within amqp_outbox.resend_after",
+        ));
     }
 }
 

@@ -93,6 +93,48 @@ pub const PARK_SQL: &str = "UPDATE amqp.message SET attempts = attempts + 1, las
           WHERE id = (SELECT id FROM amqp.message \
                        WHERE id = $1 AND parked_at IS NULL FOR UPDATE SKIP LOCKED)";
 
+/// `amqp.broker`, hosts grouped by broker_id in a stable order
+/// ([`crate::brokers::HostRow`]'s fields in order).
+pub const BROKER_HOSTS_SQL: &str = "\
+SELECT broker_id, host, port, vhost, username, password, proof, \
+       tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name \
+  FROM amqp.broker ORDER BY broker_id, host, port";
+
+/// `amqp.exchange` ([`crate::brokers::ExchangeRow`]).
+pub const EXCHANGES_SQL: &str = "\
+SELECT broker_id, exchange, exchange_type, passive, durable, auto_delete \
+  FROM amqp.exchange ORDER BY broker_id, exchange";
+
+/// `amqp.queue` ([`crate::brokers::QueueRow`]).
+pub const QUEUES_SQL: &str = "\
+SELECT broker_id, queue, durable, auto_delete, arguments::text FROM amqp.queue \
+ ORDER BY broker_id, queue";
+
+/// `amqp.binding` ([`crate::brokers::BindingRow`]).
+pub const BINDINGS_SQL: &str = "\
+SELECT broker_id, queue, exchange, routing_key, arguments::text FROM amqp.binding \
+ ORDER BY broker_id, queue, exchange, routing_key";
+
+/// Parks the rows whose broker_id names no broker (inserted directly, or the broker was
+/// removed): they could never be published, and must not wait unseen. One statement, so the
+/// check and the update see the same brokers. Rows locked by another session wait for the
+/// next check. Returns the parked ids.
+///
+/// The ids are gathered once (`ARRAY(...)`: an InitPlan) and the rows then found by primary
+/// key. Written as `id IN (subquery)`, a plan made while the table's statistics said "empty"
+/// (what autovacuum leaves after a drain) was a nested loop that ran the locking subquery
+/// again for every row: quadratic in a backlog, the worker stuck in it for minutes.
+pub const PARK_ORPHANS_SQL: &str = "\
+UPDATE amqp.message m \
+   SET attempts = m.attempts + 1, parked_at = clock_timestamp(), \
+       last_error = 'broker ' || m.broker_id::text || ' does not exist in amqp.broker' \
+ WHERE m.id = ANY (ARRAY(SELECT o.id FROM amqp.message o \
+                          WHERE o.parked_at IS NULL \
+                            AND NOT EXISTS (SELECT FROM amqp.broker b \
+                                             WHERE b.broker_id = o.broker_id) \
+                            FOR UPDATE OF o SKIP LOCKED)) \
+RETURNING m.id";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,6 +17,8 @@ pub enum Counter {
     Parked,
     /// Messages published again because a later one of their channel was acknowledged first.
     ResentGap,
+    /// Messages published again because no proof came within `resend_after`.
+    ResentTimeout,
 }
 
 /// How much a log line matters (PostgreSQL's DEBUG1, LOG and WARNING).

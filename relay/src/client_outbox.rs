@@ -12,6 +12,7 @@
 //! worker's does, in READ COMMITTED transactions, which wait for a row lock instead of failing
 //! on a row updated since their start.
 
+use amqp_outbox_engine::brokers::{BindingRow, BrokerTables, ExchangeRow, HostRow, QueueRow};
 use amqp_outbox_engine::flight::Proof;
 use amqp_outbox_engine::message::Origin;
 use amqp_outbox_engine::outbox::{Caught, Outbox, Recorded, RetryDelays};
@@ -390,6 +391,59 @@ impl<C: GenericClient> Outbox for ClientOutbox<'_, C> {
     fn park(&mut self, id: i64, error: &str) -> Result<bool, Error> {
         let s = self.statement(statements::PARK_SQL, &[Type::INT8, Type::TEXT])?;
         Ok(self.client.execute(&s, &[&id, &error])? == 1)
+    }
+
+    fn broker_tables(&mut self) -> Result<BrokerTables, Error> {
+        let mut tables = BrokerTables::default();
+        for r in self.query(statements::BROKER_HOSTS_SQL, &[], &[])? {
+            tables.hosts.push(HostRow {
+                broker_id: r.try_get::<_, Option<i32>>(0)?.unwrap_or_default(),
+                host: r.try_get(1)?,
+                port: r.try_get(2)?,
+                vhost: r.try_get(3)?,
+                username: r.try_get(4)?,
+                password: r.try_get(5)?,
+                proof: r.try_get(6)?,
+                tls: r.try_get(7)?,
+                tls_ca_file: r.try_get(8)?,
+                tls_cert_file: r.try_get(9)?,
+                tls_key_file: r.try_get(10)?,
+                tls_server_name: r.try_get(11)?,
+            });
+        }
+        for r in self.query(statements::EXCHANGES_SQL, &[], &[])? {
+            tables.exchanges.push(ExchangeRow {
+                broker_id: r.try_get::<_, Option<i32>>(0)?.unwrap_or_default(),
+                exchange: r.try_get(1)?,
+                exchange_type: r.try_get(2)?,
+                passive: r.try_get(3)?,
+                durable: r.try_get(4)?,
+                auto_delete: r.try_get(5)?,
+            });
+        }
+        for r in self.query(statements::QUEUES_SQL, &[], &[])? {
+            tables.queues.push(QueueRow {
+                broker_id: r.try_get::<_, Option<i32>>(0)?.unwrap_or_default(),
+                queue: r.try_get(1)?,
+                durable: r.try_get(2)?,
+                auto_delete: r.try_get(3)?,
+                arguments: r.try_get(4)?,
+            });
+        }
+        for r in self.query(statements::BINDINGS_SQL, &[], &[])? {
+            tables.bindings.push(BindingRow {
+                broker_id: r.try_get::<_, Option<i32>>(0)?.unwrap_or_default(),
+                queue: r.try_get(1)?,
+                exchange: r.try_get(2)?,
+                routing_key: r.try_get(3)?,
+                arguments: r.try_get(4)?,
+            });
+        }
+        Ok(tables)
+    }
+
+    fn park_orphans(&mut self) -> Result<usize, Error> {
+        Ok(self.query(statements::PARK_ORPHANS_SQL, &[], &[])?.len())
     }
 
     /// A savepoint: released when `work` ends, rolled back when it returns (or went on after)

@@ -1,10 +1,26 @@
 //! The relay: amqp_outbox's delivery for hosted PostgreSQL, where no library can be loaded (the
 //! plain-SQL install, `sql/hosted/`). It shares the delivery engine (`amqp_outbox_engine`) with
-//! the extension's background worker and reaches the database over a client connection.
+//! the extension's background worker and reaches the database over client connections.
 //!
-//! - [`client_outbox`]: the engine's `Outbox` over a `postgres` connection, running the very
-//!   statements the worker runs through SPI.
+//! - [`config`]: the databases and settings, from a file, the environment and the command line.
+//! - [`database`]: one thread per database: its [`lease`] (the advisory lock that makes one
+//!   relay the active one, and the LISTEN for commits) and, while it is held, the [`delivery`].
+//! - [`delivery`]: the engine's claim, events and settling in the worker's order;
+//!   [`client_outbox`]: the engine's `Outbox` over a `postgres` connection, running the very
+//!   statements the worker runs through SPI; [`report`]: the counters and connections the
+//!   status views show.
+//! - [`cli`]: the command; [`connect`], [`log`], [`stop`]: connections, log lines on stderr,
+//!   SIGTERM.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs inside PostgreSQL.
 
+pub mod cli;
 pub mod client_outbox;
+pub mod config;
+pub mod connect;
+pub mod database;
+pub mod delivery;
+pub mod lease;
+pub mod log;
+pub mod report;
+pub mod stop;

@@ -8,6 +8,7 @@ use super::origin;
 use super::queries::{self, Row};
 use super::scan_floor::Probe;
 use crate::shmem;
+use amqp_outbox_engine::brokers::BrokerTables;
 use amqp_outbox_engine::outbox::{Caught, Outbox, Recorded, RetryDelays};
 use amqp_outbox_engine::telemetry::{Counter, Level, Telemetry};
 use pgrx::prelude::*;
@@ -98,6 +99,14 @@ impl Outbox for SpiOutbox<'_, '_> {
         queries::park(self.client, id, error)
     }
 
+    fn broker_tables(&mut self) -> Result<BrokerTables, SpiError> {
+        queries::broker_tables(self.client)
+    }
+
+    fn park_orphans(&mut self) -> Result<usize, SpiError> {
+        queries::park_orphans(self.client)
+    }
+
     /// A subtransaction of the worker's transaction ([`crate::subtransaction`]).
     fn subtransaction<R>(
         &mut self,
@@ -120,6 +129,7 @@ impl Telemetry for WorkerTelemetry {
             Counter::Failed => shmem::count(|c| &c.failed, n),
             Counter::Parked => shmem::count(|c| &c.parked, n),
             Counter::ResentGap => shmem::count(|c| &c.resent_gap, n),
+            Counter::ResentTimeout => shmem::count(|c| &c.resent_timeout, n),
         }
     }
 

@@ -12,7 +12,7 @@ use super::pg;
 use super::presence::Presence;
 use super::scan_floor::ScanFloor;
 use super::scheduled::Scheduled;
-use super::settle::{self, Settlement};
+use super::settle::{self, Settlement, Sweep};
 use super::shrink::Shrink;
 use super::standbys::{self, StandbyWait};
 use super::status::{Status, STATUS_EVERY};
@@ -34,9 +34,6 @@ use std::time::{Duration, Instant};
 /// the status views and configuration stay current.
 const DISABLED_STEP_EVERY: Duration = Duration::from_secs(1);
 
-/// How often the worker looks for messages in flight past `amqp_outbox.resend_after`.
-const SWEEP_EVERY: Duration = Duration::from_millis(100);
-
 pub struct Worker {
     pub(super) settings: WorkerSettings,
     pub(super) handle: BrokerHandle,
@@ -49,7 +46,7 @@ pub struct Worker {
     pub(super) floor: ScanFloor,
     pub(super) scheduled: Scheduled,
     shrink: Shrink,
-    swept_at: Instant,
+    sweep: Sweep,
     stepped_at: Option<Instant>,
     /// The commit rate, and from it how long commits gather before a claim.
     gather: Gather,
@@ -79,7 +76,7 @@ impl Worker {
             floor: ScanFloor::default(),
             scheduled: Scheduled::default(),
             shrink: Shrink::default(),
-            swept_at: Instant::now(),
+            sweep: Sweep::default(),
             stepped_at: None,
             gather: Gather::default(),
             standbys: StandbyWait::new(standbys::MESSAGES),
@@ -113,7 +110,8 @@ impl Worker {
             if requests.reload {
                 self.brokers.request_reload();
             }
-            self.brokers.reconnect(requests.disconnect, &self.handle);
+            self.brokers
+                .reconnect(requests.disconnect, &self.handle, &WorkerTelemetry);
 
             let taken = events::take(
                 self.handle.drain_events(),
@@ -128,7 +126,12 @@ impl Worker {
                     error!("amqp_outbox: the AMQP thread failed: {why}")
                 }
             };
-            self.sweep(&mut settlement);
+            self.sweep.run(
+                &mut self.flight,
+                self.settings.resend_after,
+                &WorkerTelemetry,
+                &mut settlement,
+            );
             let flushed = self.standbys.poll();
             let flushed = standbys::sent(&mut self.flight, flushed);
             self.send_all(flushed);
@@ -353,26 +356,5 @@ impl Worker {
             && self
                 .stepped_at
                 .is_some_and(|t| t.elapsed() < DISABLED_STEP_EVERY)
-    }
-
-    /// The timeout sweep: what has been in flight past `resend_after` without proof of delivery
-    /// is taken back and published again.
-    fn sweep(&mut self, s: &mut Settlement) {
-        if self.swept_at.elapsed() < SWEEP_EVERY {
-            return;
-        }
-        self.swept_at = Instant::now();
-        let expired = self.flight.expire(self.settings.resend_after);
-        if !expired.is_empty() {
-            shmem::count(|c| &c.resent_timeout, expired.len() as u64);
-            log!(
-                "amqp_outbox: {} message(s) without proof of delivery after amqp_outbox.resend_after, publishing again",
-                expired.len()
-            );
-            s.resend.push((
-                expired,
-                "no proof of delivery within amqp_outbox.resend_after",
-            ));
-        }
     }
 }

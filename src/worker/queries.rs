@@ -10,7 +10,7 @@
 
 mod config;
 
-pub use config::load_brokers;
+pub use config::{broker_tables, load_brokers};
 
 use super::flight::Proof;
 use super::scan_floor::Probe;
@@ -383,7 +383,7 @@ pub fn record_failure(
 /// Messages known lost (gap rule) or without proof past the timeout: count the attempt, keep
 /// why, publish again at once, or park once `max_attempts` is reached. Returns the parked ids.
 /// Rows locked by another session are left uncounted (see [`record_failure`]). The locked ids
-/// are gathered once, then found by key (see [`park_orphans`]).
+/// are gathered once, then found by key (see [`statements::PARK_ORPHANS_SQL`]).
 pub fn record_resend(
     client: &mut SpiClient<'_>,
     ids: &[i64],
@@ -430,28 +430,9 @@ pub fn count_pending(client: &SpiClient<'_>) -> SpiResult<std::collections::Hash
     Ok(counts)
 }
 
-/// Parks the rows whose broker_id names no broker (inserted directly, or the broker was
-/// removed): they could never be published, and must not wait unseen. One statement, so the
-/// check and the update see the same brokers. Rows locked by another session wait for the
-/// next check. Returns how many.
-///
-/// The ids are gathered once (`ARRAY(...)`: an InitPlan) and the rows then found by primary
-/// key. Written as `id IN (subquery)`, a plan made while the table's statistics said "empty"
-/// (what autovacuum leaves after a drain) was a nested loop that ran the locking subquery
-/// again for every row: quadratic in a backlog, the worker stuck in it for minutes.
+/// Parks the rows whose broker_id names no broker ([`statements::PARK_ORPHANS_SQL`]); returns
+/// how many.
 pub fn park_orphans(client: &mut SpiClient<'_>) -> SpiResult<usize> {
-    let table = client.update(
-        "UPDATE amqp.message m \
-            SET attempts = m.attempts + 1, parked_at = clock_timestamp(), \
-                last_error = 'broker ' || m.broker_id::text || ' does not exist in amqp.broker' \
-          WHERE m.id = ANY (ARRAY(SELECT o.id FROM amqp.message o \
-                                   WHERE o.parked_at IS NULL \
-                                     AND NOT EXISTS (SELECT FROM amqp.broker b \
-                                                      WHERE b.broker_id = o.broker_id) \
-                                     FOR UPDATE OF o SKIP LOCKED)) \
-      RETURNING m.id",
-        None,
-        &[],
-    )?;
+    let table = client.update(statements::PARK_ORPHANS_SQL, None, &[])?;
     Ok(table.len())
 }

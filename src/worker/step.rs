@@ -9,6 +9,7 @@
 //! [`super::scan_floor`]). A transaction that has written takes a new snapshot for every
 //! statement, so the claim runs in a transaction of its own that reads before it writes.
 
+use super::brokers::template;
 use super::claim::{self, Claimed};
 use super::host::{SpiOutbox, WorkerTelemetry};
 use super::main_loop::Worker;
@@ -91,8 +92,9 @@ impl Worker {
                 &mut self.flight,
             )?;
             self.brokers.reload_if_requested(
-                client,
-                &self.settings,
+                &mut SpiOutbox::new(client),
+                &template(&self.settings),
+                &WorkerTelemetry,
                 &mut self.flight,
                 &mut self.status,
                 &self.handle,
@@ -102,7 +104,8 @@ impl Worker {
             if !self.settings.enabled {
                 return Ok(false);
             }
-            self.brokers.park_orphans_when_due(client)?;
+            self.brokers
+                .park_orphans_when_due(&mut SpiOutbox::new(client), &WorkerTelemetry)?;
             if self.scheduled.run_when_due(client)? > 0 {
                 // The moved rows keep their ids, below the floor by now.
                 self.floor.reset();

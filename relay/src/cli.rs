@@ -1,0 +1,102 @@
+//! The command `amqp-outbox-relay`: arguments, `--help`, one thread per database, the exit
+//! status. (In the library so that the end-to-end tests run the very same program.)
+
+use crate::config::{self, Command, Config};
+use crate::{connect, database, stop};
+use std::process::ExitCode;
+
+fn help() -> String {
+    let mut settings = String::new();
+    for (name, what) in config::SETTINGS {
+        settings.push_str(&format!("  {name:<20} {what}\n"));
+    }
+    format!(
+        "amqp-outbox-relay {version}: delivers amqp_outbox's messages from PostgreSQL without
+the extension's library (the plain-SQL install), with publisher confirms and proof of delivery.
+Any number may run against one database: one delivers, the others stand by.
+
+Usage: amqp-outbox-relay [OPTIONS]
+  -c, --config FILE      TOML file: databases = [\"postgresql://...\"] and [settings]
+  -d, --database URL     a database to serve (repeatable; replaces the file's list)
+  -s, --set NAME=VALUE   a setting (overrides the file and the environment)
+  -v, --verbose          debug lines too
+      --check            print the configuration and stop
+  -h, --help, -V, --version
+
+Environment: {config_env} (the file), {databases_env} (URLs separated
+by spaces), {prefix}<SETTING> (e.g. {prefix}BATCH_SIZE=200).
+Times take units: 250ms, 30s, 5min.
+Settings (the extension's amqp_outbox.* names and defaults):
+{settings}Stops cleanly on SIGTERM or SIGINT. Logs to stderr.",
+        version = env!("CARGO_PKG_VERSION"),
+        config_env = config::CONFIG_ENV,
+        databases_env = config::DATABASES_ENV,
+        prefix = config::SETTING_ENV_PREFIX,
+    )
+}
+
+fn check(config: &Config) {
+    println!("databases:");
+    for url in &config.databases {
+        println!("  {}", connect::target(url));
+    }
+    println!("settings: {:?}", config.settings);
+    println!(
+        "keep production log: {}, takeover every: {:?}",
+        config.keep_log, config.takeover_every
+    );
+}
+
+/// Runs the relay with the process's arguments and environment until SIGTERM or SIGINT.
+pub fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let config = match config::parse(&args, &|k| std::env::var(k).ok()) {
+        Ok(Command::Help) => {
+            println!("{}", help());
+            return ExitCode::SUCCESS;
+        }
+        Ok(Command::Version) => {
+            println!("amqp-outbox-relay {}", env!("CARGO_PKG_VERSION"));
+            return ExitCode::SUCCESS;
+        }
+        Ok(Command::Check(config)) => {
+            check(&config);
+            return ExitCode::SUCCESS;
+        }
+        Ok(Command::Run(config)) => config,
+        Err(e) => {
+            eprintln!("amqp-outbox-relay: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = stop::install() {
+        eprintln!("amqp-outbox-relay: cannot install the signal handlers: {e}");
+        return ExitCode::FAILURE;
+    }
+    let config: &'static Config = Box::leak(config);
+    let threads: Vec<_> = config
+        .databases
+        .iter()
+        .map(|url| {
+            std::thread::Builder::new()
+                .name("database".into())
+                .spawn(move || database::serve(url, config))
+        })
+        .collect();
+    let mut code = ExitCode::SUCCESS;
+    for t in threads {
+        match t {
+            Ok(t) => {
+                if t.join().is_err() {
+                    code = ExitCode::FAILURE;
+                }
+            }
+            Err(e) => {
+                eprintln!("amqp-outbox-relay: cannot start a thread: {e}");
+                stop::request();
+                code = ExitCode::FAILURE;
+            }
+        }
+    }
+    code
+}

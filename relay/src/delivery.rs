@@ -1,0 +1,352 @@
+//! The outbox's delivery for one database while this relay holds its lease: the engine's claim,
+//! events and settling over a client connection, as the extension's background worker runs
+//! them through SPI. A step is two transactions: the settling of outcomes (READ COMMITTED, as
+//! the worker's) and the claim (REPEATABLE READ: the probe and the claim read one snapshot, see
+//! [`crate::client_outbox`]); what the claim returns goes to the AMQP thread once it committed.
+//!
+//! Woken by the AMQP thread's events, by the lease's notices (a commit's NOTIFY, a reload), by a
+//! retry coming due, and at the naptime. Any error of the database ends the delivery: the
+//! relay connects again and starts afresh, as the worker is restarted after an ERROR; what was
+//! in flight is still in the table and is published again (at least once, never lost).
+
+use crate::client_outbox::{ClientOutbox, Session};
+use crate::config::Config;
+use crate::connect;
+use crate::lease::Lease;
+use crate::report::{self, RelayTelemetry, Report};
+use crate::stop;
+use amqp_outbox_broker::{BrokerConfig, BrokerHandle, Command};
+use amqp_outbox_engine::brokers::{self, Brokers};
+use amqp_outbox_engine::claim::{self, Claimed};
+use amqp_outbox_engine::events::{self, ThreadFailed};
+use amqp_outbox_engine::faults::Faults;
+use amqp_outbox_engine::flight::Flight;
+use amqp_outbox_engine::gather::Gather;
+use amqp_outbox_engine::scan_floor::ScanFloor;
+use amqp_outbox_engine::settle::{self, Settlement, Sweep};
+use postgres::{Client, IsolationLevel};
+use std::time::{Duration, Instant};
+
+/// This database's acknowledgement queue, named as the extension names it (the system
+/// identifier and the database's oid), read from the install's own status function.
+const ACK_QUEUE_SQL: &str = "SELECT ack_queue FROM amqp._worker_status()";
+
+/// Why the delivery ended.
+pub enum Ended {
+    /// SIGTERM or SIGINT: delivered rows were deleted.
+    Stopped,
+    /// The lease ran out or was taken again: another relay may serve the database now.
+    LeaseLost,
+    /// The database or the AMQP thread failed.
+    Failed(String),
+}
+
+pub struct Delivery<'a> {
+    config: &'a Config,
+    client: Client,
+    session: Session,
+    handle: BrokerHandle,
+    telemetry: RelayTelemetry,
+    template: BrokerConfig,
+    generation: u64,
+    flight: Flight,
+    brokers: Brokers,
+    report: Report,
+    floor: ScanFloor,
+    faults: Faults,
+    sweep: Sweep,
+    gather: Gather,
+    stepped_at: Option<Instant>,
+    /// The last claim filled its batch: claim again without sleeping.
+    more_work: bool,
+    /// The last claim took everything due, when [`Flight::released`] was this.
+    claimed_all: Option<u64>,
+    /// A commit's NOTIFY arrived since the last claim.
+    committed: bool,
+}
+
+impl<'a> Delivery<'a> {
+    /// Connects the statements' session and the AMQP thread for the lease's acquisition
+    /// `generation`.
+    pub fn start(
+        config: &'a Config,
+        url: &str,
+        telemetry: RelayTelemetry,
+        generation: u64,
+    ) -> Result<Self, String> {
+        let mut client = connect::connect(url)?;
+        let session = Session::new(&mut client).map_err(|e| connect::describe(&e))?;
+        let ack_queue: String = client
+            .query_one(ACK_QUEUE_SQL, &[])
+            .and_then(|r| r.try_get(0))
+            .map_err(|e| format!("is the plain-SQL install there? {}", connect::describe(&e)))?;
+        let handle = amqp_outbox_broker::spawn()
+            .map_err(|e| format!("cannot start the AMQP thread: {e}"))?;
+        let mut flight = Flight::default();
+        Faults::configure(&config.settings, &mut flight);
+        Ok(Delivery {
+            config,
+            client,
+            session,
+            handle,
+            telemetry,
+            template: brokers::template(&config.settings, ack_queue),
+            generation,
+            flight,
+            brokers: Brokers::default(),
+            report: Report::default(),
+            floor: ScanFloor::default(),
+            faults: Faults::default(),
+            sweep: Sweep::default(),
+            gather: Gather::default(),
+            stepped_at: None,
+            more_work: false,
+            claimed_all: None,
+            committed: true,
+        })
+    }
+
+    /// Runs until the relay stops, the lease is lost or something fails; then stops the AMQP
+    /// thread.
+    pub fn run(mut self, lease: &Lease) -> Ended {
+        let ended = self.serve(lease);
+        if matches!(ended, Ended::Stopped) {
+            self.delete_delivered(true).ok();
+        }
+        self.handle.shutdown(Duration::from_secs(2));
+        ended
+    }
+
+    fn serve(&mut self, lease: &Lease) -> Ended {
+        let config = self.config;
+        let settings = &config.settings;
+        loop {
+            if stop::requested() {
+                return Ended::Stopped;
+            }
+            if lease.held() != Some(self.generation) {
+                return Ended::LeaseLost;
+            }
+            let notices = lease.take_notices();
+            if notices.reload {
+                self.brokers.request_reload();
+            }
+            if !notices.disconnect.is_empty() {
+                self.brokers
+                    .reconnect(Some(notices.disconnect), &self.handle, &self.telemetry);
+            }
+            if notices.commits > 0 {
+                self.telemetry.add(report::COMMIT_WAKEUPS, 1);
+                self.committed = true;
+            }
+            let taken = events::take(
+                self.handle.drain_events(),
+                &self.telemetry,
+                settings,
+                &mut self.flight,
+                &mut self.report,
+            );
+            let mut settlement = match taken {
+                Ok(s) => s,
+                Err(ThreadFailed(why)) => {
+                    return Ended::Failed(format!("the AMQP thread failed: {why}"))
+                }
+            };
+            self.sweep.run(
+                &mut self.flight,
+                settings.resend_after,
+                &self.telemetry,
+                &mut settlement,
+            );
+            if let Err(e) = self.step_if_needed(settlement) {
+                return Ended::Failed(e);
+            }
+            if let Err(e) = self.delete_delivered(false) {
+                return Ended::Failed(e);
+            }
+            if self.report.due(&self.flight) {
+                let written = self.client.transaction().and_then(|mut t| {
+                    self.report.write(&mut t, &self.telemetry, &self.flight)?;
+                    t.commit()
+                });
+                if let Err(e) = written {
+                    return Ended::Failed(connect::describe(&e));
+                }
+            }
+            let timeout = self.timeout(lease);
+            stop::wait(&[self.handle.wake_fd(), lease.fd()], timeout);
+        }
+    }
+
+    /// A step when something asks for one: a commit, outcomes to record, a reload, a retry
+    /// come due, a claim that left rows behind, an orphan check, or the naptime.
+    fn step_if_needed(&mut self, settlement: Settlement) -> Result<(), String> {
+        let config = self.config;
+        let settings = &config.settings;
+        self.next_due();
+        let settle_needed = !settlement.is_empty()
+            || self.brokers.reload_pending()
+            || self.brokers.orphan_check_due();
+        let claim_needed = self.committed
+            || self.more_work
+            || settlement.reopened
+            || self.claimed_all != Some(self.flight.released())
+            || self
+                .stepped_at
+                .is_none_or(|t| t.elapsed() >= settings.naptime);
+        if !settle_needed && !claim_needed {
+            return Ok(());
+        }
+        if !self.more_work {
+            // Commits that come fast are gathered into one claim (the worker's rule).
+            let interval = self
+                .gather
+                .interval(settings.batch_interval, Instant::now());
+            if let Some(gap) = self
+                .stepped_at
+                .and_then(|t| interval.checked_sub(t.elapsed()))
+                .filter(|gap| !gap.is_zero())
+            {
+                stop::wait(&[], gap);
+            }
+        }
+        self.stepped_at = Some(Instant::now());
+        self.committed = false;
+        self.telemetry.add(report::STEPS, 1);
+        if settle_needed {
+            self.settle(settlement)?;
+        }
+        if !settings.enabled {
+            return Ok(());
+        }
+        let claimed = self.claim()?;
+        let messages = claimed.commands.iter().map(Command::messages).sum();
+        self.gather.claimed(messages, Instant::now());
+        self.more_work = claimed.more;
+        self.claimed_all = claimed.complete.then_some(self.flight.released());
+        for command in claimed.commands {
+            if !self.handle.send(command) {
+                return Err("the AMQP thread has stopped".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The first transaction: outcomes, the configuration, orphans.
+    fn settle(&mut self, settlement: Settlement) -> Result<(), String> {
+        if self.brokers.reload_pending() {
+            // Brokers may come or go: rows are read again from the lowest id.
+            self.floor.reset();
+        }
+        let mut t = self
+            .client
+            .transaction()
+            .map_err(|e| connect::describe(&e))?;
+        let mut outbox = ClientOutbox::new(&mut t, &mut self.session);
+        settlement
+            .record(
+                &mut outbox,
+                &self.telemetry,
+                &self.config.settings,
+                &mut self.flight,
+            )
+            .map_err(|e| connect::describe(&e))?;
+        self.brokers
+            .reload_if_requested(
+                &mut outbox,
+                &self.template,
+                &self.telemetry,
+                &mut self.flight,
+                &mut self.report,
+                &self.handle,
+            )
+            .map_err(|e| connect::describe(&e))?;
+        if self.config.settings.enabled {
+            self.brokers
+                .park_orphans_when_due(&mut outbox, &self.telemetry)
+                .map_err(|e| connect::describe(&e))?;
+        }
+        t.commit().map_err(|e| connect::describe(&e))
+    }
+
+    /// The second transaction: the claim, in one snapshot.
+    fn claim(&mut self) -> Result<Claimed, String> {
+        let mut t = self
+            .client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .start()
+            .map_err(|e| connect::describe(&e))?;
+        let claimed = claim::claim(
+            &mut ClientOutbox::new(&mut t, &mut self.session),
+            &self.telemetry,
+            &self.config.settings,
+            &mut self.flight,
+            &mut self.floor,
+            &mut self.faults,
+        )
+        .map_err(|e| connect::describe(&e))?;
+        t.commit().map_err(|e| connect::describe(&e))?;
+        Ok(claimed)
+    }
+
+    /// A retry or hold that came due: the next step claims, from the lowest id.
+    fn next_due(&mut self) -> Option<Duration> {
+        let due = self.flight.holds.until_next_due(Instant::now());
+        if due.is_some_and(|d| d.is_zero()) {
+            self.floor.reset();
+            self.claimed_all = None;
+        }
+        due
+    }
+
+    /// How long to wait for a wake-up.
+    fn timeout(&mut self, lease: &Lease) -> Duration {
+        if self.more_work {
+            return Duration::ZERO;
+        }
+        let since_step = self.stepped_at.map_or(Duration::ZERO, |t| t.elapsed());
+        let mut timeout = self.config.settings.naptime.saturating_sub(since_step);
+        if let Some(due) = self.next_due() {
+            timeout = timeout.min(due);
+        }
+        if let Some(due) = self.flight.proven_due_in(Instant::now()) {
+            timeout = timeout.min(due);
+        }
+        // Woken to see the lease confirmed (or lost) in time.
+        timeout.min(lease.expires_in()).min(report::REPORT_EVERY)
+    }
+
+    /// Deletes the delivered rows once their batch is due, or all of them (`all`: at a clean
+    /// stop, so that none is published again).
+    fn delete_delivered(&mut self, all: bool) -> Result<(), String> {
+        let now = Instant::now();
+        let locked = self.flight.take_locked(now, all);
+        let locked_before = !locked.is_empty();
+        let mut delivered = self.flight.take_proven(now, all);
+        delivered.extend(locked);
+        if delivered.is_empty() {
+            return Ok(());
+        }
+        let mut t = self
+            .client
+            .transaction()
+            .map_err(|e| connect::describe(&e))?;
+        let still_locked = settle::delete_delivered(
+            &mut ClientOutbox::new(&mut t, &mut self.session),
+            delivered,
+            locked_before,
+            self.config.keep_log,
+        )?;
+        t.commit().map_err(|e| connect::describe(&e))?;
+        if all && !still_locked.is_empty() {
+            // Published again by the next relay: at least once, never lost.
+            self.telemetry.log.warning(&format!(
+                "{} delivered row(s) locked by another session were not deleted",
+                still_locked.len()
+            ));
+        }
+        self.flight.keep_locked(still_locked, Instant::now());
+        Ok(())
+    }
+}

@@ -1,0 +1,411 @@
+//! The relay (`amqp-outbox-relay`, relay/) as a process, against a private cluster that does not
+//! load the library, where a role that is not a superuser ran the plain-SQL install, and the
+//! shared RabbitMQ: it publishes what commits and nothing rolled back, reports in the status
+//! views, stops cleanly on SIGTERM, comes back after its sessions are terminated, and a second
+//! relay takes over when the active one is killed, with nothing lost.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use amqp_outbox_e2e::hosted::{installed, owner_client, DB, OWNER};
+use amqp_outbox_e2e::{eventually, PgCluster, Rabbit, Route};
+use postgres::Client;
+
+/// The relay's program, built with the tests (tests/src/bin).
+const RELAY: &str = env!("CARGO_BIN_EXE_e2e-relay");
+
+/// One relay process; killed when dropped. Its stderr goes to a file in the cluster's
+/// directory, shown when a test fails.
+struct Relay {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Relay {
+    fn start(cluster: &PgCluster, name: &str, settings: &[&str]) -> Relay {
+        let log = cluster.dir().join(format!("relay-{name}.log"));
+        let file = std::fs::File::create(&log).expect("relay log");
+        let mut command = Command::new(RELAY);
+        command.arg("--database").arg(url(cluster)).arg("--verbose");
+        for s in settings {
+            command.arg("--set").arg(s);
+        }
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("start the relay");
+        Relay {
+            child: Some(child),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn wait_for_log(&self, text: &str, timeout: Duration) {
+        eventually(timeout, &format!("{text:?} in the relay's log"), || {
+            let log = self.log();
+            if log.contains(text) {
+                Ok(())
+            } else {
+                Err(log)
+            }
+        });
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        let pid = self.child.as_ref().expect("running").id() as libc::pid_t;
+        // SAFETY: a signal to our own child, which has not been reaped.
+        unsafe { libc::kill(pid, signal) };
+    }
+
+    fn kill9(&mut self) {
+        self.signal(libc::SIGKILL);
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then the exit status (within `timeout`).
+    fn terminate(&mut self, timeout: Duration) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        let child = self.child.as_mut().expect("running");
+        let started = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                started.elapsed() < timeout,
+                "the relay did not stop within {timeout:?} of SIGTERM; its log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- relay log {:?} ---\n{}", self.log, self.log());
+        }
+    }
+}
+
+/// The relay's connection string: the install's owner, as documented, and the relay's own
+/// application_name (the tests' is left out).
+fn url(cluster: &PgCluster) -> String {
+    cluster
+        .connection_string(DB)
+        .replace("user=postgres", &format!("user={OWNER}"))
+        .replace("application_name=amqp_outbox_e2e", "")
+}
+
+/// The install, broker 1 on the shared RabbitMQ, a queue of its own and its consumer.
+struct Fixture {
+    cluster: PgCluster,
+    route: Route,
+    collector: amqp_outbox_e2e::Collector,
+    owner: Client,
+}
+
+impl Fixture {
+    fn new(prefix: &str) -> Fixture {
+        let cluster = installed();
+        let mut owner = owner_client(&cluster);
+        owner
+            .batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+            .expect("broker");
+        let rabbit = Rabbit::shared();
+        let route = rabbit.declare_queue(prefix);
+        let collector = rabbit.consume_connected(&route);
+        Fixture {
+            cluster,
+            route,
+            collector,
+            owner,
+        }
+    }
+
+    /// Publishes `bodies` in one transaction.
+    fn publish(&mut self, bodies: &[String]) {
+        let mut t = self.owner.transaction().expect("BEGIN");
+        for b in bodies {
+            t.execute(
+                "SELECT amqp.publish(1, '', $1, $2)",
+                &[&self.route.queue, b],
+            )
+            .expect("publish");
+        }
+        t.commit().expect("COMMIT");
+    }
+
+    fn outbox_rows(&mut self) -> i64 {
+        self.owner
+            .query_one("SELECT count(*) FROM amqp.message", &[])
+            .expect("count")
+            .get(0)
+    }
+
+    /// The session serving the database, as `amqp.worker_status` shows it.
+    fn relay_pid(&mut self) -> Option<i32> {
+        self.owner
+            .query_one(
+                "SELECT worker_pid FROM amqp.worker_status WHERE state = 'running'",
+                &[],
+            )
+            .ok()
+            .and_then(|r| r.get(0))
+    }
+
+    fn wait_for_relay(&mut self, other_than: Option<i32>, timeout: Duration) -> i32 {
+        eventually(timeout, "a relay serving the database", || {
+            match self.relay_pid() {
+                Some(pid) if Some(pid) != other_than => Ok(pid),
+                other => Err(format!("{other:?}")),
+            }
+        })
+    }
+
+    /// Waits until every body of `expected` arrived; returns the deliveries per body.
+    fn wait_delivered(
+        &self,
+        expected: &HashSet<String>,
+        timeout: Duration,
+    ) -> HashMap<String, Vec<amqp_outbox_e2e::Received>> {
+        eventually(timeout, "every committed message at the consumer", || {
+            let mut by_body: HashMap<String, Vec<_>> = HashMap::new();
+            for d in self.collector.deliveries() {
+                by_body.entry(d.text()).or_default().push(d);
+            }
+            let missing = expected
+                .iter()
+                .filter(|b| !by_body.contains_key(*b))
+                .count();
+            if missing == 0 {
+                Ok(by_body)
+            } else {
+                Err(format!("{missing} of {} missing", expected.len()))
+            }
+        })
+    }
+}
+
+fn bodies(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
+    range.map(|i| format!("{prefix}-{i}")).collect()
+}
+
+#[test]
+fn the_relay_publishes_what_commits_reports_and_stops_on_sigterm() {
+    let mut f = Fixture::new("relay_basic");
+    let mut relay = Relay::start(&f.cluster, "a", &[]);
+    let pid = f.wait_for_relay(None, Duration::from_secs(20));
+
+    let mut expected = HashSet::new();
+    for t in 0..10 {
+        let batch = bodies(&format!("t{t}"), 0..10);
+        f.publish(&batch);
+        expected.extend(batch);
+    }
+    // Rolled back, whole and to a savepoint: never sent.
+    f.owner
+        .batch_execute(&format!(
+            "BEGIN; SELECT amqp.publish(1, '', '{q}', 'undone-1'); ROLLBACK; \
+             BEGIN; SAVEPOINT s; SELECT amqp.publish(1, '', '{q}', 'undone-2'); \
+             ROLLBACK TO SAVEPOINT s; SELECT amqp.publish(1, '', '{q}', 'kept'); COMMIT;",
+            q = f.route.queue
+        ))
+        .expect("rolled back publishes");
+    expected.insert("kept".into());
+
+    let delivered = f.wait_delivered(&expected, Duration::from_secs(30));
+    assert!(!delivered.contains_key("undone-1") && !delivered.contains_key("undone-2"));
+    assert_eq!(delivered.len(), expected.len(), "nothing else arrived");
+    for (body, copies) in &delivered {
+        assert!(copies[0].message_id.is_some(), "{body} has a message id");
+        assert_eq!(copies[0].delivery_mode, Some(2), "{body} is persistent");
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the delivered rows deleted",
+        || match f.outbox_rows() {
+            0 => Ok(()),
+            n => Err(format!("{n} rows")),
+        },
+    );
+    // The status views: the relay's counters and its broker's connection.
+    eventually(Duration::from_secs(5), "the relay's report", || {
+        let r = f
+            .owner
+            .query_one(
+                "SELECT worker_pid, published, acknowledged, commit_wakeups, \
+                        (SELECT connected FROM amqp.broker_status WHERE broker_id = 1) \
+                   FROM amqp.worker_status",
+                &[],
+            )
+            .map_err(|e| e.to_string())?;
+        let (p, published, acked, wakeups, connected): (Option<i32>, i64, i64, i64, Option<bool>) =
+            (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4));
+        if p == Some(pid)
+            && published >= 101
+            && acked >= 101
+            && wakeups > 0
+            && connected == Some(true)
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "pid {p:?} published {published} acknowledged {acked} wake-ups {wakeups} connected {connected:?}"
+            ))
+        }
+    });
+
+    let status = relay.terminate(Duration::from_secs(10));
+    assert!(status.success(), "exit status {status:?}");
+    assert!(relay.log().contains("stopped"), "{}", relay.log());
+    eventually(Duration::from_secs(5), "the lease released", || {
+        match f.relay_pid() {
+            None => Ok(()),
+            Some(p) => Err(format!("still {p}")),
+        }
+    });
+}
+
+#[test]
+fn a_standing_by_relay_takes_over_when_the_active_one_is_killed() {
+    let mut f = Fixture::new("relay_takeover");
+    let mut first = Relay::start(&f.cluster, "first", &[]);
+    let first_pid = f.wait_for_relay(None, Duration::from_secs(20));
+    let mut second = Relay::start(&f.cluster, "second", &[]);
+    second.wait_for_log("standing by", Duration::from_secs(20));
+
+    // A stream of commits, the active relay killed in the middle of it.
+    let mut expected = HashSet::new();
+    let mut killed_at = None;
+    for i in 0..300 {
+        let body = vec![format!("m-{i}")];
+        f.publish(&body);
+        expected.extend(body);
+        if i == 100 {
+            first.kill9();
+            killed_at = Some(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let took_over = f.wait_for_relay(Some(first_pid), Duration::from_secs(15));
+    let after = killed_at.map(|t| t.elapsed());
+    assert_ne!(took_over, first_pid);
+    let delivered = f.wait_delivered(&expected, Duration::from_secs(60));
+    eprintln!("taken over (seen) within {after:?} of the kill");
+
+    // Duplicates are allowed (what the first had in flight), each with its message's id.
+    let copies: usize = delivered.values().map(Vec::len).sum();
+    assert!(
+        copies <= expected.len() + 300,
+        "{copies} deliveries for {} messages",
+        expected.len()
+    );
+    for (body, copies) in &delivered {
+        let ids: HashSet<_> = copies.iter().map(|d| d.message_id.clone()).collect();
+        assert_eq!(ids.len(), 1, "{body}: one message id for every copy");
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the delivered rows deleted",
+        || match f.outbox_rows() {
+            0 => Ok(()),
+            n => Err(format!("{n} rows")),
+        },
+    );
+    assert!(second.is_running());
+}
+
+#[test]
+fn the_relay_comes_back_after_its_sessions_are_terminated() {
+    let mut f = Fixture::new("relay_cut");
+    let mut relay = Relay::start(&f.cluster, "a", &[]);
+    let pid = f.wait_for_relay(None, Duration::from_secs(20));
+    let warm = bodies("before", 0..20);
+    f.publish(&warm);
+    f.wait_delivered(&warm.iter().cloned().collect(), Duration::from_secs(20));
+
+    // What a DBA's "terminate every session of that application" does.
+    let mut admin = f.cluster.client_db(DB);
+    let ended: i64 = admin
+        .query_one(
+            "WITH relay AS MATERIALIZED (SELECT pid FROM pg_stat_activity \
+                                          WHERE application_name = 'amqp-outbox-relay') \
+             SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM relay",
+            &[],
+        )
+        .expect("terminate")
+        .get(0);
+    assert!(
+        ended >= 2,
+        "the lease's session and the delivery's: {ended}"
+    );
+    let after = bodies("after", 0..50);
+    f.publish(&after);
+    let back = f.wait_for_relay(Some(pid), Duration::from_secs(20));
+    assert_ne!(back, pid);
+    f.wait_delivered(&after.iter().cloned().collect(), Duration::from_secs(30));
+    assert!(relay.is_running(), "the process itself went on");
+}
+
+#[test]
+fn the_command_line_explains_itself_and_refuses_bad_settings() {
+    let help = Command::new(RELAY).arg("--help").output().expect("--help");
+    assert!(help.status.success());
+    let text = String::from_utf8_lossy(&help.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines.len() <= 50,
+        "--help fits one screen: {} lines",
+        lines.len()
+    );
+    assert!(lines.iter().all(|l| l.chars().count() <= 100), "{text}");
+    assert!(
+        text.contains("--database") && text.contains("resend_after"),
+        "{text}"
+    );
+
+    let bad = Command::new(RELAY)
+        .args([
+            "--database",
+            "postgresql://x@127.0.0.1/y",
+            "--set",
+            "batch_size=0",
+        ])
+        .output()
+        .expect("bad setting");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("batch_size"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+    let none = Command::new(RELAY)
+        .env_remove("AMQP_OUTBOX_RELAY_DATABASES")
+        .env_remove("AMQP_OUTBOX_RELAY_CONFIG")
+        .output()
+        .expect("no database");
+    assert_eq!(none.status.code(), Some(2));
+}
