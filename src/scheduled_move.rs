@@ -16,18 +16,11 @@ pub fn tables_present() -> bool {
     }
 }
 
-/// The columns both tables share, `amqp.discarded`'s first ones too.
-pub const COLUMNS: &str = "id, producer_pid, producer_started_at, broker_id, exchange, \
-routing_key, body, delivery_mode, content_type, reply_to, correlation_id, headers, created_at, \
-attempts, next_attempt_at, last_error, parked_at, message_id, business_type, business_key, \
-traceparent, system_id, host_id, resends";
+/// The columns both tables share, `amqp.discarded`'s first ones too (the engine's).
+pub const COLUMNS: &str = amqp_outbox_engine::statements::SCHEDULED_COLUMNS;
 
 /// Moves the rows whose ids `$1` (bigint[]) lists; returns nothing, its count is the number
-/// moved. Built from the constant above only.
-pub fn move_sql() -> String {
-    format!(
-        "WITH due AS (DELETE FROM amqp.scheduled_message \
-                       WHERE id OPERATOR(pg_catalog.=) ANY ($1) RETURNING *) \
-         INSERT INTO amqp.message ({COLUMNS}) SELECT {COLUMNS} FROM due"
-    )
+/// moved (the engine's statement, the one the worker runs).
+pub fn move_sql() -> &'static str {
+    amqp_outbox_engine::statements::MOVE_SCHEDULED_SQL
 }

@@ -14,6 +14,7 @@
 //! - [`claim`]: reads the next rows and hands them over; [`events`] turns the AMQP thread's
 //!   events into a [`settle::Settlement`], which [`settle`] writes to the table; [`faults`]:
 //!   test-only fault injection.
+//! - [`scheduled`]: delayed messages moved into the outbox when due; old idempotency keys.
 //! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
 //! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
 //!   it runs on `amqp.message` (inside the transactions the host opens); where its counters and
@@ -33,6 +34,7 @@ pub mod outbox;
 pub mod pacer;
 pub mod row;
 pub mod scan_floor;
+pub mod scheduled;
 pub mod settings;
 pub mod settle;
 pub mod standby_gate;

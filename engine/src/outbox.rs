@@ -94,6 +94,22 @@ pub trait Outbox {
     /// ([`crate::statements::PARK_ORPHANS_SQL`]); returns how many.
     fn park_orphans(&mut self) -> Result<usize, Self::Error>;
 
+    /// Ids of due delayed messages, at most `limit`, locked for this transaction
+    /// ([`crate::statements::DUE_SCHEDULED_SQL`]).
+    fn due_scheduled(&mut self, limit: i64) -> Result<Vec<i64>, Self::Error>;
+
+    /// Moves these delayed messages into `amqp.message`; returns how many moved.
+    fn move_scheduled(&mut self, ids: &[i64]) -> Result<usize, Self::Error>;
+
+    /// A delayed message that could not move: kept with `error`, tried again in a minute.
+    fn postpone_scheduled(&mut self, id: i64, error: &str) -> Result<(), Self::Error>;
+
+    /// Milliseconds until the earliest delayed message is due; `None`: none is waiting.
+    fn next_scheduled_ms(&mut self) -> Result<Option<f64>, Self::Error>;
+
+    /// Deletes up to `limit` idempotency keys older than `window_minutes`.
+    fn expire_keys(&mut self, window_minutes: i32, limit: i64) -> Result<(), Self::Error>;
+
     /// Runs `work` so that an error inside undoes only what `work` did, and the transaction
     /// goes on: a subtransaction in the background worker, a SAVEPOINT over a client
     /// connection. `Ok`: `work` ran to its end (its own result inside); `Err`: it raised an

@@ -135,6 +135,63 @@ UPDATE amqp.message m \
                             FOR UPDATE OF o SKIP LOCKED)) \
 RETURNING m.id";
 
+/// The columns `amqp.scheduled_message` and `amqp.message` share (`amqp.discarded`'s first
+/// ones too), as a literal for [`MOVE_SCHEDULED_SQL`].
+macro_rules! scheduled_columns {
+    () => {
+        "id, producer_pid, producer_started_at, broker_id, exchange, routing_key, body, \
+         delivery_mode, content_type, reply_to, correlation_id, headers, created_at, attempts, \
+         next_attempt_at, last_error, parked_at, message_id, business_type, business_key, \
+         traceparent, system_id, host_id, resends"
+    };
+}
+
+/// The columns `amqp.scheduled_message` and `amqp.message` share.
+pub const SCHEDULED_COLUMNS: &str = scheduled_columns!();
+
+/// Moves the delayed messages whose ids `$1` (bigint[]) lists into `amqp.message`, same id and
+/// message_id; its row count is the number moved.
+pub const MOVE_SCHEDULED_SQL: &str = concat!(
+    "WITH due AS (DELETE FROM amqp.scheduled_message \
+                   WHERE id OPERATOR(pg_catalog.=) ANY ($1) RETURNING *) \
+     INSERT INTO amqp.message (",
+    scheduled_columns!(),
+    ") SELECT ",
+    scheduled_columns!(),
+    " FROM due"
+);
+
+/// Ids of due delayed messages (at most `$1`), oldest due first. SKIP LOCKED: a row
+/// `amqp.retry()` or `amqp.discard()` is taking meanwhile is theirs.
+pub const DUE_SCHEDULED_SQL: &str = "\
+SELECT id FROM amqp.scheduled_message \
+ WHERE deliver_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+ ORDER BY deliver_at, id LIMIT $1 FOR UPDATE SKIP LOCKED";
+
+/// Milliseconds until the earliest delayed message is due (negative: overdue); NULL: none.
+pub const NEXT_SCHEDULED_SQL: &str = "\
+SELECT (pg_catalog.date_part('epoch', pg_catalog.min(deliver_at)) \
+        OPERATOR(pg_catalog.-) pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())) \
+       OPERATOR(pg_catalog.*) 1000 \
+  FROM amqp.scheduled_message";
+
+/// A delayed message that could not move (`$1` its id, `$2` why): tried again in a minute.
+pub const POSTPONE_SCHEDULED_SQL: &str = "\
+UPDATE amqp.scheduled_message \
+   SET last_error = $2, \
+       deliver_at = pg_catalog.now() OPERATOR(pg_catalog.+) '1 minute'::pg_catalog.interval \
+ WHERE id OPERATOR(pg_catalog.=) $1";
+
+/// Deletes idempotency keys older than `$1` minutes, at most `$2`. SKIP LOCKED: a key a
+/// publishing transaction is taking again (its old row updated, not yet committed) must not
+/// make the worker's transaction wait for that session.
+pub const EXPIRE_KEYS_SQL: &str = "\
+DELETE FROM amqp.idempotency_key \
+ WHERE key IN (SELECT key FROM amqp.idempotency_key \
+                WHERE published_at OPERATOR(pg_catalog.<) \
+                      (pg_catalog.now() OPERATOR(pg_catalog.-) pg_catalog.make_interval(mins => $1)) \
+                LIMIT $2 FOR UPDATE SKIP LOCKED)";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +200,11 @@ mod tests {
     fn assert_prepares(regress: &str, sql: &str, what: &str) {
         let prepared = format!("AS\n{};\n", sql.trim_end());
         assert!(regress.contains(&prepared), "{what}");
+    }
+
+    #[test]
+    fn the_move_names_the_shared_columns_on_both_sides() {
+        assert_eq!(MOVE_SCHEDULED_SQL.matches(SCHEDULED_COLUMNS).count(), 2);
     }
 
     #[test]

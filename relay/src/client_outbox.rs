@@ -446,6 +446,43 @@ impl<C: GenericClient> Outbox for ClientOutbox<'_, C> {
         Ok(self.query(statements::PARK_ORPHANS_SQL, &[], &[])?.len())
     }
 
+    fn due_scheduled(&mut self, limit: i64) -> Result<Vec<i64>, Error> {
+        self.query(statements::DUE_SCHEDULED_SQL, &[Type::INT8], &[&limit])?
+            .iter()
+            .map(|r| Ok(r.try_get::<_, Option<i64>>(0)?.unwrap_or_default()))
+            .collect()
+    }
+
+    fn move_scheduled(&mut self, ids: &[i64]) -> Result<usize, Error> {
+        let s = self.statement(statements::MOVE_SCHEDULED_SQL, &[Type::INT8_ARRAY])?;
+        Ok(usize::try_from(self.client.execute(&s, &[&ids])?).unwrap_or(usize::MAX))
+    }
+
+    fn postpone_scheduled(&mut self, id: i64, error: &str) -> Result<(), Error> {
+        let s = self.statement(
+            statements::POSTPONE_SCHEDULED_SQL,
+            &[Type::INT8, Type::TEXT],
+        )?;
+        self.client.execute(&s, &[&id, &error])?;
+        Ok(())
+    }
+
+    fn next_scheduled_ms(&mut self) -> Result<Option<f64>, Error> {
+        match self
+            .query(statements::NEXT_SCHEDULED_SQL, &[], &[])?
+            .first()
+        {
+            Some(r) => r.try_get(0),
+            None => Ok(None),
+        }
+    }
+
+    fn expire_keys(&mut self, window_minutes: i32, limit: i64) -> Result<(), Error> {
+        let s = self.statement(statements::EXPIRE_KEYS_SQL, &[Type::INT4, Type::INT8])?;
+        self.client.execute(&s, &[&window_minutes, &limit])?;
+        Ok(())
+    }
+
     /// A savepoint: released when `work` ends, rolled back when it returns (or went on after)
     /// an ERROR, which is then `Caught`. Other errors (a value that could not be decoded, the
     /// connection lost) are `work`'s own, `Ok(Err(_))`, as the worker's SPI errors are.

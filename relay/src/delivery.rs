@@ -23,6 +23,7 @@ use amqp_outbox_engine::faults::Faults;
 use amqp_outbox_engine::flight::Flight;
 use amqp_outbox_engine::gather::Gather;
 use amqp_outbox_engine::scan_floor::ScanFloor;
+use amqp_outbox_engine::scheduled::Scheduled;
 use amqp_outbox_engine::settle::{self, Settlement, Sweep};
 use postgres::{Client, IsolationLevel};
 use std::time::{Duration, Instant};
@@ -30,6 +31,17 @@ use std::time::{Duration, Instant};
 /// This database's acknowledgement queue, named as the extension names it (the system
 /// identifier and the database's oid), read from the install's own status function.
 const ACK_QUEUE_SQL: &str = "SELECT ack_queue FROM amqp._worker_status()";
+
+/// `amqp_outbox.idempotency_window` as the publishing sessions read it (minutes; the
+/// database's or the relay role's `SET`, 1 day by default), for the expiry of keys.
+const KEY_WINDOW_SQL: &str = "\
+SELECT CASE WHEN w IS NULL OR w OPERATOR(pg_catalog.=) '' THEN 1440 \
+            ELSE amqp._setting_integer('amqp_outbox.idempotency_window', w, 'min', 1, 2147483647) END \
+  FROM (SELECT pg_catalog.current_setting('amqp_outbox.idempotency_window', true) AS w) s";
+
+/// The key window when the database's setting cannot be read (a bad value: the publishing
+/// sessions refuse it too), as the extension's default.
+const KEY_WINDOW_DEFAULT: i32 = 1440;
 
 /// Why the delivery ended.
 pub enum Ended {
@@ -54,6 +66,10 @@ pub struct Delivery<'a> {
     report: Report,
     floor: ScanFloor,
     faults: Faults,
+    scheduled: Scheduled,
+    /// A NOTIFY 'scheduled' arrived: delayed messages were written.
+    scheduled_noted: bool,
+    key_window: i32,
     sweep: Sweep,
     gather: Gather,
     stepped_at: Option<Instant>,
@@ -80,6 +96,16 @@ impl<'a> Delivery<'a> {
             .query_one(ACK_QUEUE_SQL, &[])
             .and_then(|r| r.try_get(0))
             .map_err(|e| format!("is the plain-SQL install there? {}", connect::describe(&e)))?;
+        let key_window = match client.query_one(KEY_WINDOW_SQL, &[]) {
+            Ok(r) => r.get(0),
+            Err(e) => {
+                telemetry.log.warning(&format!(
+                    "amqp_outbox.idempotency_window cannot be read, keys expire after a day: {}",
+                    connect::describe(&e)
+                ));
+                KEY_WINDOW_DEFAULT
+            }
+        };
         let handle = amqp_outbox_broker::spawn()
             .map_err(|e| format!("cannot start the AMQP thread: {e}"))?;
         let mut flight = Flight::default();
@@ -97,6 +123,9 @@ impl<'a> Delivery<'a> {
             report: Report::default(),
             floor: ScanFloor::default(),
             faults: Faults::default(),
+            scheduled: Scheduled::default(),
+            scheduled_noted: true,
+            key_window,
             sweep: Sweep::default(),
             gather: Gather::default(),
             stepped_at: None,
@@ -135,6 +164,7 @@ impl<'a> Delivery<'a> {
                 self.brokers
                     .reconnect(Some(notices.disconnect), &self.handle, &self.telemetry);
             }
+            self.scheduled_noted |= notices.scheduled;
             if notices.commits > 0 {
                 self.telemetry.add(report::COMMIT_WAKEUPS, 1);
                 self.committed = true;
@@ -186,7 +216,8 @@ impl<'a> Delivery<'a> {
         self.next_due();
         let settle_needed = !settlement.is_empty()
             || self.brokers.reload_pending()
-            || self.brokers.orphan_check_due();
+            || self.brokers.orphan_check_due()
+            || (settings.enabled && self.scheduled.due(self.scheduled_noted));
         let claim_needed = self.committed
             || self.more_work
             || settlement.reopened
@@ -265,6 +296,18 @@ impl<'a> Delivery<'a> {
             self.brokers
                 .park_orphans_when_due(&mut outbox, &self.telemetry)
                 .map_err(|e| connect::describe(&e))?;
+            let noted = std::mem::take(&mut self.scheduled_noted);
+            if self.scheduled.due(noted) {
+                let moved = self
+                    .scheduled
+                    .run_when_due(&mut outbox, &self.telemetry, noted, true, self.key_window)
+                    .map_err(|e| connect::describe(&e))?;
+                if moved > 0 {
+                    // The moved rows keep their ids, below the floor by now.
+                    self.floor.reset();
+                    self.claimed_all = None;
+                }
+            }
         }
         t.commit().map_err(|e| connect::describe(&e))
     }
@@ -312,6 +355,10 @@ impl<'a> Delivery<'a> {
         }
         if let Some(due) = self.flight.proven_due_in(Instant::now()) {
             timeout = timeout.min(due);
+        }
+        if self.config.settings.enabled {
+            // A delayed message is moved when it is due, whatever the naptime.
+            timeout = timeout.min(self.scheduled.until_due(self.scheduled_noted));
         }
         // Woken to see the lease confirmed (or lost) in time.
         timeout.min(lease.expires_in()).min(report::REPORT_EVERY)

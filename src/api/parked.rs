@@ -39,7 +39,7 @@ fn send_scheduled_now(id: i64) -> usize {
         return 0;
     }
     let _as_owner = RunAs::new(extension_owner());
-    run(&crate::scheduled_move::move_sql(), &[vec![id].into()])
+    run(crate::scheduled_move::move_sql(), &[vec![id].into()])
 }
 
 fn run(sql: &str, args: &[DatumWithOid]) -> usize {

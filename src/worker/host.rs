@@ -107,6 +107,26 @@ impl Outbox for SpiOutbox<'_, '_> {
         queries::park_orphans(self.client)
     }
 
+    fn due_scheduled(&mut self, limit: i64) -> Result<Vec<i64>, SpiError> {
+        queries::due_scheduled(self.client, limit)
+    }
+
+    fn move_scheduled(&mut self, ids: &[i64]) -> Result<usize, SpiError> {
+        queries::move_scheduled(self.client, ids)
+    }
+
+    fn postpone_scheduled(&mut self, id: i64, error: &str) -> Result<(), SpiError> {
+        queries::postpone_scheduled(self.client, id, error)
+    }
+
+    fn next_scheduled_ms(&mut self) -> Result<Option<f64>, SpiError> {
+        queries::next_scheduled_ms(self.client)
+    }
+
+    fn expire_keys(&mut self, window_minutes: i32, limit: i64) -> Result<(), SpiError> {
+        queries::expire_keys(self.client, window_minutes, limit)
+    }
+
     /// A subtransaction of the worker's transaction ([`crate::subtransaction`]).
     fn subtransaction<R>(
         &mut self,

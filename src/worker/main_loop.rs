@@ -261,7 +261,7 @@ impl Worker {
         let mut timeout = self.deletes_due(timeout);
         if self.settings.enabled {
             // A delayed message is moved when it is due, whatever the naptime.
-            timeout = timeout.min(self.scheduled.until_due());
+            timeout = timeout.min(self.scheduled.until_due(shmem::scheduled_noted()));
         }
         if self.settings.enabled && shmem::commit_wake_taken() {
             // A commit came during this step: the next one claims it, even if a wait inside

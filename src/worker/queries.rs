@@ -341,6 +341,46 @@ pub fn existing(client: &SpiClient<'_>, ids: &[i64]) -> SpiResult<Vec<i64>> {
     ids_of(client.select(statements::EXISTING_SQL, None, &[ids.to_vec().into()])?)
 }
 
+/// Ids of due delayed messages, locked ([`statements::DUE_SCHEDULED_SQL`]).
+pub fn due_scheduled(client: &mut SpiClient<'_>, limit: i64) -> SpiResult<Vec<i64>> {
+    ids_of(client.update(statements::DUE_SCHEDULED_SQL, None, &[limit.into()])?)
+}
+
+/// Moves delayed messages into the outbox; returns how many moved.
+pub fn move_scheduled(client: &mut SpiClient<'_>, ids: &[i64]) -> SpiResult<usize> {
+    Ok(client
+        .update(statements::MOVE_SCHEDULED_SQL, None, &[ids.to_vec().into()])?
+        .len())
+}
+
+/// A delayed message that could not move, tried again in a minute.
+pub fn postpone_scheduled(client: &mut SpiClient<'_>, id: i64, error: &str) -> SpiResult<()> {
+    client.update(
+        statements::POSTPONE_SCHEDULED_SQL,
+        None,
+        &[id.into(), error.into()],
+    )?;
+    Ok(())
+}
+
+/// Milliseconds until the earliest delayed message is due.
+pub fn next_scheduled_ms(client: &SpiClient<'_>) -> SpiResult<Option<f64>> {
+    client
+        .select(statements::NEXT_SCHEDULED_SQL, None, &[])?
+        .first()
+        .get_one::<f64>()
+}
+
+/// Deletes old idempotency keys.
+pub fn expire_keys(client: &mut SpiClient<'_>, window_minutes: i32, limit: i64) -> SpiResult<()> {
+    client.update(
+        statements::EXPIRE_KEYS_SQL,
+        None,
+        &[window_minutes.into(), limit.into()],
+    )?;
+    Ok(())
+}
+
 fn ids_of(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<i64>> {
     let mut ids = Vec::with_capacity(table.len());
     for r in table {

@@ -15,6 +15,7 @@ use super::host::{SpiOutbox, WorkerTelemetry};
 use super::main_loop::Worker;
 use super::presence::Found;
 use super::settle::Settlement;
+use crate::shmem;
 use pgrx::prelude::*;
 
 impl Worker {
@@ -58,7 +59,7 @@ impl Worker {
             || !self.settings.enabled
             || self.brokers.reload_pending()
             || self.brokers.orphan_check_due()
-            || self.scheduled.due()
+            || self.scheduled.due(shmem::scheduled_noted())
             || self.status.count_due(self.settings.max_pending)
     }
 
@@ -106,7 +107,20 @@ impl Worker {
             }
             self.brokers
                 .park_orphans_when_due(&mut SpiOutbox::new(client), &WorkerTelemetry)?;
-            if self.scheduled.run_when_due(client)? > 0 {
+            // Taken before the statements: a commit after this notes it again.
+            let noted = shmem::take_scheduled();
+            let moved = if self.scheduled.due(noted) {
+                self.scheduled.run_when_due(
+                    &mut SpiOutbox::new(client),
+                    &WorkerTelemetry,
+                    noted,
+                    crate::scheduled_move::tables_present(),
+                    crate::gucs::IDEMPOTENCY_WINDOW.get(),
+                )?
+            } else {
+                0
+            };
+            if moved > 0 {
                 // The moved rows keep their ids, below the floor by now.
                 self.floor.reset();
             }

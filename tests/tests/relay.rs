@@ -409,3 +409,57 @@ fn the_command_line_explains_itself_and_refuses_bad_settings() {
         .expect("no database");
     assert_eq!(none.status.code(), Some(2));
 }
+
+#[test]
+fn delayed_and_keyed_messages_go_out_through_the_relay_when_due() {
+    let mut f = Fixture::new("relay_later");
+    let _relay = Relay::start(&f.cluster, "a", &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    let q = f.route.queue.clone();
+    let published_at = Instant::now();
+    for (body, after) in [("later-3s", "3 seconds"), ("later-1s", "1 second")] {
+        f.owner
+            .execute(
+                "SELECT amqp.publish_message(1, '', $1, $2, deliver_after => $3::text::interval)",
+                &[&q, &body, &after],
+            )
+            .expect("delayed publish");
+    }
+    // One key, twice: one message.
+    for _ in 0..2 {
+        f.owner
+            .execute(
+                "SELECT amqp.publish_message(1, '', $1, 'keyed', idempotency_key => 'order-42')",
+                &[&q],
+            )
+            .expect("keyed publish");
+    }
+    let expected: HashSet<String> = ["later-3s", "later-1s", "keyed"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let delivered = f.wait_delivered(&expected, Duration::from_secs(20));
+    let at = |body: &str| delivered[body][0].received_at.duration_since(published_at);
+    assert!(
+        at("later-1s") >= Duration::from_secs(1),
+        "{:?}",
+        at("later-1s")
+    );
+    assert!(
+        at("later-3s") >= Duration::from_secs(3),
+        "{:?}",
+        at("later-3s")
+    );
+    assert!(
+        at("later-3s") < Duration::from_secs(10),
+        "moved when due: {:?}",
+        at("later-3s")
+    );
+    assert_eq!(delivered["keyed"].len(), 1, "one message for one key");
+    let waiting: i64 = f
+        .owner
+        .query_one("SELECT count(*) FROM amqp.scheduled_message", &[])
+        .expect("count")
+        .get(0);
+    assert_eq!(waiting, 0);
+}
