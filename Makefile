@@ -7,7 +7,7 @@
 #   make installcheck-hosted  the same contract against the plain-SQL install (sql/hosted/)
 #   make test            make lint, then every tier: install-test, installcheck, broker unit
 #                        tests, end-to-end tests (including the fast fault-injection cases of
-#                        tests/tests/faults/), then test-package
+#                        tests/tests/faults/), then test-package and test-package-relay
 #   make test PG=17      the same against another PostgreSQL major (15 to 18; 16-18 are private
 #                        installs under .pg/ that scripts/pg_versions.sh fetches)
 #   make test-versions   on each of PostgreSQL 15-18 (PG_VERSIONS): install-test, installcheck and
@@ -17,12 +17,15 @@
 #                        UPGRADE_FROM (default 15-wheel) to UPGRADE_TO (default 18)
 #   make package         the Debian package target/package/postgresql-15-amqp-outbox_<version>_<arch>.deb
 #                        (a user's release build, no fault-injection; sources in packaging/debian/);
-#                        make package PG=17: postgresql-17-amqp-outbox_…, in Debian's layout for 17
+#                        make package PG=17: postgresql-17-amqp-outbox_…, in Debian's layout for 17;
+#                        and the relay's, amqp-outbox-relay_<version>_<arch>.deb (packaging/relay/)
 #   make test-package    builds the package, installs it with apt-get, checks its files, runs
 #                        installcheck against it, removes and purges it; puts back the build that
 #                        was installed before (needs root or sudo). With PG=16..18 (no Debian
 #                        package of that PostgreSQL here): checks the archive, installs its files
 #                        into a copy of .pg/<major>, installcheck and a delivery there
+#   make test-package-relay  builds the relay's package, checks its files, runs the packaged
+#                        relay against a scratch database of this machine's PostgreSQL
 #   make chaos           every fault-injection case (FAULTS.md), slow ones included, one at
 #                        a time, larger volumes (AMQP_OUTBOX_CHAOS_SCALE, default 10), then a table
 #   make fmt             cargo fmt --check
@@ -62,7 +65,7 @@ CARGO ?= cargo
 PGRX_SUDO := $(if $(filter 0,$(shell id -u)),,$(if $(shell test -w $(PG_PKGLIBDIR) && echo yes),,--sudo))
 
 # `make sql`: see GENERATED_UPDATES.
-.PHONY: sql all build install install-test installcheck installcheck-hosted test test-unit test-broker test-e2e test-e2e-subset test-versions test-pg-upgrade fmt lint run stop clean package test-package
+.PHONY: sql all build install install-test installcheck installcheck-hosted test test-unit test-broker test-e2e test-e2e-subset test-versions test-pg-upgrade fmt lint run stop clean package test-package test-package-relay
 
 all: build
 
@@ -119,10 +122,16 @@ test-e2e:
 # The Debian package for the PostgreSQL that PG_CONFIG names (scripts/package.sh says what it holds).
 package:
 	PG_CONFIG=$(PG_CONFIG_REAL) CARGO="$(CARGO)" scripts/package.sh
+	CARGO="$(CARGO)" scripts/package_relay.sh
 
 # Installs over the files install-test put there; scripts/package_test.sh saves and restores them.
 test-package:
 	PG_CONFIG=$(PG_CONFIG_REAL) CARGO="$(CARGO)" scripts/package_test.sh
+
+# The relay's package (one for every PostgreSQL): its files, and the packaged program delivering
+# from a scratch database of this machine's PostgreSQL.
+test-package-relay:
+	CARGO="$(CARGO)" scripts/package_relay_test.sh
 
 # The fault-injection suite (FAULTS.md): every case, slow ones included, one at a time, with
 # AMQP_OUTBOX_CHAOS_SCALE times the volumes (case 10: 100k x scale backlog). Each test appends a
@@ -146,7 +155,7 @@ chaos-table:
 
 # Runs every tier and reports each (with its duration); a failed install skips the rest.
 # test-package comes last: it replaces the installed test build for a while (then restores it).
-TEST_TIERS := test-unit installcheck installcheck-hosted test-broker test-e2e test-package
+TEST_TIERS := test-unit installcheck installcheck-hosted test-broker test-e2e test-package test-package-relay
 test: lint
 	@passed=; failed=; skipped=; installed=; \
 	for t in install-test $(TEST_TIERS); do \
