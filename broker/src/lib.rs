@@ -51,5 +51,6 @@ pub use config::{
     AckQueueConfig, BindingDecl, BrokerConfig, Endpoint, ExchangeDecl, ProofMode, QueueDecl,
     RecordWait, TlsOptions,
 };
+pub use connection::tls_client_config;
 pub use runtime_thread::spawn_without_signals;
 pub use thread::{spawn, BrokerHandle};

@@ -27,6 +27,18 @@ pub struct Config {
     pub takeover_every: Duration,
     /// Debug lines are written too.
     pub verbose: bool,
+    /// TLS to PostgreSQL (when the connection string's `sslmode` is not `disable`).
+    pub postgres_tls: PostgresTls,
+}
+
+/// How the relay checks PostgreSQL's certificate, and the client certificate it shows: the
+/// broker's rules (the server's certificate always verified, against `ca_file` when set, else
+/// the system's trust store).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PostgresTls {
+    pub ca_file: Option<String>,
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
 }
 
 impl Default for Config {
@@ -37,6 +49,7 @@ impl Default for Config {
             keep_log: true,
             takeover_every: Duration::from_secs(1),
             verbose: false,
+            postgres_tls: PostgresTls::default(),
         }
     }
 }
@@ -216,10 +229,18 @@ fn set(config: &mut Config, name: &str, v: &str) -> Result<(), String> {
         "takeover_every" => {
             config.takeover_every = at_least(duration(v, Duration::from_secs(3600))?, 100)?
         }
+        "postgres_ca_file" => config.postgres_tls.ca_file = path(v),
+        "postgres_cert_file" => config.postgres_tls.cert_file = path(v),
+        "postgres_key_file" => config.postgres_tls.key_file = path(v),
         _ => return Err(format!("unknown setting {name:?}")),
     }
     s.retry_backoff_max = s.retry_backoff_max.max(s.retry_backoff_min);
     Ok(())
+}
+
+/// A file's path; empty: none.
+fn path(v: &str) -> Option<String> {
+    Some(v.trim().to_owned()).filter(|p| !p.is_empty())
 }
 
 fn boolean(v: &str) -> Result<bool, String> {

@@ -1,8 +1,12 @@
 //! Connections to PostgreSQL: the relay's defaults on top of the user's connection string, and
 //! a name for the logs that shows no password.
 
+use crate::config::PostgresTls;
+use amqp_outbox_broker::TlsOptions;
+use postgres::config::{Host, SslMode};
 use postgres::{Client, Config, NoTls};
 use std::time::Duration;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// Shown in `pg_stat_activity` unless the connection string names another.
 pub const APPLICATION_NAME: &str = "amqp-outbox-relay";
@@ -12,8 +16,10 @@ pub const APPLICATION_NAME: &str = "amqp-outbox-relay";
 /// off from its database stops acting before another can take over.
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Parses `url` (a URL or `key=value` pairs, as libpq takes them) and connects.
-pub fn connect(url: &str) -> Result<Client, String> {
+/// Parses `url` (a URL or `key=value` pairs, as libpq takes them) and connects: in plain text
+/// with `sslmode=disable`, otherwise with TLS when the server offers it (`prefer`, the default)
+/// or only with TLS (`require`), the server's certificate always verified (see [`PostgresTls`]).
+pub fn connect(url: &str, tls: &PostgresTls) -> Result<Client, String> {
     let mut config: Config = url
         .parse()
         .map_err(|e| format!("the connection string of {}: {e}", target(url)))?;
@@ -27,9 +33,24 @@ pub fn connect(url: &str) -> Result<Client, String> {
         config.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
     config.keepalives_idle(Duration::from_secs(5));
-    config
-        .connect(NoTls)
-        .map_err(|e| format!("cannot connect to {}: {e}", target(url)))
+    let connected = if config.get_ssl_mode() == SslMode::Disable {
+        config.connect(NoTls)
+    } else {
+        let host = match config.get_hosts().first() {
+            Some(Host::Tcp(h)) => h.clone(),
+            _ => "localhost".into(),
+        };
+        let options = TlsOptions {
+            ca_file: tls.ca_file.clone(),
+            cert_file: tls.cert_file.clone(),
+            key_file: tls.key_file.clone(),
+            server_name: None,
+        };
+        let client_config = amqp_outbox_broker::tls_client_config(&options, &host)
+            .map_err(|e| format!("TLS to {}: {e}", target(url)))?;
+        config.connect(MakeRustlsConnect::new(client_config))
+    };
+    connected.map_err(|e| format!("cannot connect to {}: {}", target(url), describe(&e)))
 }
 
 /// An error as the logs say it: the server's message and detail (`postgres::Error` alone says
@@ -55,8 +76,8 @@ pub fn target(url: &str) -> String {
         return "(a connection string that cannot be parsed)".into();
     };
     let host = match config.get_hosts().first() {
-        Some(postgres::config::Host::Tcp(h)) => h.clone(),
-        Some(postgres::config::Host::Unix(p)) => p.display().to_string(),
+        Some(Host::Tcp(h)) => h.clone(),
+        Some(Host::Unix(p)) => p.display().to_string(),
         None => "localhost".into(),
     };
     let port = config.get_ports().first().copied().unwrap_or(5432);

@@ -16,7 +16,12 @@ pub fn serve(url: &str, config: &Config) {
         target: connect::target(url),
         verbose: config.verbose,
     };
-    let lease = match Lease::start(url.to_owned(), config.takeover_every, log.clone()) {
+    let lease = match Lease::start(
+        url.to_owned(),
+        config.postgres_tls.clone(),
+        config.takeover_every,
+        log.clone(),
+    ) {
         Ok(lease) => lease,
         Err(e) => {
             log.warning(&format!("cannot start: {e}"));

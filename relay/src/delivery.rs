@@ -90,7 +90,7 @@ impl<'a> Delivery<'a> {
         telemetry: RelayTelemetry,
         generation: u64,
     ) -> Result<Self, String> {
-        let mut client = connect::connect(url)?;
+        let mut client = connect::connect(url, &config.postgres_tls)?;
         let session = Session::new(&mut client).map_err(|e| connect::describe(&e))?;
         let ack_queue: String = client
             .query_one(ACK_QUEUE_SQL, &[])

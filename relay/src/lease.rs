@@ -10,6 +10,7 @@
 //! session and hand the lock to another (the session's TCP keepalives and user timeout are set
 //! past the lease).
 
+use crate::config::PostgresTls;
 use crate::connect;
 use crate::log::Log;
 use crate::stop;
@@ -110,7 +111,12 @@ pub struct Lease {
 }
 
 impl Lease {
-    pub fn start(url: String, takeover_every: Duration, log: Log) -> std::io::Result<Lease> {
+    pub fn start(
+        url: String,
+        tls: PostgresTls,
+        takeover_every: Duration,
+        log: Log,
+    ) -> std::io::Result<Lease> {
         let (receiver, sender) = wake::pair()?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
@@ -120,7 +126,7 @@ impl Lease {
         let keeper = shared.clone();
         let thread = std::thread::Builder::new()
             .name("lease".into())
-            .spawn(move || keep(&url, takeover_every, &log, &keeper))?;
+            .spawn(move || keep(&url, &tls, takeover_every, &log, &keeper))?;
         Ok(Lease {
             shared,
             wake: receiver,
@@ -165,11 +171,11 @@ impl Drop for Lease {
 }
 
 /// The thread: connect, stand by until the lock is ours, hold it; again after any failure.
-fn keep(url: &str, takeover_every: Duration, log: &Log, shared: &Shared) {
+fn keep(url: &str, tls: &PostgresTls, takeover_every: Duration, log: &Log, shared: &Shared) {
     let mut backoff = Duration::from_millis(500);
     let mut last_error = String::new();
     while !shared.ending() {
-        let result = connect::connect(url).and_then(|mut client| {
+        let result = connect::connect(url, tls).and_then(|mut client| {
             backoff = Duration::from_millis(500);
             hold(&mut client, takeover_every, log, shared).map_err(|e| connect::describe(&e))
         });

@@ -614,6 +614,22 @@ impl PgCluster {
         Ok(())
     }
 
+    /// Writes `bytes` into the data directory as `name`, owned by the server's user with
+    /// `mode` (a TLS key the server must accept: 0600); returns its path.
+    pub fn write_data_file(&self, name: &str, bytes: &[u8], mode: u32) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.data_dir().join(name);
+        fs::write(&path, bytes).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        fs::set_permissions(&path, fs::Permissions::from_mode(mode))
+            .unwrap_or_else(|e| panic!("cannot chmod {}: {e}", path.display()));
+        if running_as_root() {
+            let (uid, gid) = postgres_user_ids().unwrap_or_else(|e| panic!("{e}"));
+            std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                .unwrap_or_else(|e| panic!("cannot chown {}: {e}", path.display()));
+        }
+        path
+    }
+
     /// Runs one of PostgreSQL's programs in the cluster's directory.
     fn pg_tool<S: AsRef<OsStr>>(&self, program: &str, args: &[S]) -> Result<Output, String> {
         run_pg_program(&self.install.bindir.join(program), args, self.dir())

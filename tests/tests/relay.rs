@@ -463,3 +463,82 @@ fn delayed_and_keyed_messages_go_out_through_the_relay_when_due() {
         .get(0);
     assert_eq!(waiting, 0);
 }
+
+#[test]
+fn the_relay_connects_over_tls_and_verifies_the_servers_certificate() {
+    assert!(
+        amqp_outbox_testkit::openssl_installed(),
+        "openssl is not installed (scripts/setup.sh installs it)"
+    );
+    let pki = amqp_outbox_testkit::Pki::make().expect("certificates");
+    let mut f = Fixture::new("relay_tls");
+    let read = |name: &str| std::fs::read(pki.path(name)).expect("certificate file");
+    f.cluster
+        .write_data_file("server.crt", &read("server.pem"), 0o644);
+    f.cluster
+        .write_data_file("server.key", &read("server.key"), 0o600);
+    let mut admin = f.cluster.client_db("postgres");
+    // One statement each: a multi-statement string is one transaction block.
+    for statement in [
+        "ALTER SYSTEM SET ssl_cert_file = 'server.crt'",
+        "ALTER SYSTEM SET ssl_key_file = 'server.key'",
+        "ALTER SYSTEM SET ssl = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(statement).expect("turn TLS on");
+    }
+    eventually(Duration::from_secs(10), "ssl = on", || {
+        let on: String = f
+            .cluster
+            .client_db(DB)
+            .query_one("SHOW ssl", &[])
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if on == "on" {
+            Ok(())
+        } else {
+            Err(on)
+        }
+    });
+    // The certificate names "localhost"; TLS or nothing.
+    let tls_url = url(&f.cluster).replace("host=127.0.0.1", "host=localhost") + " sslmode=require";
+    let dir = f.cluster.dir().to_path_buf();
+    let start = |name: &str, ca: &str| {
+        let log = dir.join(format!("relay-{name}.log"));
+        let child = Command::new(RELAY)
+            .args(["--database", &tls_url, "--set"])
+            .arg(format!("postgres_ca_file={}", pki.path(ca)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start the relay");
+        Relay {
+            child: Some(child),
+            log,
+        }
+    };
+
+    // A server whose certificate another CA signed: refused, with the reason, nothing served.
+    let mut wrong = start("wrong-ca", "other_ca.pem");
+    wrong.wait_for_log("cannot connect", Duration::from_secs(20));
+    let log = wrong.log();
+    assert!(log.to_lowercase().contains("certificate"), "{log}");
+    assert_eq!(
+        f.relay_pid(),
+        None,
+        "no relay serves over an unverified connection"
+    );
+    wrong.kill9();
+
+    let _relay = start("right-ca", "ca.pem");
+    let pid = f.wait_for_relay(None, Duration::from_secs(20));
+    let ssl: bool = admin
+        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = $1", &[&pid])
+        .expect("pg_stat_ssl")
+        .get(0);
+    assert!(ssl, "the relay's session is encrypted");
+    let expected = bodies("tls", 0..20);
+    f.publish(&expected);
+    f.wait_delivered(&expected.into_iter().collect(), Duration::from_secs(20));
+}

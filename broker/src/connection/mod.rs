@@ -11,3 +11,4 @@ mod tls;
 pub(crate) use errors::{better_error, describe_error, message_may_be_at_fault};
 pub(crate) use open::{close_connection, frame_limit, open_connection, CLOSE_WAIT};
 pub(crate) use redact::Redactor;
+pub use tls::client_config as tls_client_config;

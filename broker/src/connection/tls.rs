@@ -101,6 +101,12 @@ async fn connect_via(
 }
 
 /// The rustls client configuration and server name of `opts` for a connection to `host`.
+/// The client configuration [`prepare`] makes, for a client other than lapin (the relay's
+/// connections to PostgreSQL): the same trust rules, the same client certificate handling.
+pub fn client_config(opts: &TlsOptions, host: &str) -> Result<ClientConfig, String> {
+    prepare(opts, host).map(|setup| setup.config)
+}
+
 pub(crate) fn prepare(opts: &TlsOptions, host: &str) -> Result<TlsSetup, String> {
     let server_name = match opts.server_name.as_deref().map(str::trim) {
         Some(name) if !name.is_empty() => name.to_string(),
