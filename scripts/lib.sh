@@ -126,3 +126,34 @@ run_pg_regress() {
     fi
     rm -rf "$work/tmp_check"
 }
+
+# write_copyright DEST CARGO_TREE_ARGS...: packaging/debian/copyright.in with the Rust crates the
+# packaged binary links, as `cargo tree CARGO_TREE_ARGS...` resolves them (name, version: license;
+# cargo tree's "(*)" marks repeats; the workspace's own crates are covered by "Files: *").
+write_copyright() {
+    local dest=$1 crates line
+    shift
+    crates="$(cd "$ROOT" && "${CARGO:-cargo}" tree "$@" -e normal,no-proc-macro --prefix none --format '{p}|{l}' |
+        sed -E 's/ \(\*\)$//' | grep -v '^amqp_outbox' |
+        awk -F'|' '{ split($1, p, " "); printf " %s %s: %s\n", p[1], substr(p[2], 2), ($2 == "" ? "(none declared)" : $2) }' |
+        LC_ALL=C sort -u)"
+    [ -n "$crates" ] || die "cargo tree listed no crates for the copyright file"
+    while IFS= read -r line; do
+        if [ "$line" = "@BUNDLED_CRATES@" ]; then printf '%s\n' "$crates"; else printf '%s\n' "$line"; fi
+    done <"$ROOT/packaging/debian/copyright.in" >"$dest"
+    chmod 644 "$dest"
+}
+
+# finish_stage STAGE [EXECUTABLE...]: DEBIAN/md5sums of the staged tree, modes 755/644 whatever the
+# umask (755 for the EXECUTABLEs, paths inside STAGE), times clamped to SOURCE_DATE_EPOCH for a
+# reproducible archive.
+finish_stage() {
+    local stage=$1 f
+    shift
+    (cd "$stage" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | LC_ALL=C sort -z |
+        xargs -0 md5sum) >"$stage/DEBIAN/md5sums"
+    find "$stage" -type d -exec chmod 755 {} +
+    find "$stage" -type f -exec chmod 644 {} +
+    for f in "$@"; do chmod 755 "$stage$f"; done
+    find "$stage" -newermt "@$SOURCE_DATE_EPOCH" -print0 | xargs -0r touch --no-dereference --date="@$SOURCE_DATE_EPOCH"
+}

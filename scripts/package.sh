@@ -92,18 +92,8 @@ gzip -9n <"$ROOT/CHANGELOG.md" >"$STAGE$DOCDIR/CHANGELOG.md.gz"
 # The version has no Debian revision (it is the extension's own), so Debian calls the package
 # native, whose changelog is named changelog.gz (lintian: wrong-name-for-changelog-of-native-package).
 gzip -9n <"$DEBIAN_SRC/changelog" >"$STAGE$DOCDIR/changelog.gz"
-# The copyright file names the Rust crates linked into the library, as this build resolves them
-# (cargo tree's "(*)" marks repeats; the workspace's own crates are covered by "Files: *").
-crates="$(cd "$ROOT" && "$CARGO" tree -p amqp_outbox --no-default-features --features "pg$PG_MAJOR" \
-    -e normal,no-proc-macro --prefix none --format '{p}|{l}' |
-    sed -E 's/ \(\*\)$//' | grep -v '^amqp_outbox' |
-    awk -F'|' '{ split($1, p, " "); printf " %s %s: %s\n", p[1], substr(p[2], 2), ($2 == "" ? "(none declared)" : $2) }' |
-    LC_ALL=C sort -u)"
-[ -n "$crates" ] || die "cargo tree listed no crates for the copyright file"
-while IFS= read -r line; do
-    if [ "$line" = "@BUNDLED_CRATES@" ]; then printf '%s\n' "$crates"; else printf '%s\n' "$line"; fi
-done <"$DEBIAN_SRC/copyright.in" >"$STAGE$DOCDIR/copyright"
-chmod 644 "$STAGE$DOCDIR/copyright"
+# The copyright file names the Rust crates linked into the library, as this build resolves them.
+write_copyright "$STAGE$DOCDIR/copyright" -p amqp_outbox --no-default-features --features "pg$PG_MAJOR"
 
 # --- 3. DEBIAN/control, md5sums -----------------------------------------------------------------
 sed "s/PGVERSION/$PG_MAJOR/g" "$DEBIAN_SRC/control.in" >"$WORK/debian/control"
@@ -114,13 +104,8 @@ cp "$DEBIAN_SRC/changelog" "$WORK/debian/changelog"
     # Installed-Size is computed from the staged tree; Version comes from the changelog.
     dpkg-gencontrol -p"$PKG" -P"debian/$PKG" -T"debian/$PKG.substvars"
 )
-(cd "$STAGE" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | LC_ALL=C sort -z |
-    xargs -0 md5sum) >"$STAGE/DEBIAN/md5sums"
-
-# Modes 755/644 whatever the umask; times clamped for a reproducible archive.
-find "$STAGE" -type d -exec chmod 755 {} +
-find "$STAGE" -type f -exec chmod 644 {} +
-find "$STAGE" -newermt "@$SOURCE_DATE_EPOCH" -print0 | xargs -0r touch --no-dereference --date="@$SOURCE_DATE_EPOCH"
+# md5sums, modes 755/644 whatever the umask, times clamped for a reproducible archive.
+finish_stage "$STAGE"
 
 # --- 4. the archive ------------------------------------------------------------------------------
 DEB="$ROOT/target/package/${PKG}_${VERSION}_${ARCH}.deb"

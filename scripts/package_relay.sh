@@ -55,14 +55,7 @@ for f in relay.md install.md reference.md guarantees.md; do
 done
 gzip -9n <"$ROOT/CHANGELOG.md" >"$STAGE$DOCDIR/CHANGELOG.md.gz"
 gzip -9n <"$DEBIAN_SRC/changelog" >"$STAGE$DOCDIR/changelog.gz"
-crates="$(cd "$ROOT" && "$CARGO" tree -p amqp_outbox_relay -e normal,no-proc-macro --prefix none \
-    --format '{p}|{l}' | sed -E 's/ \(\*\)$//' | grep -v '^amqp_outbox' |
-    awk -F'|' '{ split($1, p, " "); printf " %s %s: %s\n", p[1], substr(p[2], 2), ($2 == "" ? "(none declared)" : $2) }' |
-    LC_ALL=C sort -u)"
-[ -n "$crates" ] || die "cargo tree listed no crates for the copyright file"
-while IFS= read -r line; do
-    if [ "$line" = "@BUNDLED_CRATES@" ]; then printf '%s\n' "$crates"; else printf '%s\n' "$line"; fi
-done <"$DEBIAN_SRC/copyright.in" | sed 's/^Comment: The library links/Comment: The program links/' >"$STAGE$DOCDIR/copyright"
+write_copyright "$STAGE$DOCDIR/copyright" -p amqp_outbox_relay
 
 printf '/etc/amqp-outbox-relay/relay.toml\n' >"$STAGE/DEBIAN/conffiles"
 sed "s/PGVERSION/0/g" "$DEBIAN_SRC/control.in" >"$WORK/debian/control"
@@ -72,12 +65,7 @@ cp "$DEBIAN_SRC/changelog" "$WORK/debian/changelog"
     dpkg-shlibdeps -T"debian/$PKG.substvars" "debian/$PKG/usr/bin/amqp-outbox-relay"
     dpkg-gencontrol -p"$PKG" -P"debian/$PKG" -T"debian/$PKG.substvars"
 )
-(cd "$STAGE" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | LC_ALL=C sort -z |
-    xargs -0 md5sum) >"$STAGE/DEBIAN/md5sums"
-find "$STAGE" -type d -exec chmod 755 {} +
-find "$STAGE" -type f -exec chmod 644 {} +
-chmod 755 "$STAGE/usr/bin/amqp-outbox-relay"
-find "$STAGE" -newermt "@$SOURCE_DATE_EPOCH" -print0 | xargs -0r touch --no-dereference --date="@$SOURCE_DATE_EPOCH"
+finish_stage "$STAGE" /usr/bin/amqp-outbox-relay
 
 DEB="$ROOT/target/package/${PKG}_${VERSION}_${ARCH}.deb"
 dpkg-deb --root-owner-group --build "$STAGE" "$DEB"

@@ -31,9 +31,8 @@ pub struct Config {
     pub postgres_tls: PostgresTls,
 }
 
-/// How the relay checks PostgreSQL's certificate, and the client certificate it shows: the
-/// broker's rules (the server's certificate always verified, against `ca_file` when set, else
-/// the system's trust store).
+/// The CA certificates PostgreSQL's certificate is verified against (set: always verified), and
+/// the client certificate shown to a verified server ([`crate::tls`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PostgresTls {
     pub ca_file: Option<String>,

@@ -2,11 +2,9 @@
 //! a name for the logs that shows no password.
 
 use crate::config::PostgresTls;
-use amqp_outbox_broker::TlsOptions;
 use postgres::config::{Host, SslMode};
 use postgres::{Client, Config, NoTls};
 use std::time::Duration;
-use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// Shown in `pg_stat_activity` unless the connection string names another.
 pub const APPLICATION_NAME: &str = "amqp-outbox-relay";
@@ -16,10 +14,11 @@ pub const APPLICATION_NAME: &str = "amqp-outbox-relay";
 /// off from its database stops acting before another can take over.
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Parses `url` (a URL or `key=value` pairs, as libpq takes them) and connects: in plain text
-/// with `sslmode=disable`, otherwise with TLS when the server offers it (`prefer`, the default)
-/// or only with TLS (`require`), the server's certificate always verified (see [`PostgresTls`]).
+/// Parses `url` (a URL or `key=value` pairs, as libpq takes them, `sslmode` with libpq's
+/// meanings: [`crate::tls`]) and connects.
 pub fn connect(url: &str, tls: &PostgresTls) -> Result<Client, String> {
+    let (url, verify) = crate::tls::verifying_mode(url);
+    let url = url.as_str();
     let mut config: Config = url
         .parse()
         .map_err(|e| format!("the connection string of {}: {e}", target(url)))?;
@@ -40,15 +39,9 @@ pub fn connect(url: &str, tls: &PostgresTls) -> Result<Client, String> {
             Some(Host::Tcp(h)) => h.clone(),
             _ => "localhost".into(),
         };
-        let options = TlsOptions {
-            ca_file: tls.ca_file.clone(),
-            cert_file: tls.cert_file.clone(),
-            key_file: tls.key_file.clone(),
-            server_name: None,
-        };
-        let client_config = amqp_outbox_broker::tls_client_config(&options, &host)
+        let connector = crate::tls::connector(tls, verify, &host)
             .map_err(|e| format!("TLS to {}: {e}", target(url)))?;
-        config.connect(MakeRustlsConnect::new(client_config))
+        config.connect(connector)
     };
     connected.map_err(|e| format!("cannot connect to {}: {}", target(url), describe(&e)))
 }

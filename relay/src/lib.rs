@@ -9,8 +9,8 @@
 //!   [`client_outbox`]: the engine's `Outbox` over a `postgres` connection, running the very
 //!   statements the worker runs through SPI; [`report`]: the counters and connections the
 //!   status views show.
-//! - [`cli`]: the command; [`connect`], [`log`], [`stop`]: connections, log lines on stderr,
-//!   SIGTERM.
+//! - [`cli`]: the command; [`connect`], [`tls`], [`log`], [`stop`]: connections (TLS with
+//!   libpq's `sslmode`), log lines on stderr, SIGTERM.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs inside PostgreSQL.
 
@@ -24,3 +24,4 @@ pub mod lease;
 pub mod log;
 pub mod report;
 pub mod stop;
+pub mod tls;

@@ -158,11 +158,23 @@ impl Fixture {
         t.commit().expect("COMMIT");
     }
 
-    fn outbox_rows(&mut self) -> i64 {
-        self.owner
-            .query_one("SELECT count(*) FROM amqp.message", &[])
-            .expect("count")
-            .get(0)
+    /// Waits until every delivered row is deleted.
+    fn wait_drained(&mut self) {
+        eventually(
+            Duration::from_secs(10),
+            "the delivered rows deleted",
+            || {
+                let rows: i64 = self
+                    .owner
+                    .query_one("SELECT count(*) FROM amqp.message", &[])
+                    .map_err(|e| e.to_string())?
+                    .get(0);
+                match rows {
+                    0 => Ok(()),
+                    n => Err(format!("{n} rows")),
+                }
+            },
+        );
     }
 
     /// The session serving the database, as `amqp.worker_status` shows it.
@@ -243,14 +255,7 @@ fn the_relay_publishes_what_commits_reports_and_stops_on_sigterm() {
         assert!(copies[0].message_id.is_some(), "{body} has a message id");
         assert_eq!(copies[0].delivery_mode, Some(2), "{body} is persistent");
     }
-    eventually(
-        Duration::from_secs(10),
-        "the delivered rows deleted",
-        || match f.outbox_rows() {
-            0 => Ok(()),
-            n => Err(format!("{n} rows")),
-        },
-    );
+    f.wait_drained();
     // The status views: the relay's counters and its broker's connection.
     eventually(Duration::from_secs(5), "the relay's report", || {
         let r = f
@@ -327,14 +332,7 @@ fn a_standing_by_relay_takes_over_when_the_active_one_is_killed() {
         let ids: HashSet<_> = copies.iter().map(|d| d.message_id.clone()).collect();
         assert_eq!(ids.len(), 1, "{body}: one message id for every copy");
     }
-    eventually(
-        Duration::from_secs(10),
-        "the delivered rows deleted",
-        || match f.outbox_rows() {
-            0 => Ok(()),
-            n => Err(format!("{n} rows")),
-        },
-    );
+    f.wait_drained();
     assert!(second.is_running());
 }
 
@@ -465,7 +463,7 @@ fn delayed_and_keyed_messages_go_out_through_the_relay_when_due() {
 }
 
 #[test]
-fn the_relay_connects_over_tls_and_verifies_the_servers_certificate() {
+fn the_relay_connects_over_tls_with_libpqs_sslmodes() {
     assert!(
         amqp_outbox_testkit::openssl_installed(),
         "openssl is not installed (scripts/setup.sh installs it)"
@@ -500,14 +498,19 @@ fn the_relay_connects_over_tls_and_verifies_the_servers_certificate() {
             Err(on)
         }
     });
-    // The certificate names "localhost"; TLS or nothing.
-    let tls_url = url(&f.cluster).replace("host=127.0.0.1", "host=localhost") + " sslmode=require";
+    // The certificate names "localhost".
+    let tls_url = url(&f.cluster).replace("host=127.0.0.1", "host=localhost");
     let dir = f.cluster.dir().to_path_buf();
-    let start = |name: &str, ca: &str| {
+    let start = |name: &str, sslmode: &str, ca: Option<&str>| {
         let log = dir.join(format!("relay-{name}.log"));
-        let child = Command::new(RELAY)
-            .args(["--database", &tls_url, "--set"])
-            .arg(format!("postgres_ca_file={}", pki.path(ca)))
+        let mut command = Command::new(RELAY);
+        command.args(["--database", &format!("{tls_url} sslmode={sslmode}")]);
+        if let Some(ca) = ca {
+            command
+                .arg("--set")
+                .arg(format!("postgres_ca_file={}", pki.path(ca)));
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log"))
@@ -518,26 +521,41 @@ fn the_relay_connects_over_tls_and_verifies_the_servers_certificate() {
             log,
         }
     };
+    let encrypted = |admin: &mut Client, pid: i32| -> bool {
+        admin
+            .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = $1", &[&pid])
+            .expect("pg_stat_ssl")
+            .get(0)
+    };
 
-    // A server whose certificate another CA signed: refused, with the reason, nothing served.
-    let mut wrong = start("wrong-ca", "other_ca.pem");
-    wrong.wait_for_log("cannot connect", Duration::from_secs(20));
-    let log = wrong.log();
-    assert!(log.to_lowercase().contains("certificate"), "{log}");
-    assert_eq!(
-        f.relay_pid(),
-        None,
-        "no relay serves over an unverified connection"
-    );
-    wrong.kill9();
+    // Verifying against a CA that did not sign the server's certificate, or against the
+    // system's trust store (which does not know the test CA): refused, with the reason, and
+    // nothing served.
+    for (name, sslmode, ca) in [
+        ("wrong-ca", "require", Some("other_ca.pem")),
+        ("system-store", "verify-full", None),
+    ] {
+        let mut refused = start(name, sslmode, ca);
+        refused.wait_for_log("cannot connect", Duration::from_secs(20));
+        let log = refused.log();
+        assert!(log.to_lowercase().contains("certificate"), "{name}: {log}");
+        assert_eq!(f.relay_pid(), None, "{name}: nothing served unverified");
+        refused.kill9();
+    }
 
-    let _relay = start("right-ca", "ca.pem");
+    // `require` without CA certificates, as libpq: encrypted, not verified.
+    let mut unverified = start("require", "require", None);
     let pid = f.wait_for_relay(None, Duration::from_secs(20));
-    let ssl: bool = admin
-        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = $1", &[&pid])
-        .expect("pg_stat_ssl")
-        .get(0);
-    assert!(ssl, "the relay's session is encrypted");
+    assert!(encrypted(&mut admin, pid), "sslmode=require encrypts");
+    unverified.kill9();
+
+    // verify-full with the right CA: served, encrypted, delivering.
+    let _relay = start("verify-full", "verify-full", Some("ca.pem"));
+    let pid = f.wait_for_relay(Some(pid), Duration::from_secs(20));
+    assert!(
+        encrypted(&mut admin, pid),
+        "the relay's session is encrypted"
+    );
     let expected = bodies("tls", 0..20);
     f.publish(&expected);
     f.wait_delivered(&expected.into_iter().collect(), Duration::from_secs(20));
