@@ -1,9 +1,11 @@
 //! The brokers the AMQP thread works with: read from `amqp.broker` and the declaration tables
 //! when something asks for it (start, a reload, a change of the tables), sent over only when
 //! they changed; and the rows that name no broker at all. The host reads the four tables
-//! ([`crate::statements`]: `BROKER_HOSTS_SQL` and the three after it) into [`BrokerTables`];
-//! how they become a configuration is decided here, once for every host.
+//! ([`crate::statements`]: `BROKER_HOSTS_SQL` and the three after it) into [`BrokerTables`]
+//! ([`crate::broker_tables`]); how they become a configuration is decided here, once for every
+//! host.
 
+pub use crate::broker_tables::{BindingRow, BrokerTables, ExchangeRow, HostRow, QueueRow};
 use crate::events::BrokerStatus;
 use crate::flight::Flight;
 use crate::outbox::Outbox;
@@ -20,63 +22,6 @@ use std::time::{Duration, Instant};
 /// How often rows naming no broker are looked for (and on every configuration change), while
 /// that read of the whole table is cheap.
 const ORPHAN_CHECK_EVERY: Duration = Duration::from_secs(10);
-
-/// One row of `amqp.broker`, NULLs as NULLs (the defaults are applied in [`assemble`]).
-#[derive(Debug, Default, Clone)]
-pub struct HostRow {
-    pub broker_id: i32,
-    pub host: Option<String>,
-    pub port: Option<i32>,
-    pub vhost: Option<String>,
-    pub username: Option<String>,
-    pub password: Option<String>,
-    pub proof: Option<String>,
-    pub tls: Option<bool>,
-    pub tls_ca_file: Option<String>,
-    pub tls_cert_file: Option<String>,
-    pub tls_key_file: Option<String>,
-    pub tls_server_name: Option<String>,
-}
-
-/// One row of `amqp.exchange`.
-#[derive(Debug, Default, Clone)]
-pub struct ExchangeRow {
-    pub broker_id: i32,
-    pub exchange: Option<String>,
-    pub exchange_type: Option<String>,
-    pub passive: Option<bool>,
-    pub durable: Option<bool>,
-    pub auto_delete: Option<bool>,
-}
-
-/// One row of `amqp.queue` (its arguments as jsonb's text).
-#[derive(Debug, Default, Clone)]
-pub struct QueueRow {
-    pub broker_id: i32,
-    pub queue: Option<String>,
-    pub durable: Option<bool>,
-    pub auto_delete: Option<bool>,
-    pub arguments: Option<String>,
-}
-
-/// One row of `amqp.binding` (its arguments as jsonb's text).
-#[derive(Debug, Default, Clone)]
-pub struct BindingRow {
-    pub broker_id: i32,
-    pub queue: Option<String>,
-    pub exchange: Option<String>,
-    pub routing_key: Option<String>,
-    pub arguments: Option<String>,
-}
-
-/// The four tables, each in the order its statement reads it.
-#[derive(Debug, Default, Clone)]
-pub struct BrokerTables {
-    pub hosts: Vec<HostRow>,
-    pub exchanges: Vec<ExchangeRow>,
-    pub queues: Vec<QueueRow>,
-    pub bindings: Vec<BindingRow>,
-}
 
 /// What every broker shares: the settings, and this database's acknowledgement queue.
 pub fn template(s: &WorkerSettings, ack_queue: String) -> BrokerConfig {

@@ -10,7 +10,8 @@
 //! - [`standby_gate`]: what may leave for the broker once the named standbys have the commits.
 //! - [`row`], [`message`]: a claimed row, and the AMQP message made of it; [`headers`]: the
 //!   user's jsonb headers and arguments, checked before they go to AMQP.
-//! - [`brokers`]: the broker configuration read from the tables and sent to the AMQP thread.
+//! - [`brokers`]: the broker configuration read from the tables ([`broker_tables`]) and sent to
+//!   the AMQP thread.
 //! - [`claim`]: reads the next rows and hands them over; [`events`] turns the AMQP thread's
 //!   events into a [`settle::Settlement`], which [`settle`] writes to the table; [`faults`]:
 //!   test-only fault injection.
@@ -22,6 +23,7 @@
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs PostgreSQL code.
 
+pub mod broker_tables;
 pub mod brokers;
 pub mod claim;
 pub mod events;

@@ -4,7 +4,7 @@
 //! opened; none waits on the broker. Their texts are in [`crate::statements`], the same for
 //! every host.
 
-use crate::brokers::BrokerTables;
+use crate::broker_tables::BrokerTables;
 use crate::flight::Proof;
 use crate::message::Origin;
 use crate::row::Row;
