@@ -560,3 +560,121 @@ fn the_relay_connects_over_tls_with_libpqs_sslmodes() {
     f.publish(&expected);
     f.wait_delivered(&expected.into_iter().collect(), Duration::from_secs(20));
 }
+
+#[test]
+fn messages_waiting_in_the_extension_move_to_the_plain_sql_install_and_the_relay_delivers_them() {
+    // The extension, its worker off: messages waiting, one of them delayed.
+    let source =
+        PgCluster::new(amqp_outbox_e2e::PgConfig::default().setting("amqp_outbox.enabled", "off"));
+    let mut src = source.client();
+    src.batch_execute(
+        "CREATE EXTENSION amqp_outbox; \
+         INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')",
+    )
+    .expect("the extension's database");
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_queue("relay_move");
+    let mut ids = HashMap::new();
+    for i in 0..40 {
+        let body = format!("moved-{i}");
+        let id: i64 = src
+            .query_one(
+                "SELECT amqp.publish_message(1, '', $1, $2)",
+                &[&route.queue, &body],
+            )
+            .expect("publish")
+            .get(0);
+        let message_id: String = src
+            .query_one("SELECT message_id FROM amqp.message WHERE id = $1", &[&id])
+            .expect("its message id")
+            .get(0);
+        ids.insert(body, message_id);
+    }
+    src.execute(
+        "SELECT amqp.publish_message(1, '', $1, 'moved-later', deliver_after => '2 seconds')",
+        &[&route.queue],
+    )
+    .expect("delayed publish");
+    // The data of the outbox (nothing else lives in this database), as a DBA moving to a
+    // hosted service dumps it.
+    let path = source.dir().join("outbox.sql").display().to_string();
+    source
+        .run_client(
+            "pg_dump",
+            &["--data-only", "-f", &path, &source.config().database],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    drop(src);
+    source_worker_off_check(&source);
+
+    // Restored by the install's owner into the plain-SQL install; the relay delivers.
+    let target = installed();
+    target
+        .run_client(
+            "psql",
+            &[
+                "-X",
+                "-q",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-U",
+                OWNER,
+                "-d",
+                DB,
+                "-f",
+                &path,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("restore into the plain-SQL install: {e}"));
+    let collector = rabbit.consume_connected(&route);
+    let _relay = Relay::start(&target, "a", &[]);
+    let mut expected: HashSet<String> = ids.keys().cloned().collect();
+    expected.insert("moved-later".into());
+    let arrived = eventually(Duration::from_secs(30), "the moved messages", || {
+        let mut seen: HashMap<String, Option<String>> = HashMap::new();
+        for d in collector.deliveries() {
+            seen.insert(d.text(), d.message_id.clone());
+        }
+        let missing = expected.iter().filter(|b| !seen.contains_key(*b)).count();
+        if missing == 0 {
+            Ok(seen)
+        } else {
+            Err(format!("{missing} missing"))
+        }
+    });
+    for (body, message_id) in &ids {
+        assert_eq!(
+            arrived[body].as_deref(),
+            Some(message_id.as_str()),
+            "{body} keeps its message id"
+        );
+    }
+    let mut owner = owner_client(&target);
+    eventually(Duration::from_secs(10), "the outbox drained", || {
+        let rows: i64 = owner
+            .query_one(
+                "SELECT (SELECT count(*) FROM amqp.message) + (SELECT count(*) FROM amqp.scheduled_message)",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if rows == 0 {
+            Ok(())
+        } else {
+            Err(format!("{rows} rows"))
+        }
+    });
+}
+
+/// The source delivered nothing meanwhile (its worker was off): every message still there.
+fn source_worker_off_check(source: &PgCluster) {
+    let waiting: i64 = source
+        .client()
+        .query_one(
+            "SELECT (SELECT count(*) FROM amqp.message) + (SELECT count(*) FROM amqp.scheduled_message)",
+            &[],
+        )
+        .expect("count")
+        .get(0);
+    assert_eq!(waiting, 41, "the source kept every message");
+}
