@@ -6,7 +6,7 @@
 //! `bench/results/latest.json` (and `latest.md`).
 //!
 //! Environment: `BENCH_QUICK=1` (default) or `0` for the full sizes; `BENCH_ONLY=publish,drain,
-//! latency,scale,growth,consume,capacity,monitor,standby,lanes,later,profile` to run a subset;
+//! latency,scale,growth,consume,capacity,monitor,standby,lanes,later,relay,profile` to run a subset;
 //! `BENCH_SCALE_N` messages per large backlog and `BENCH_SCALE_REPS` backlogs in the scale phase;
 //! `BENCH_CONSUME_N` messages per consume run; `BENCH_LANES_N` messages per lanes run; `BENCH_CAPACITY_ROUNDS`, `BENCH_CAPACITY_REPS`,
 //! `BENCH_CAPACITY_SECS` for the capacity search; `BENCH_MONITOR_OPEN`, `BENCH_MONITOR_RATE`,
@@ -25,6 +25,7 @@ mod monitor;
 mod pgbench;
 mod phases;
 mod raw;
+mod relay;
 mod report;
 mod standby;
 
@@ -254,6 +255,8 @@ fn print_charts(path: &str) -> ! {
 }
 
 fn main() {
+    // Started again as the relay by section 13.
+    relay::run_as_relay();
     let args: Vec<String> = std::env::args().collect();
     if let [_, flag, path] = args.as_slice() {
         if flag == "--charts" {
@@ -293,7 +296,7 @@ fn main() {
     let mut run = Run::default();
 
     type Phase = fn(&mut Env, &Opts, &mut Run) -> Result<(), String>;
-    let all: [(&str, Phase); 12] = [
+    let all: [(&str, Phase); 13] = [
         ("publish", phases::publish_cost),
         ("drain", phases::drain),
         ("latency", phases::latency),
@@ -305,6 +308,7 @@ fn main() {
         ("standby", standby::standby),
         ("lanes", lanes::lanes),
         ("later", later::later),
+        ("relay", relay::relay),
         ("profile", phases::profile),
     ];
     let mut timings = BTreeMap::new();

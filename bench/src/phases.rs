@@ -332,11 +332,11 @@ struct Drained {
 }
 
 /// CPU seconds of the RabbitMQ node so far.
-fn broker_cpu(env: &Env) -> Option<f64> {
+pub(crate) fn broker_cpu(env: &Env) -> Option<f64> {
     env::broker_pid(env.amqp_port).and_then(env::proc_cpu_secs)
 }
 
-fn per_msg_us(before: Option<f64>, after: Option<f64>, n: u64) -> f64 {
+pub(crate) fn per_msg_us(before: Option<f64>, after: Option<f64>, n: u64) -> f64 {
     match (before, after) {
         (Some(a), Some(b)) => (b - a) * 1e6 / n as f64,
         _ => f64::NAN,
@@ -739,13 +739,24 @@ impl PacedOutbox {
         business_type: Option<&str>,
         rate: f64,
     ) -> Result<PacedOutbox, String> {
+        Self::connect_to(&env.cluster, env.broker_id, exchange, business_type, rate)
+    }
+
+    /// [`PacedOutbox::connect`] to the database of another `cluster`, its broker `broker_id`.
+    pub(crate) fn connect_to(
+        cluster: &amqp_outbox_e2e::PgCluster,
+        broker_id: i32,
+        exchange: &str,
+        business_type: Option<&str>,
+        rate: f64,
+    ) -> Result<PacedOutbox, String> {
         let sessions = ((rate / 400.0).ceil() as usize).max(1);
         let clients = (0..sessions)
-            .map(|_| env.cluster.try_client())
+            .map(|_| cluster.try_client())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(PacedOutbox {
             clients,
-            broker_id: env.broker_id,
+            broker_id,
             exchange: exchange.to_string(),
             business_type: business_type.map(str::to_string),
             rate,

@@ -49,29 +49,35 @@ fn check(config: &Config) {
 
 /// Runs the relay with the process's arguments and environment until SIGTERM or SIGINT.
 pub fn main() -> ExitCode {
+    ExitCode::from(run())
+}
+
+/// [`main`]'s exit status: 0 after a clean stop, 1 when a thread failed, 2 for a configuration
+/// error. (What a program embedding the relay passes to `std::process::exit`.)
+pub fn run() -> u8 {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let config = match config::parse(&args, &|k| std::env::var(k).ok()) {
         Ok(Command::Help) => {
             println!("{}", help());
-            return ExitCode::SUCCESS;
+            return 0;
         }
         Ok(Command::Version) => {
             println!("amqp-outbox-relay {}", env!("CARGO_PKG_VERSION"));
-            return ExitCode::SUCCESS;
+            return 0;
         }
         Ok(Command::Check(config)) => {
             check(&config);
-            return ExitCode::SUCCESS;
+            return 0;
         }
         Ok(Command::Run(config)) => config,
         Err(e) => {
             eprintln!("amqp-outbox-relay: {e}");
-            return ExitCode::from(2);
+            return 2;
         }
     };
     if let Err(e) = stop::install() {
         eprintln!("amqp-outbox-relay: cannot install the signal handlers: {e}");
-        return ExitCode::FAILURE;
+        return 1;
     }
     let config: &'static Config = Box::leak(config);
     let threads: Vec<_> = config
@@ -83,18 +89,18 @@ pub fn main() -> ExitCode {
                 .spawn(move || database::serve(url, config))
         })
         .collect();
-    let mut code = ExitCode::SUCCESS;
+    let mut code = 0;
     for t in threads {
         match t {
             Ok(t) => {
                 if t.join().is_err() {
-                    code = ExitCode::FAILURE;
+                    code = 1;
                 }
             }
             Err(e) => {
                 eprintln!("amqp-outbox-relay: cannot start a thread: {e}");
                 stop::request();
-                code = ExitCode::FAILURE;
+                code = 1;
             }
         }
     }

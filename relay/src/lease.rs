@@ -249,12 +249,19 @@ fn hold(
         }
         let mut arrived = Vec::new();
         {
+            // Waits for the first one at most until the next confirmation is due, then takes
+            // only what has already come: a timeout iterator would go on collecting until its
+            // whole timeout is over, holding every commit's wake-up back by up to that long.
             let mut notifications = client.notifications();
-            let mut waiting = notifications.timeout_iter(CONFIRM_EVERY);
-            while let Some(n) = waiting.next()? {
+            let first = notifications.timeout_iter(CONFIRM_EVERY).next()?;
+            if let Some(n) = first {
                 arrived.push(n.payload().to_owned());
-                if arrived.len() >= 1000 {
-                    break;
+                let mut buffered = notifications.iter();
+                while let Some(n) = buffered.next()? {
+                    arrived.push(n.payload().to_owned());
+                    if arrived.len() >= 1000 {
+                        break;
+                    }
                 }
             }
         }

@@ -1,0 +1,304 @@
+//! Section 13, the relay (#42): the plain-SQL install in a second cluster that does not load the
+//! library (as on a hosted service; the same settings as the bench's), served by
+//! `amqp-outbox-relay` (this program started again as the relay, so the figures are of the
+//! build under test), beside the extension's worker serving the bench's cluster, in one run:
+//!
+//! - drain: a backlog committed in one transaction, from the commit until the outbox is empty
+//!   (relay ÷ worker, target ≥ 0.8), with each one's CPU per message;
+//! - latency: commit → consumer at 200 msg/s, one message per transaction (target for the
+//!   relay: p99 ≤ 5 ms), beside the worker's.
+//!
+//! The two sides run rotated, the same queue and consumer for both.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use amqp_outbox_e2e::{PgCluster, PgConfig};
+use postgres::Client;
+
+use crate::env::{self, payload, Env};
+use crate::phases::{self, broker_cpu, paced_pad, pcts, per_msg_us, rotated, PacedOutbox};
+use crate::raw::LatencyConsumer;
+use crate::report::{Figure, Target};
+use crate::{log, Opts, Run};
+
+/// When set, this program runs as the relay (see [`run_as_relay`]).
+pub const RUN_AS_RELAY: &str = "AMQP_OUTBOX_BENCH_RUN_AS_RELAY";
+
+/// Runs the relay's command instead of the benchmark when [`RUN_AS_RELAY`] is set.
+pub fn run_as_relay() {
+    if std::env::var_os(RUN_AS_RELAY).is_some() {
+        std::process::exit(i32::from(amqp_outbox_relay::cli::run()));
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Who {
+    Worker,
+    Relay,
+}
+
+/// The relay process; killed when dropped.
+struct RelayProcess(Child);
+
+impl RelayProcess {
+    fn start(env: &Env, hosted: &PgCluster) -> Result<RelayProcess, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+        let url = hosted
+            .connection_string(env::DATABASE)
+            .replace("application_name=amqp_outbox_e2e", "");
+        let log = std::fs::File::create(env.out_dir.join("relay.log"))
+            .map_err(|e| format!("relay log: {e}"))?;
+        let child = Command::new(exe)
+            .env(RUN_AS_RELAY, "1")
+            .args(["--database", &url])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("start the relay: {e}"))?;
+        Ok(RelayProcess(child))
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        // SIGTERM first: it deletes what it delivered and frees its lease.
+        // SAFETY: a signal to our own child, not yet reaped.
+        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A cluster without the library, with the bench's durability settings, the plain-SQL install
+/// in its database and the bench's broker.
+fn install(env: &Env) -> Result<(PgCluster, Client), String> {
+    let config = PgConfig {
+        database: env::DATABASE.to_string(),
+        ..PgConfig::default()
+    }
+    .without_preload()
+    .setting("fsync", "on")
+    .setting("full_page_writes", "on")
+    .setting("synchronous_commit", env::sync_commit())
+    .setting("shared_buffers", "'256MB'")
+    .setting("max_wal_size", "'2GB'");
+    let cluster = PgCluster::try_new(config)?;
+    let mut c = cluster.try_client()?;
+    c.batch_execute(&format!(
+        "BEGIN; {}\nCOMMIT;",
+        amqp_outbox_e2e::hosted::script()
+    ))
+    .map_err(|e| format!("the plain-SQL install: {}", db_message(&e)))?;
+    c.execute(
+        "INSERT INTO amqp.broker (broker_id, host, port) VALUES ($1, $2, $3)",
+        &[&env.broker_id, &env.amqp_host, &i32::from(env.amqp_port)],
+    )
+    .map_err(|e| format!("the relay's broker: {}", db_message(&e)))?;
+    Ok((cluster, c))
+}
+
+/// The relay's session pid once it serves the database and its broker is connected.
+fn wait_serving(c: &mut Client, timeout: Duration) -> Result<i32, String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let row = c
+            .query_one(
+                "SELECT (SELECT worker_pid FROM amqp.worker_status WHERE state = 'running'), \
+                        coalesce((SELECT bool_and(connected) FROM amqp.broker_status), false)",
+                &[],
+            )
+            .map_err(|e| format!("the relay's status: {e}"))?;
+        if let (Some(pid), true) = (row.get::<_, Option<i32>>(0), row.get::<_, bool>(1)) {
+            return Ok(pid);
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "no relay served the plain-SQL install within {timeout:?}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The server's message of an error (`postgres::Error` alone says "db error").
+fn db_message(e: &postgres::Error) -> String {
+    e.as_db_error().map_or_else(
+        || e.to_string(),
+        |d| format!("{} ({})", d.message(), d.code().code()),
+    )
+}
+
+fn outbox_empty(c: &mut Client) -> Result<bool, String> {
+    Env::outbox_nonempty(c).map(|nonempty| !nonempty)
+}
+
+/// Commits `n` messages in one transaction on `c`; returns when the outbox of `watch` is empty
+/// again: messages per second from the commit.
+fn drain_once(
+    c: &mut Client,
+    watch: &mut Client,
+    broker: i32,
+    exchange: &str,
+    body: &str,
+    n: u64,
+) -> Result<f64, String> {
+    let k = i32::try_from(n).map_err(|_| "backlog too large".to_string())?;
+    c.query_one(
+        "SELECT count(amqp.publish($1, $2, '', $3)) FROM generate_series(1, $4::int) g",
+        &[&broker, &exchange, &body, &k],
+    )
+    .map_err(|e| format!("the backlog: {}", db_message(&e)))?;
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(600);
+    loop {
+        if outbox_empty(watch)? {
+            return Ok(n as f64 / t0.elapsed().as_secs_f64());
+        }
+        if Instant::now() >= deadline {
+            return Err("the outbox did not drain within 10 minutes".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
+    let (hosted_cluster, mut hosted) = install(env)?;
+    env.set_enabled(true)?;
+    env.set_proof("ack_queue")?;
+    let relay = RelayProcess::start(env, &hosted_cluster)?;
+    wait_serving(&mut hosted, Duration::from_secs(30))?;
+    let relay_pid = relay.0.id() as i32;
+    let sec = "13 relay";
+
+    // Drain.
+    let n = opts.drain_n.min(50_000);
+    let body = payload(256);
+    let route = env.routes.classic.clone();
+    let mut rates = (Vec::new(), Vec::new());
+    let mut cpu = (Vec::new(), Vec::new());
+    for rep in 0..opts.drain_reps.max(2) {
+        for who in rotated(&[Who::Worker, Who::Relay], rep) {
+            let pid = match who {
+                Who::Worker => env.worker_pid()?,
+                Who::Relay => Some(relay_pid),
+            };
+            let cpu0 = pid.and_then(env::proc_cpu_secs);
+            let bcpu0 = broker_cpu(env);
+            let rate = match who {
+                Who::Worker => {
+                    let mut c = env.cluster.try_client()?;
+                    drain_once(
+                        &mut c,
+                        &mut env.admin,
+                        env.broker_id,
+                        &route.exchange,
+                        &body,
+                        n,
+                    )?
+                }
+                Who::Relay => {
+                    let mut c = hosted_cluster.try_client()?;
+                    drain_once(
+                        &mut c,
+                        &mut hosted,
+                        env.broker_id,
+                        &route.exchange,
+                        &body,
+                        n,
+                    )?
+                }
+            };
+            let us = per_msg_us(cpu0, pid.and_then(env::proc_cpu_secs), n);
+            log(format!(
+                "  drain of {n} ({who:?}): {rate:.0} msg/s, {us:.1} µs CPU/msg, RabbitMQ {:.1} µs/msg",
+                per_msg_us(bcpu0, broker_cpu(env), n)
+            ));
+            let (r, c) = match who {
+                Who::Worker => (&mut rates.0, &mut cpu.0),
+                Who::Relay => (&mut rates.1, &mut cpu.1),
+            };
+            r.push(rate);
+            c.push(us);
+            env.purge(&route.queue)?;
+        }
+    }
+    let cfg = format!("{n} messages committed in one transaction, classic durable queue");
+    run.fig(
+        Figure::new(sec, "drain, relay / in-database worker", &cfg, "msg/s")
+            .samples(rates.1)
+            .baseline("worker", rates.0)
+            .target(Target::RatioAtLeast(0.8)),
+    );
+    run.fig(
+        Figure::new(
+            sec,
+            "CPU per delivered message, relay / in-database worker",
+            &cfg,
+            "µs",
+        )
+        .samples(cpu.1)
+        .baseline("worker", cpu.0),
+    );
+
+    // Latency at 200 msg/s.
+    let route = env.routes.latency.clone();
+    env.purge(&route.queue)?;
+    let consumer = LatencyConsumer::start(&env.amqp_uri(), &route.queue)?;
+    let pad = paced_pad();
+    let (warmup, secs) = (
+        Duration::from_secs(1),
+        Duration::from_secs_f64(opts.lat_secs_low),
+    );
+    let mut got = (Vec::new(), Vec::new());
+    for rep in 0..opts.lat_reps {
+        for who in rotated(&[Who::Worker, Who::Relay], rep) {
+            consumer.reset();
+            let cluster = match who {
+                Who::Worker => &env.cluster,
+                Who::Relay => &hosted_cluster,
+            };
+            let sent =
+                PacedOutbox::connect_to(cluster, env.broker_id, &route.exchange, None, 200.0)?
+                    .run(warmup, secs, &pad)?;
+            let samples = consumer.wait_for(sent, Duration::from_secs(30));
+            let p = pcts(&samples);
+            log(format!(
+                "  200/s {who:?}: {} of {sent} received, p50 {:.2} ms, p99 {:.2} ms",
+                samples.us.len(),
+                p.p50,
+                p.p99
+            ));
+            match who {
+                Who::Worker => got.0.push(p),
+                Who::Relay => got.1.push(p),
+            }
+            env.purge(&route.queue)?;
+        }
+    }
+    let cfg = "200 msg/s, 1 msg/txn".to_string();
+    let pick = |v: &[phases::Pcts], f: fn(&phases::Pcts) -> f64| v.iter().map(f).collect();
+    run.fig(
+        Figure::new(sec, "commit→consumer p50, relay / worker", &cfg, "ms")
+            .samples(pick(&got.1, |p| p.p50))
+            .baseline("worker", pick(&got.0, |p| p.p50)),
+    );
+    run.fig(
+        Figure::new(sec, "commit→consumer p99, relay / worker", &cfg, "ms")
+            .samples(pick(&got.1, |p| p.p99))
+            .baseline("worker", pick(&got.0, |p| p.p99))
+            .target(Target::AtMost(5.0)),
+    );
+    drop(relay);
+    drop(hosted);
+    drop(hosted_cluster);
+    Ok(())
+}
