@@ -160,21 +160,7 @@ impl Fixture {
 
     /// Waits until every delivered row is deleted.
     fn wait_drained(&mut self) {
-        eventually(
-            Duration::from_secs(10),
-            "the delivered rows deleted",
-            || {
-                let rows: i64 = self
-                    .owner
-                    .query_one("SELECT count(*) FROM amqp.message", &[])
-                    .map_err(|e| e.to_string())?
-                    .get(0);
-                match rows {
-                    0 => Ok(()),
-                    n => Err(format!("{n} rows")),
-                }
-            },
-        );
+        wait_drained(&mut self.owner);
     }
 
     /// The session serving the database, as `amqp.worker_status` shows it.
@@ -219,6 +205,24 @@ impl Fixture {
             }
         })
     }
+}
+
+/// Waits until the outbox holds nothing: every delivered row deleted, no delayed one waiting.
+fn wait_drained(c: &mut Client) {
+    eventually(Duration::from_secs(10), "the outbox drained", || {
+        let rows: i64 = c
+            .query_one(
+                "SELECT (SELECT count(*) FROM amqp.message) \
+                      + (SELECT count(*) FROM amqp.scheduled_message)",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        match rows {
+            0 => Ok(()),
+            n => Err(format!("{n} rows")),
+        }
+    });
 }
 
 fn bodies(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
@@ -649,21 +653,7 @@ fn messages_waiting_in_the_extension_move_to_the_plain_sql_install_and_the_relay
             "{body} keeps its message id"
         );
     }
-    let mut owner = owner_client(&target);
-    eventually(Duration::from_secs(10), "the outbox drained", || {
-        let rows: i64 = owner
-            .query_one(
-                "SELECT (SELECT count(*) FROM amqp.message) + (SELECT count(*) FROM amqp.scheduled_message)",
-                &[],
-            )
-            .map_err(|e| e.to_string())?
-            .get(0);
-        if rows == 0 {
-            Ok(())
-        } else {
-            Err(format!("{rows} rows"))
-        }
-    });
+    wait_drained(&mut owner_client(&target));
 }
 
 /// The source delivered nothing meanwhile (its worker was off): every message still there.
