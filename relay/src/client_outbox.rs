@@ -24,10 +24,13 @@ use postgres::types::{FromSql, ToSql, Type};
 use postgres::{Client, Error, GenericClient, Statement};
 use std::collections::HashMap;
 
-/// Pins the connection's `search_path` as the worker pins its own (the statements are written
-/// for it), and reads the database's name: the default of the system tag.
+/// Sets the delivery's session settings on the connection, as the worker pins its own (the
+/// statements are written for them: `statements::SESSION_SETTINGS` says why each), and reads
+/// the database's name: the default of the system tag.
 const SESSION_SQL: &str = "\
-SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false), \
+SELECT (SELECT pg_catalog.count(pg_catalog.set_config(n, v, false)) \
+          FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[])) \
+               AS s (n, v)), \
        pg_catalog.current_database()::text";
 
 /// The next transaction id, read after the probe (see [`ClientOutbox::probe`]); NULL when the
@@ -59,10 +62,12 @@ pub struct Session {
 }
 
 impl Session {
-    /// Pins `search_path` for the rest of the connection's life and reads the database's name.
-    /// Call outside a transaction block (a rollback would undo the pin).
+    /// Sets the session settings for the rest of the connection's life and reads the database's
+    /// name. Call outside a transaction block (a rollback would undo them).
     pub fn new(client: &mut Client) -> Result<Session, Error> {
-        let row = client.query_one(SESSION_SQL, &[])?;
+        let (names, values): (Vec<&str>, Vec<&str>) =
+            statements::SESSION_SETTINGS.iter().copied().unzip();
+        let row = client.query_one(SESSION_SQL, &[&names, &values])?;
         Ok(Session {
             system_id: row.try_get::<_, Option<String>>(1)?.unwrap_or_default(),
             host_id: amqp_outbox_broker::identity::host_name(),

@@ -127,32 +127,11 @@ pub extern "C-unwind" fn amqp_outbox_worker_main(arg: pg_sys::Datum) {
     // Its own SIGTERM handler: a statement that does not end cannot keep the worker.
     crate::watchdog::install();
     let database = connect_to_slot_database(arg);
-    // Pinned before the first query, for the worker's whole life (see pg::pin): its statements
-    // resolve functions and operators in pg_catalog only, whatever a user creates elsewhere.
-    pg::pin(c"search_path", c"pg_catalog, pg_temp");
-    // Losing the worker's own commits in a crash only means publishing again (at least once);
-    // waiting for each WAL flush would cap the drain rate.
-    pg::pin(c"synchronous_commit", c"off");
-    // The worker's statements are short; a lock wait must not hold a transaction open.
-    pg::pin(c"lock_timeout", c"10s");
-    // The claim must walk the primary key from the scan floor and stop after its batch, and the
-    // DELETE find its rows by id. Planned while the table was empty or just truncated
-    // (statistics of a few rows), a bitmap scan, a sort or a sequential scan look cheaper, and
-    // the kept plan would then sort the whole backlog on every claim, or read every dead row
-    // since the last VACUUM on every DELETE (a third of the worker's CPU at 2,000 msg/s).
-    // Statements with no index to use (the periodic checks) still scan.
-    pg::pin(c"enable_bitmapscan", c"off");
-    pg::pin(c"enable_sort", c"off");
-    pg::pin(c"enable_seqscan", c"off");
-    // Those scans then carry the disabled-path cost, far above jit_above_cost: each would be
-    // compiled to machine code (tens of ms) to read a few rows. Nothing here is worth a JIT.
-    pg::pin(c"jit", c"off");
-    // Every statement of the worker is prepared once and kept, and each is written for one
-    // plan whatever its parameters. Left to choose, the plan cache may settle on planning the
-    // claim again at every step (measured: half of the worker's PostgreSQL time at 2,000
-    // msg/s, after an ANALYZE of the empty table), and switches between the two as
-    // statistics change.
-    pg::pin(c"plan_cache_mode", c"force_generic_plan");
+    // Pinned before the first query, for the worker's whole life (see pg::pin): the delivery's
+    // session settings, the relay's too (why each: the engine's SESSION_SETTINGS).
+    for (name, value) in amqp_outbox_engine::statements::SESSION_SETTINGS {
+        pg::pin_str(name, value);
+    }
     announce(shmem::WorkerKind::Outbox, &database);
     if shmem::launch::probe_only() {
         debug1!("amqp_outbox: looking for the extension in database \"{database}\"");

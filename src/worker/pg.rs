@@ -26,6 +26,15 @@ pub fn pin(name: &CStr, value: &CStr) {
     };
 }
 
+/// [`pin`] with Rust strings (the engine's settings); one with a NUL byte cannot be a setting
+/// and raises an ERROR (the worker exits and is started again).
+pub fn pin_str(name: &str, value: &str) {
+    match (CString::new(name), CString::new(value)) {
+        (Ok(n), Ok(v)) => pin(&n, &v),
+        _ => error!("amqp_outbox: the setting {name:?} cannot be pinned"),
+    }
+}
+
 /// Runs `body` in its own transaction with a snapshot, and reports it in pg_stat_activity.
 /// An ERROR inside aborts the transaction and ends the worker (exit 1, started again by the
 /// launcher): the worker never sits idle in transaction.
