@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::{PgCluster, PgConfig};
+use amqp_outbox_relay::connect::describe;
 use postgres::Client;
 
 use crate::env::{self, payload, Env};
@@ -97,12 +98,12 @@ fn install(env: &Env) -> Result<(PgCluster, Client), String> {
         "BEGIN; {}\nCOMMIT;",
         amqp_outbox_e2e::hosted::script()
     ))
-    .map_err(|e| format!("the plain-SQL install: {}", db_message(&e)))?;
+    .map_err(|e| format!("the plain-SQL install: {}", describe(&e)))?;
     c.execute(
         "INSERT INTO amqp.broker (broker_id, host, port) VALUES ($1, $2, $3)",
         &[&env.broker_id, &env.amqp_host, &i32::from(env.amqp_port)],
     )
-    .map_err(|e| format!("the relay's broker: {}", db_message(&e)))?;
+    .map_err(|e| format!("the relay's broker: {}", describe(&e)))?;
     Ok((cluster, c))
 }
 
@@ -129,14 +130,6 @@ fn wait_serving(c: &mut Client, timeout: Duration) -> Result<i32, String> {
     }
 }
 
-/// The server's message of an error (`postgres::Error` alone says "db error").
-fn db_message(e: &postgres::Error) -> String {
-    e.as_db_error().map_or_else(
-        || e.to_string(),
-        |d| format!("{} ({})", d.message(), d.code().code()),
-    )
-}
-
 /// The relay's process and the server processes of its sessions.
 fn relay_processes(c: &mut Client, relay_pid: i32) -> Result<Vec<i32>, String> {
     let mut pids = vec![relay_pid];
@@ -145,7 +138,7 @@ fn relay_processes(c: &mut Client, relay_pid: i32) -> Result<Vec<i32>, String> {
             "SELECT pid FROM pg_stat_activity WHERE application_name = 'amqp-outbox-relay'",
             &[],
         )
-        .map_err(|e| format!("the relay's sessions: {}", db_message(&e)))?
+        .map_err(|e| format!("the relay's sessions: {}", describe(&e)))?
     {
         pids.push(r.get(0));
     }
@@ -171,7 +164,7 @@ fn drain_once(
         "SELECT count(amqp.publish($1, $2, '', $3)) FROM generate_series(1, $4::int) g",
         &[&broker, &exchange, &body, &k],
     )
-    .map_err(|e| format!("the backlog: {}", db_message(&e)))?;
+    .map_err(|e| format!("the backlog: {}", describe(&e)))?;
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs(600);
     loop {

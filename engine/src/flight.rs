@@ -319,6 +319,17 @@ impl Flight {
         std::mem::take(&mut self.locked)
     }
 
+    /// The delivered rows due for their DELETE now ([`Flight::take_proven`]; `all`: every one),
+    /// with those a session kept locked at the last try once they are due again, and whether
+    /// there were such (the DELETE then picks out the rows no one holds at once).
+    pub fn take_deletable(&mut self, now: Instant, all: bool) -> (Vec<Proof>, bool) {
+        let locked = self.take_locked(now, all);
+        let locked_before = !locked.is_empty();
+        let mut delivered = self.take_proven(now, all);
+        delivered.extend(locked);
+        (delivered, locked_before)
+    }
+
     #[cfg(feature = "fault-injection")]
     pub fn set_delete_after(&mut self, after: Option<Duration>) {
         self.delete_after = after;

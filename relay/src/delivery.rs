@@ -367,11 +367,7 @@ impl<'a> Delivery<'a> {
     /// Deletes the delivered rows once their batch is due, or all of them (`all`: at a clean
     /// stop, so that none is published again).
     fn delete_delivered(&mut self, all: bool) -> Result<(), String> {
-        let now = Instant::now();
-        let locked = self.flight.take_locked(now, all);
-        let locked_before = !locked.is_empty();
-        let mut delivered = self.flight.take_proven(now, all);
-        delivered.extend(locked);
+        let (delivered, locked_before) = self.flight.take_deletable(Instant::now(), all);
         if delivered.is_empty() {
             return Ok(());
         }

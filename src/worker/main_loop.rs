@@ -296,11 +296,7 @@ impl Worker {
     /// Deletes the delivered rows once their batch is due ([`Flight::take_proven`]), or all of
     /// them (`all`: at a clean shutdown, so that none is published again).
     fn delete_delivered(&mut self, all: bool) {
-        let now = Instant::now();
-        let locked = self.flight.take_locked(now, all);
-        let locked_before = !locked.is_empty();
-        let mut delivered = self.flight.take_proven(now, all);
-        delivered.extend(locked);
+        let (delivered, locked_before) = self.flight.take_deletable(Instant::now(), all);
         if delivered.is_empty() || !self.presence.present() {
             return;
         }
