@@ -15,6 +15,8 @@
 //! - [`claim`]: reads the next rows and hands them over; [`events`] turns the AMQP thread's
 //!   events into a [`settle::Settlement`], which [`settle`] writes to the table; [`faults`]:
 //!   test-only fault injection.
+//! - [`consume`]: the consuming side: subscriptions, their messages handled in batches, the
+//!   counters.
 //! - [`scheduled`]: delayed messages moved into the outbox when due; old idempotency keys.
 //! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
 //! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
@@ -26,6 +28,7 @@
 pub mod broker_tables;
 pub mod brokers;
 pub mod claim;
+pub mod consume;
 pub mod events;
 pub mod faults;
 pub mod flight;

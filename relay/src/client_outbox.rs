@@ -76,6 +76,17 @@ impl Session {
         })
     }
 
+    /// A session for statements that need none of the delivery's settings nor its tags (the
+    /// broker tables read on the consuming side's connection).
+    pub fn plain() -> Session {
+        Session {
+            system_id: String::new(),
+            host_id: String::new(),
+            prepared: HashMap::new(),
+            id_sequence: None,
+        }
+    }
+
     /// Forgets the prepared statements (the extension's objects were dropped and made again
     /// with other types).
     pub fn forget_statements(&mut self) {

@@ -29,6 +29,11 @@ pub struct Config {
     pub verbose: bool,
     /// TLS to PostgreSQL (when the connection string's `sslmode` is not `disable`).
     pub postgres_tls: PostgresTls,
+    /// A subscription's handler running longer is cancelled and its message failed (zero: no
+    /// bound).
+    pub handler_timeout: Duration,
+    /// Messages handled per transaction by the consuming side, at most.
+    pub inbox_batch_size: usize,
 }
 
 /// The CA certificates PostgreSQL's certificate is verified against (set: always verified), and
@@ -49,6 +54,8 @@ impl Default for Config {
             takeover_every: Duration::from_secs(1),
             verbose: false,
             postgres_tls: PostgresTls::default(),
+            handler_timeout: Duration::from_secs(30),
+            inbox_batch_size: 100,
         }
     }
 }
@@ -95,6 +102,8 @@ pub const SETTINGS: &[(&str, &str)] = &[
         "takeover_every",
         "how often a standing-by relay tries to take over",
     ),
+    ("handler_timeout", "a subscription handler's longest run"),
+    ("inbox_batch_size", "messages handled per transaction"),
 ];
 
 /// Reads the command line `args` (without the program's name) and the environment `env`.
@@ -228,6 +237,8 @@ fn set(config: &mut Config, name: &str, v: &str) -> Result<(), String> {
         "takeover_every" => {
             config.takeover_every = at_least(duration(v, Duration::from_secs(3600))?, 100)?
         }
+        "handler_timeout" => config.handler_timeout = duration(v, Duration::from_secs(86_400))?,
+        "inbox_batch_size" => config.inbox_batch_size = count(v, 1, 10_000)?,
         "postgres_ca_file" => config.postgres_tls.ca_file = path(v),
         "postgres_cert_file" => config.postgres_tls.cert_file = path(v),
         "postgres_key_file" => config.postgres_tls.key_file = path(v),

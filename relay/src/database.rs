@@ -1,5 +1,6 @@
-//! One database: its lease, and the delivery while this relay holds it; started again after
-//! every failure, until the relay stops.
+//! One database: its lease, and while this relay holds it the delivery (this thread) and the
+//! consuming side (a thread of its own, [`crate::consume`]); each started again after every
+//! failure, until the relay stops.
 
 use crate::config::Config;
 use crate::connect;
@@ -28,6 +29,20 @@ pub fn serve(url: &str, config: &Config) {
             return;
         }
     };
+    std::thread::scope(|scope| {
+        let consuming = std::thread::Builder::new()
+            .name("consume".into())
+            .spawn_scoped(scope, || crate::consume::serve(url, config, &lease, &log));
+        if let Err(e) = consuming {
+            log.warning(&format!("cannot start the consuming side: {e}"));
+        }
+        deliver(url, config, &lease, &log);
+    });
+    log.log("stopped");
+}
+
+/// The delivery while the lease is held, until the relay stops.
+fn deliver(url: &str, config: &Config, lease: &Lease, log: &Log) {
     let mut backoff = Duration::from_millis(500);
     while !stop::requested() {
         let Some(generation) = lease.held() else {
@@ -38,7 +53,7 @@ pub fn serve(url: &str, config: &Config) {
         };
         let telemetry = RelayTelemetry::new(log.clone());
         let ended = match Delivery::start(config, url, telemetry, generation) {
-            Ok(delivery) => delivery.run(&lease),
+            Ok(delivery) => delivery.run(lease),
             Err(e) => Ended::Failed(e),
         };
         match ended {
@@ -54,5 +69,4 @@ pub fn serve(url: &str, config: &Config) {
             }
         }
     }
-    log.log("stopped");
 }

@@ -84,6 +84,8 @@ struct State {
     held: bool,
     confirmed_at: Option<Instant>,
     notices: Notices,
+    /// `amqp.subscription` changed (or the lock was just taken), for the consuming side.
+    subscriptions_changed: bool,
 }
 
 struct Shared {
@@ -145,6 +147,12 @@ impl Lease {
     pub fn take_notices(&self) -> Notices {
         self.wake.clear();
         std::mem::take(&mut self.shared.state().notices)
+    }
+
+    /// Whether `amqp.subscription` changed (or the configuration was reloaded) since the last
+    /// call: the consuming side reads the subscriptions again.
+    pub fn take_subscriptions_changed(&self) -> bool {
+        std::mem::take(&mut self.shared.state().subscriptions_changed)
     }
 
     /// Readable when notices arrived or the lease changed.
@@ -233,6 +241,7 @@ fn hold(
         s.generation += 1;
         s.held = true;
         s.confirmed_at = Some(Instant::now());
+        s.subscriptions_changed = true;
         s.notices = Notices {
             reload: true,
             subscriptions: true,
@@ -269,6 +278,8 @@ fn hold(
             let mut s = shared.state();
             for payload in &arrived {
                 s.notices.add(payload);
+                // A reload may have changed a subscription's broker.
+                s.subscriptions_changed |= matches!(payload.as_str(), "subscriptions" | "reload");
             }
             drop(s);
             shared.wake.wake();

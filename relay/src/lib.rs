@@ -9,15 +9,20 @@
 //!   [`client_outbox`]: the engine's `Outbox` over a `postgres` connection, running the very
 //!   statements the worker runs through SPI; [`report`]: the counters and connections the
 //!   status views show.
+//! - [`consume`]: the subscriptions' consumers and the engine's handling of their messages,
+//!   on a thread and connection of their own; [`client_inbox`]: the engine's `InboxHost` over
+//!   a `postgres` connection, handlers run as their owners.
 //! - [`cli`]: the command; [`connect`], [`tls`], [`log`], [`stop`]: connections (TLS with
 //!   libpq's `sslmode`), log lines on stderr, SIGTERM.
 //!
 //! Nothing here may depend on pgrx (`make lint` checks): it never runs inside PostgreSQL.
 
 pub mod cli;
+pub mod client_inbox;
 pub mod client_outbox;
 pub mod config;
 pub mod connect;
+pub mod consume;
 pub mod database;
 pub mod delivery;
 pub mod lease;

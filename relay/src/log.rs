@@ -35,4 +35,8 @@ impl Log {
     pub fn warning(&self, text: &str) {
         self.line(Level::Warning, text);
     }
+
+    pub fn debug(&self, text: &str) {
+        self.line(Level::Debug, text);
+    }
 }

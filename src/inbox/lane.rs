@@ -10,15 +10,15 @@
 //! Lanes are started and restarted by the launcher, as many as the subscription worker asks
 //! for.
 
-use super::book::Book;
-use super::handling::{self, Outcome, Rules};
+use super::handling::{self, Outcome, SpiInbox};
 use super::queries;
-use super::types::{Ordering, Sub};
 use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
+use amqp_outbox_engine::consume::book::Book;
+use amqp_outbox_engine::consume::message::{Ordering, Sub};
 use pgrx::prelude::*;
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -106,7 +106,7 @@ impl Lane {
         let mut names = Vec::new();
         let mut limit = LANE_BATCH;
         let mut ordered = None;
-        for s in self.subs.values().filter(|s| s.call.is_some()) {
+        for s in self.subs.values().filter(|s| s.handler.is_some()) {
             // Lane 0 also empties what waits for a subscription that has no lanes any more.
             if s.parallelism > self.n || (self.n == 0 && !s.has_lanes()) {
                 names.push(s.name.clone());
@@ -122,7 +122,7 @@ impl Lane {
     /// One transaction: claim, handle, delete. Returns whether it handled anything.
     fn step(&mut self) -> bool {
         let generation = shmem::subscriptions_generation();
-        let rules = Rules::from_settings(&self.settings);
+        let rules = handling::rules(&self.settings);
         let mut handled = 0usize;
         // It took as many as it may: more may be waiting for the other lanes.
         let mut took_all = false;
@@ -169,12 +169,11 @@ impl Lane {
                     messages.push(m);
                 }
                 let outcomes = handling::handle_all(
-                    client,
+                    &mut SpiInbox::new(client, &mut self.left),
                     &self.subs,
                     &messages,
                     &rules,
                     &mut self.book,
-                    &mut self.left,
                 )?;
                 let mut done = Vec::with_capacity(messages.len());
                 for (m, o) in messages.iter().zip(outcomes) {
@@ -220,6 +219,6 @@ impl Lane {
             return Ok(());
         }
         self.booked_at = Instant::now();
-        self.book.flush(client)
+        queries::write_book(client, &mut self.book)
     }
 }

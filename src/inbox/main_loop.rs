@@ -3,12 +3,10 @@
 //! retries failed messages when due, runs the retention of consumption records, and sleeps on
 //! latch + socket otherwise.
 
-use super::book::{self, Book};
 use super::guarded;
-use super::handling::{self, Outcome, Rules};
+use super::handling::{self, Outcome, SpiInbox};
 use super::queries;
-use super::subscriptions::Subscriptions;
-use super::types::Message;
+use super::subscriptions::{self, Subscriptions};
 use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use crate::shmem::handler_trap::{self, Ended};
@@ -17,6 +15,9 @@ use crate::worker::queries as outbox_queries;
 use crate::worker::standbys::{self, StandbyWait};
 use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
 use amqp_outbox_broker::LogLevel;
+use amqp_outbox_engine::consume::book::Book;
+use amqp_outbox_engine::consume::message::Message;
+use amqp_outbox_engine::consume::statements::ROTATE_SQL;
 use pgrx::prelude::*;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
@@ -212,11 +213,8 @@ impl Inbox {
     /// transaction, its lock wait ran out after `lock_timeout` and took the batch and the
     /// worker down, again at every restart while that session lived.
     fn rotate(&mut self) {
-        let done = guarded::statement_alone(
-            "amqp_outbox retention",
-            "SELECT amqp.rotate_consumption()",
-            Some(ROTATE_LOCK_WAIT),
-        );
+        let done =
+            guarded::statement_alone("amqp_outbox retention", ROTATE_SQL, Some(ROTATE_LOCK_WAIT));
         match done {
             Ok(done) => {
                 self.rotate_at = Some(Instant::now() + ROTATE_EVERY);
@@ -247,7 +245,7 @@ impl Inbox {
     /// counters. Then the acknowledgements of what it committed.
     fn step(&mut self) {
         let batch_size = gucs::INBOX_BATCH_SIZE.get().max(1) as usize;
-        let rules = Rules::from_settings(&self.settings);
+        let rules = handling::rules(&self.settings);
         let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
         let rotate_due = self.rotate_at.is_none_or(|t| t <= Instant::now());
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
@@ -267,17 +265,8 @@ impl Inbox {
             return;
         }
         let mut wake_lanes = false;
-        // At most half of the smallest prefetch per transaction: while one half is handled,
-        // the broker refills the half acknowledged before, instead of waiting for a whole batch.
-        let half_prefetch = self
-            .subs
-            .active
-            .values()
-            .map(|s| usize::from(s.prefetch / 2).max(1))
-            .min()
-            .unwrap_or(batch_size);
         let batch: Vec<Message> = {
-            let n = self.pending.len().min(batch_size).min(half_prefetch);
+            let n = self.pending.len().min(self.subs.batch_limit(batch_size));
             self.pending.drain(..n).collect()
         };
         pg::transaction("amqp_outbox subscriptions", || {
@@ -298,14 +287,16 @@ impl Inbox {
             self.present = true;
             Spi::connect_mut(|client| -> pgrx::spi::SpiResult<()> {
                 if first {
-                    book::reset_connections(client)?;
+                    queries::reset_connections(client)?;
                 }
                 if self.need_reload {
                     self.need_reload = false;
                     self.reloaded_at = Instant::now();
                     // Handlers may have been replaced or dropped: plan their calls again.
                     outbox_queries::forget_plans();
-                    if let Some(configs) = self.subs.reload(client, &self.settings)? {
+                    if let Some(configs) =
+                        subscriptions::reload(&mut self.subs, client, &self.settings)?
+                    {
                         self.handle.send(InboxCommand::Configure(configs));
                     }
                     shmem::set_lanes_wanted(queries::lanes_wanted(client)?);
@@ -376,12 +367,11 @@ impl Inbox {
                 }
                 if !work.is_empty() {
                     let outcomes = handling::handle_all(
-                        client,
+                        &mut SpiInbox::new(client, &mut self.left_behind),
                         &self.subs.active,
                         &work,
                         &rules,
                         &mut self.book,
-                        &mut self.left_behind,
                     )?;
                     for (m, o) in work.iter().zip(outcomes) {
                         if matches!(o, Outcome::CannotRun) {
@@ -389,10 +379,7 @@ impl Inbox {
                             // its state saying why, and the broker keeps its messages.
                             self.need_reload = true;
                         }
-                        if let (Some((epoch, tag)), false) = (
-                            m.delivery,
-                            matches!(o, Outcome::Dropped | Outcome::CannotRun),
-                        ) {
+                        if let (Some((epoch, tag)), true) = (m.delivery, o.acknowledged()) {
                             acks.entry((m.subscription.clone(), epoch))
                                 .or_default()
                                 .push(tag);
@@ -404,7 +391,7 @@ impl Inbox {
                     self.retry_at = queries::next_retry_in(client, names)?
                         .map(|s| Instant::now() + Duration::from_secs_f64(s.clamp(0.0, 3600.0)));
                 }
-                self.book.flush(client)
+                queries::write_book(client, &mut self.book)
             })
             .unwrap_or_else(|e| error!("amqp_outbox: subscription worker: {e}"));
         });

@@ -4,21 +4,19 @@
 //!
 //! - [`main_loop`]: the schedule: events from the AMQP thread, reloads, retries, retention.
 //! - [`subscriptions`]: the active subscriptions as read from `amqp.subscription`.
-//! - [`handling`]: one transaction handling a batch of messages, one subtransaction each.
+//! - [`handling`]: the engine's handling of a batch (one transaction, one subtransaction per
+//!   message; `amqp_outbox_engine::consume`) on SPI.
 //! - [`guarded`]: a subtransaction that catches the handler's error, with a time bound.
-//! - [`book`]: counters and connection states, written to `amqp._subscription_state`.
 //! - [`lane`]: the lanes, processes that handle the messages of subscriptions with a
 //!   parallelism or an ordering, which the subscription worker hands them.
-//! - [`queries`]: every SQL statement of the subscription worker; [`types`]: what they carry.
+//! - [`queries`]: the statements through SPI (the engine's texts, and the lanes' own).
 
-mod book;
 pub(crate) mod guarded;
 mod handling;
 mod lane;
 mod main_loop;
 mod queries;
 mod subscriptions;
-mod types;
 
 use crate::shmem;
 use crate::worker::pg;

@@ -1,62 +1,41 @@
-//! Every SQL statement of the subscription worker. Values are always bound parameters; the one
-//! statement with a name in its text (the handler call) takes it from PostgreSQL's own quoting
-//! (`format('%I.%I')`), never from a value.
+//! The subscription worker's and the lanes' statements through SPI: the engine's texts
+//! ([`amqp_outbox_engine::consume::statements`]) bound here, and the lanes' own. Values are
+//! always bound parameters; the one statement with a name in its text (the handler call) takes
+//! it from PostgreSQL's own quoting (`format('%I.%I')`), never from a value.
 
-use super::types::{Message, Ordering, Sub};
 use crate::worker::queries::run_kept;
+use amqp_outbox_engine::consume::book::BookRow;
+use amqp_outbox_engine::consume::handling::FailedRecord;
+use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
+use amqp_outbox_engine::consume::statements as sql;
+use amqp_outbox_engine::outbox::Caught;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 
-/// Why a subscription's handler cannot run as its owner (`NULL`: it can). The owner is checked
-/// before the function privilege, which would raise for a role that is gone; CASE keeps the
-/// order. The handler is kept by name (schema-qualified, see `amqp._handler_name()`):
-/// `to_regprocedure` finds it, or gives NULL when no such function exists (any more).
-const RUNS_AS_PROBLEM: &str = "CASE \
-    WHEN NOT EXISTS (SELECT FROM pg_proc p WHERE p.oid = to_regprocedure(s.handler)) \
-    THEN format('the handler function %s no longer exists: set another (UPDATE amqp.subscription SET handler = ...) or amqp.unsubscribe() it', s.handler) \
-    WHEN NOT EXISTS (SELECT FROM pg_roles r WHERE r.oid = s.owner::oid) \
-    THEN format('its owner (role oid %s) no longer exists: set another (UPDATE amqp.subscription SET owner = ...) or amqp.unsubscribe() it', s.owner::oid) \
-    WHEN NOT has_function_privilege(s.owner::oid, to_regprocedure(s.handler)::oid, 'EXECUTE') \
-    THEN format('its owner %s may not execute the handler %s', s.owner, s.handler) END";
-
 pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
-    let rows = client.select(
-        &format!(
-            "SELECT s.subscription, s.broker_id, s.queue, s.prefetch, s.max_attempts, \
-                    s.dead_letter_exchange, s.owner::oid, \
-                    (SELECT format('%I.%I', n.nspname, p.proname) \
-                       FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
-                      WHERE p.oid = to_regprocedure(s.handler)), \
-                    {RUNS_AS_PROBLEM}, s.parallelism, s.ordering \
-               FROM amqp.subscription s WHERE NOT s.paused ORDER BY s.subscription"
-        ),
-        None,
-        &[],
-    )?;
+    let rows = client.select(sql::SUBSCRIPTIONS_SQL, None, &[])?;
     let mut out = Vec::new();
     for r in rows {
-        let name = r.get::<String>(1)?.unwrap_or_default();
-        let problem = r.get::<String>(9)?;
+        let problem = r.get::<String>(10)?;
+        let handler = match (r.get::<String>(8)?, r.get::<pg_sys::Oid>(9)?) {
+            (Some(f), Some(oid)) if problem.is_none() => Some((f, oid.to_u32())),
+            _ => None,
+        };
         out.push(Sub {
-            name,
+            name: r.get::<String>(1)?.unwrap_or_default(),
             broker_id: r.get::<i32>(2)?.unwrap_or_default(),
             queue: r.get::<String>(3)?.unwrap_or_default(),
             prefetch: u16::try_from(r.get::<i32>(4)?.unwrap_or(100)).unwrap_or(100),
             max_attempts: r.get::<i32>(5)?.unwrap_or(10),
             dead_letter_exchange: r.get::<String>(6)?,
-            owner: r.get::<pg_sys::Oid>(7)?.unwrap_or(pg_sys::InvalidOid),
-            call: r.get::<String>(8)?.filter(|_| problem.is_none()).map(|f| {
-                format!(
-                    "SELECT {f}(ROW($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
-                     pg_catalog.to_timestamp($12), $13, $14)::amqp.delivery)"
-                )
-            }),
+            owner: r.get::<pg_sys::Oid>(7)?.map_or(0, |o| o.to_u32()),
+            handler,
             problem,
-            parallelism: usize::try_from(r.get::<i32>(10)?.unwrap_or(1))
+            parallelism: usize::try_from(r.get::<i32>(11)?.unwrap_or(1))
                 .unwrap_or(1)
                 .clamp(1, crate::shmem::MAX_LANES),
-            ordering: Ordering::parse(r.get::<&str>(11)?.unwrap_or("none")),
+            ordering: Ordering::parse(r.get::<&str>(12)?.unwrap_or("none")),
         });
     }
     Ok(out)
@@ -65,7 +44,7 @@ pub fn load_subscriptions(client: &SpiClient<'_>) -> SpiResult<Vec<Sub>> {
 /// The names of the subscriptions that exist now (paused ones included).
 pub fn subscription_names(client: &SpiClient<'_>) -> SpiResult<Vec<String>> {
     client
-        .select("SELECT subscription FROM amqp.subscription", None, &[])?
+        .select(sql::SUBSCRIPTION_NAMES_SQL, None, &[])?
         .map(|r| r.get::<String>(1).map(Option::unwrap_or_default))
         .collect()
 }
@@ -74,21 +53,16 @@ pub fn subscription_names(client: &SpiClient<'_>) -> SpiResult<Vec<String>> {
 /// its owner was, or lost the right to execute it, since the subscription was last read).
 pub fn runs_as_problem(client: &SpiClient<'_>, subscription: &str) -> SpiResult<Option<String>> {
     client
-        .select(
-            &format!("SELECT {RUNS_AS_PROBLEM} FROM amqp.subscription s WHERE s.subscription = $1"),
-            Some(1),
-            &[subscription.into()],
-        )?
+        .select(sql::RUNS_AS_PROBLEM_SQL, Some(1), &[subscription.into()])?
         .first()
         .get::<String>(1)
 }
 
 /// `consume_once(subscription, message_id)`: false for a duplicate.
 pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> SpiResult<bool> {
-    // The subscriptions' own names, which consume_once() refuses to applications.
-    let consumer = format!("subscription:{sub}");
+    let consumer = sql::consumer_name(sub);
     let args: [DatumWithOid; 2] = [consumer.as_str().into(), message_id.into()];
-    run_kept(client, "SELECT amqp._consume($1, $2)", &args, true, |t| {
+    run_kept(client, sql::CONSUME_SQL, &args, true, |t| {
         Ok(t.first().get_one::<bool>()?.unwrap_or(false))
     })
 }
@@ -97,7 +71,7 @@ pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> 
 pub fn derived_message_id(client: &SpiClient<'_>, content: Vec<u8>) -> SpiResult<String> {
     let args: [DatumWithOid; 1] = [content.into()];
     Ok(client
-        .select("SELECT 'sha256:' || encode(sha256($1), 'hex')", None, &args)?
+        .select(sql::DERIVED_MESSAGE_ID_SQL, None, &args)?
         .first()
         .get_one::<String>()?
         .unwrap_or_default())
@@ -107,13 +81,7 @@ pub fn derived_message_id(client: &SpiClient<'_>, content: Vec<u8>) -> SpiResult
 /// redelivered copy got through).
 pub fn resolve_failed(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> SpiResult<()> {
     let args: [DatumWithOid; 2] = [sub.into(), message_id.into()];
-    run_kept(
-        client,
-        "DELETE FROM amqp.inbox_failed WHERE subscription = $1 AND message_id = $2",
-        &args,
-        true,
-        |_| Ok(()),
-    )
+    run_kept(client, sql::RESOLVE_FAILED_SQL, &args, true, |_| Ok(()))
 }
 
 /// Which of these subscriptions have failed messages now (only their handled messages may need
@@ -123,50 +91,53 @@ pub fn with_failed(
     subs: Vec<String>,
 ) -> SpiResult<std::collections::BTreeSet<String>> {
     let args: [DatumWithOid; 1] = [subs.into()];
-    run_kept(
-        client,
-        "SELECT DISTINCT subscription FROM amqp.inbox_failed WHERE subscription = ANY($1)",
-        &args,
-        false,
-        |t| {
-            let mut out = std::collections::BTreeSet::new();
-            for r in t {
-                if let Some(s) = r.get::<String>(1)? {
-                    out.insert(s);
-                }
+    run_kept(client, sql::WITH_FAILED_SQL, &args, false, |t| {
+        let mut out = std::collections::BTreeSet::new();
+        for r in t {
+            if let Some(s) = r.get::<String>(1)? {
+                out.insert(s);
             }
-            Ok(out)
-        },
-    )
+        }
+        Ok(out)
+    })
 }
 
-/// Calls a subscription's handler (`call`, see [`Sub::call`]) from a kept plan.
+/// Calls a subscription's handler (`call`, see [`Sub::call`]) from a kept plan, with the
+/// message's values ([`sql::DELIVERY_ROW`]).
 pub fn call_handler(
     client: &mut SpiClient<'_>,
     call: &str,
-    args: &[DatumWithOid],
+    m: &Message,
+    message_id: &str,
 ) -> SpiResult<()> {
-    run_kept(client, call, args, true, |_| Ok(()))
+    let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
+    let args: [DatumWithOid; 14] = [
+        m.subscription.as_str().into(),
+        message_id.into(),
+        m.exchange.as_str().into(),
+        m.routing_key.as_str().into(),
+        m.body.as_slice().into(),
+        headers.into(),
+        m.content_type.as_deref().into(),
+        m.correlation_id.as_deref().into(),
+        m.reply_to.as_deref().into(),
+        m.redelivered.into(),
+        m.delivery.map(|(_, tag)| tag as i64).into(),
+        m.timestamp.map(|t| t as f64).into(),
+        m.attempt.into(),
+        m.user_id.as_deref().into(),
+    ];
+    run_kept(client, call, &args, true, |_| Ok(()))
 }
 
-/// What a failure did to the message's record.
-pub struct FailedRecord {
-    pub attempts: i32,
-    pub dead: bool,
-}
-
-/// Records a failed handling: a new row on the first failure, one more attempt after that; dead
-/// (no more automatic retries) at `max_attempts`. `delays`: the backoff per attempt count, in
-/// microseconds, drawn by the caller.
-#[allow(clippy::too_many_arguments)]
+/// Records a failed handling ([`sql::RECORD_FAILURE_SQL`]).
 pub fn record_failure(
     client: &mut SpiClient<'_>,
     m: &Message,
     message_id: &str,
-    error: &str,
-    sqlstate: &str,
+    caught: &Caught,
     max_attempts: i32,
-    delays: Vec<i64>,
+    delays: &[i64],
 ) -> SpiResult<FailedRecord> {
     let headers = pgrx::JsonB(serde_json::Value::Object(m.headers.clone()));
     let args: [DatumWithOid; 17] = [
@@ -180,34 +151,15 @@ pub fn record_failure(
         m.correlation_id.as_deref().into(),
         m.reply_to.as_deref().into(),
         m.timestamp.map(|t| t as f64).into(),
-        error.into(),
-        sqlstate.into(),
+        caught.message.as_str().into(),
+        caught.sqlstate.as_str().into(),
         max_attempts.into(),
-        delays.into(),
+        delays.to_vec().into(),
         m.attempt.into(),
         m.user_id.as_deref().into(),
         m.key.as_deref().into(),
     ];
-    let table = client.update(
-        "INSERT INTO amqp.inbox_failed AS f \
-             (subscription, message_id, exchange, routing_key, body, headers, content_type, \
-              correlation_id, reply_to, \"timestamp\", last_error, last_sqlstate, attempts, \
-              next_attempt_at, dead_lettered_at, user_id, ordering_key) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, to_timestamp($10), $11, $12, $15, \
-                 clock_timestamp() + $14[least($15, cardinality($14))] * interval '1 microsecond', \
-                 CASE WHEN $15 >= $13 THEN clock_timestamp() END, $16, $17) \
-         ON CONFLICT (subscription, message_id) DO UPDATE \
-            SET attempts = f.attempts + 1, \
-                last_failed_at = clock_timestamp(), \
-                last_error = EXCLUDED.last_error, \
-                last_sqlstate = EXCLUDED.last_sqlstate, \
-                next_attempt_at = clock_timestamp() \
-                    + $14[least(f.attempts + 1, cardinality($14))] * interval '1 microsecond', \
-                dead_lettered_at = CASE WHEN f.attempts + 1 >= $13 THEN clock_timestamp() END \
-         RETURNING attempts, dead_lettered_at IS NOT NULL",
-        None,
-        &args,
-    )?;
+    let table = client.update(sql::RECORD_FAILURE_SQL, None, &args)?;
     let row = table.first();
     Ok(FailedRecord {
         attempts: row.get::<i32>(1)?.unwrap_or(1),
@@ -222,25 +174,8 @@ pub fn dead_letter(
     sub: &Sub,
     exchange: &str,
     m: &Message,
-    message_id: &str,
-    error: &str,
-    attempts: i32,
+    headers: serde_json::Map<String, serde_json::Value>,
 ) -> SpiResult<()> {
-    let mut headers = m.headers.clone();
-    headers.insert(
-        "x-amqp-outbox-original-message-id".into(),
-        message_id.into(),
-    );
-    headers.insert(
-        "x-amqp-outbox-subscription".into(),
-        sub.name.as_str().into(),
-    );
-    headers.insert("x-amqp-outbox-error".into(), error.into());
-    headers.insert("x-amqp-outbox-attempts".into(), attempts.into());
-    headers.insert(
-        "x-amqp-outbox-original-exchange".into(),
-        m.exchange.as_str().into(),
-    );
     let args: [DatumWithOid; 7] = [
         sub.broker_id.into(),
         exchange.into(),
@@ -250,11 +185,7 @@ pub fn dead_letter(
         m.content_type.as_deref().into(),
         m.correlation_id.as_deref().into(),
     ];
-    client.update(
-        "SELECT amqp.publish_bytes($1, $2, $3, $4, $5, 2, $6, NULL, $7)",
-        None,
-        &args,
-    )?;
+    client.update(sql::DEAD_LETTER_SQL, None, &args)?;
     Ok(())
 }
 
@@ -262,25 +193,20 @@ pub fn dead_letter(
 /// the message's business type when it carried one, for the producer's statistics.
 pub fn receipt(
     client: &mut SpiClient<'_>,
-    broker_id: i32,
-    sub: &str,
+    sub: &Sub,
     message_id: &str,
     error: Option<&str>,
     business_type: Option<&str>,
 ) -> SpiResult<()> {
     let args: [DatumWithOid; 6] = [
-        broker_id.into(),
-        sub.into(),
+        sub.broker_id.into(),
+        sub.name.as_str().into(),
         message_id.into(),
         error.is_none().into(),
         error.into(),
         business_type.into(),
     ];
-    client.update(
-        "SELECT amqp.send_receipt($1, $2, $3, $4, $5, $6)",
-        None,
-        &args,
-    )?;
+    client.update(sql::RECEIPT_SQL, None, &args)?;
     Ok(())
 }
 
@@ -289,11 +215,7 @@ pub fn receipt(
 /// the trace of the message it handles.
 pub fn set_traceparent(client: &mut SpiClient<'_>, traceparent: &str) -> SpiResult<()> {
     let args: [DatumWithOid; 1] = [traceparent.into()];
-    client.update(
-        "SELECT pg_catalog.set_config('amqp_outbox.traceparent', $1, true)",
-        None,
-        &args,
-    )?;
+    client.update(sql::SET_TRACEPARENT_SQL, None, &args)?;
     Ok(())
 }
 
@@ -304,17 +226,7 @@ pub fn due_retries(
     limit: i64,
 ) -> SpiResult<Vec<Message>> {
     let args: [DatumWithOid; 2] = [subs.into(), limit.into()];
-    let rows = client.select(
-        "SELECT subscription, message_id, exchange, routing_key, body, headers::text, \
-                content_type, correlation_id, reply_to, extract(epoch FROM \"timestamp\")::float8, \
-                attempts, user_id, ordering_key \
-           FROM amqp.inbox_failed \
-          WHERE dead_lettered_at IS NULL AND next_attempt_at <= clock_timestamp() \
-            AND subscription = ANY($1) \
-          ORDER BY next_attempt_at, id LIMIT $2",
-        None,
-        &args,
-    )?;
+    let rows = client.select(sql::DUE_RETRIES_SQL, None, &args)?;
     let mut out = Vec::new();
     for r in rows {
         let headers = headers_of(r.get::<String>(6)?);
@@ -561,15 +473,7 @@ pub fn lanes_wanted(client: &SpiClient<'_>) -> SpiResult<usize> {
 pub fn next_retry_in(client: &SpiClient<'_>, subs: Vec<String>) -> SpiResult<Option<f64>> {
     let args: [DatumWithOid; 1] = [subs.into()];
     client
-        .select(
-            // NULL when nothing waits (greatest() would turn that into 0: a retry due now, and
-            // the worker would never sleep); the caller clamps a past instant to now.
-            "SELECT extract(epoch FROM min(next_attempt_at) - clock_timestamp())::float8 \
-               FROM amqp.inbox_failed \
-              WHERE dead_lettered_at IS NULL AND subscription = ANY($1)",
-            None,
-            &args,
-        )?
+        .select(sql::NEXT_RETRY_SQL, None, &args)?
         .first()
         .get_one::<f64>()
 }
@@ -577,7 +481,7 @@ pub fn next_retry_in(client: &SpiClient<'_>, subs: Vec<String>) -> SpiResult<Opt
 /// `SET CONSTRAINTS ALL IMMEDIATE` for the rest of the transaction.
 pub fn constraints_immediate(client: &mut SpiClient<'_>) -> SpiResult<()> {
     client
-        .update("SET CONSTRAINTS ALL IMMEDIATE", None, &[])
+        .update(sql::CONSTRAINTS_IMMEDIATE_SQL, None, &[])
         .map(drop)
 }
 
@@ -590,9 +494,7 @@ pub fn note_dead_letter_refused(
 ) -> SpiResult<()> {
     client
         .update(
-            "UPDATE amqp.inbox_failed \
-                SET last_error = last_error || ' [not dead-lettered: ' || left($3, 1000) || ']' \
-              WHERE subscription = $1 AND message_id = $2",
+            sql::NOTE_DEAD_LETTER_REFUSED_SQL,
             None,
             &[sub.into(), message_id.into(), why.into()],
         )
@@ -610,5 +512,45 @@ pub fn set_local_lock_timeout(
             None,
             &[format!("{}ms", wait.as_millis()).into()],
         )
+        .map(drop)
+}
+
+/// Adds the counters and states noted in `book` to `amqp._subscription_state`.
+pub fn write_book(
+    client: &mut SpiClient<'_>,
+    book: &mut amqp_outbox_engine::consume::book::Book,
+) -> SpiResult<()> {
+    for r in book.take() {
+        write_book_row(client, r)?;
+    }
+    Ok(())
+}
+
+fn write_book_row(client: &mut SpiClient<'_>, r: BookRow) -> SpiResult<()> {
+    let args: [DatumWithOid; 16] = [
+        r.subscription.as_str().into(),
+        r.delivered.into(),
+        r.handled.into(),
+        r.duplicates.into(),
+        r.failed.into(),
+        r.dead_lettered.into(),
+        r.connection_changed.into(),
+        r.connected.into(),
+        r.host.into(),
+        r.error_changed.into(),
+        r.error.into(),
+        r.queue_seen.into(),
+        r.queue_ready.into(),
+        r.queue_consumers.into(),
+        r.handled_now.into(),
+        r.caught_up.into(),
+    ];
+    client.update(sql::BOOK_SQL, None, &args).map(drop)
+}
+
+/// At start: no consumer is connected yet, whatever the last run left.
+pub fn reset_connections(client: &mut SpiClient<'_>) -> SpiResult<()> {
+    client
+        .update(sql::RESET_CONNECTIONS_SQL, None, &[])
         .map(drop)
 }

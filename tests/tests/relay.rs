@@ -668,3 +668,202 @@ fn source_worker_off_check(source: &PgCluster) {
         .get(0);
     assert_eq!(waiting, 41, "the source kept every message");
 }
+
+/// A role of the application's, its schema `app` with a table the handler writes and the
+/// handler (owned by that role): 'fail' raises, 'escape' tries to become the relay's role.
+/// Subscribed to `queue` (max_attempts 2) by the install's owner, then given to the role.
+fn app_subscription(owner: &mut Client, queue: &str) {
+    owner
+        .batch_execute(&format!(
+            "CREATE ROLE relay_app NOLOGIN; GRANT relay_app TO {OWNER}; \
+             GRANT amqp_outbox_consumer TO relay_app; \
+             CREATE SCHEMA app; GRANT USAGE, CREATE ON SCHEMA app TO relay_app; \
+             CREATE TABLE app.handled (n bigserial, body text, who text); \
+             GRANT SELECT, INSERT ON app.handled TO relay_app; \
+             GRANT USAGE ON SEQUENCE app.handled_n_seq TO relay_app; \
+             CREATE FUNCTION app.on_order(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $$ \
+             BEGIN \
+                 IF amqp.body_text(d) = 'fail' THEN \
+                     RAISE EXCEPTION 'refused' USING ERRCODE = 'invalid_parameter_value'; \
+                 END IF; \
+                 IF amqp.body_text(d) = 'escape' THEN RESET ROLE; END IF; \
+                 INSERT INTO app.handled (body, who) VALUES (amqp.body_text(d), current_user); \
+             END $$; \
+             ALTER FUNCTION app.on_order(amqp.delivery) OWNER TO relay_app; \
+             SELECT amqp.subscribe('orders', 1, '{queue}', 'app.on_order(amqp.delivery)', \
+                                   max_attempts => 2); \
+             UPDATE amqp.subscription SET owner = 'relay_app' WHERE subscription = 'orders';"
+        ))
+        .expect("the application's role, handler and subscription");
+}
+
+/// How many rows `app.handled` has, and how many distinct bodies.
+fn handled(c: &mut Client, like: &str) -> (i64, i64) {
+    let r = c
+        .query_one(
+            "SELECT count(*), count(DISTINCT body) FROM app.handled WHERE body LIKE $1",
+            &[&like],
+        )
+        .expect("handled");
+    (r.get(0), r.get(1))
+}
+
+#[test]
+fn the_relay_runs_subscriptions_as_their_owners_once_each_across_a_kill() {
+    let mut f = Fixture::new("relay_consume");
+    let sub_queue = Rabbit::shared().declare_queue("relay_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    let fast_retries = ["retry_backoff_min=100ms", "retry_backoff_max=200ms"];
+    let mut first = Relay::start(&f.cluster, "first", &fast_retries);
+    f.wait_for_relay(None, Duration::from_secs(20));
+
+    // Through the outbox to the subscription's queue, and back in through the relay.
+    let publish = |owner: &mut Client, bodies: &[String]| {
+        let mut t = owner.transaction().expect("BEGIN");
+        for b in bodies {
+            t.execute("SELECT amqp.publish(1, '', $1, $2)", &[&sub_queue.queue, b])
+                .expect("publish");
+        }
+        t.commit().expect("COMMIT");
+    };
+    let specials = ["fail".to_string(), "escape".to_string()];
+    publish(&mut f.owner, &bodies("a", 0..60));
+    publish(&mut f.owner, &specials);
+    eventually(Duration::from_secs(30), "60 handled", || {
+        match handled(&mut f.owner, "a-%") {
+            (60, 60) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let owners: Vec<String> = f
+        .owner
+        .query("SELECT DISTINCT who FROM app.handled", &[])
+        .expect("who")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(owners, ["relay_app"], "every handler ran as its owner");
+
+    // The failing message: kept, retried, dead after its second attempt. The one that tried
+    // to become the relay's role: refused by PostgreSQL, its work undone.
+    eventually(Duration::from_secs(20), "both specials failed", || {
+        let rows = f
+            .owner
+            .query(
+                "SELECT convert_from(body, 'UTF8'), attempts, dead_lettered_at IS NOT NULL, \
+                        last_sqlstate, last_error \
+                   FROM amqp.inbox_failed ORDER BY 1",
+                &[],
+            )
+            .map_err(|e| e.to_string())?;
+        let seen: Vec<(String, i32, bool, String, String)> = rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+            .collect();
+        match seen.as_slice() {
+            [(e, 2, true, es, em), (fl, 2, true, fs, _)]
+                if e == "escape" && fl == "fail" && es == "42501" && fs == "22023" =>
+            {
+                assert!(em.contains("security-definer"), "{em}");
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(
+        handled(&mut f.owner, "escape"),
+        (0, 0),
+        "the escape's work undone"
+    );
+
+    // Killed while handling a stream: a second relay takes over; each message handled once.
+    let mut second = Relay::start(&f.cluster, "second", &fast_retries);
+    second.wait_for_log("standing by", Duration::from_secs(20));
+    let stream = bodies("b", 0..300);
+    for chunk in stream.chunks(10) {
+        publish(&mut f.owner, chunk);
+    }
+    eventually(
+        Duration::from_secs(30),
+        "some of the stream handled",
+        || match handled(&mut f.owner, "b-%") {
+            (n, _) if n >= 30 => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    first.kill9();
+    eventually(
+        Duration::from_secs(60),
+        "the whole stream handled",
+        || match handled(&mut f.owner, "b-%") {
+            (300, 300) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(handled(&mut f.owner, "b-%"), (300, 300), "none twice");
+    let (delivered, handled_count): (i64, i64) = {
+        let r = f
+            .owner
+            .query_one(
+                "SELECT delivered, handled FROM amqp.subscription_status WHERE subscription = 'orders'",
+                &[],
+            )
+            .expect("status");
+        (r.get(0), r.get(1))
+    };
+    assert!(
+        handled_count > 0 && delivered >= handled_count,
+        "{delivered} {handled_count}"
+    );
+    assert!(second.is_running());
+}
+
+#[test]
+fn a_subscription_whose_owner_the_relay_cannot_become_waits_and_says_why() {
+    let mut f = Fixture::new("relay_consume_owner");
+    let sub_queue = Rabbit::shared().declare_queue("relay_sub_owner");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    f.owner
+        .batch_execute(&format!("REVOKE relay_app FROM {OWNER}"))
+        .expect("revoke");
+    let _relay = Relay::start(&f.cluster, "a", &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    f.owner
+        .execute(
+            "SELECT amqp.publish(1, '', $1, 'waits')",
+            &[&sub_queue.queue],
+        )
+        .expect("publish");
+    eventually(Duration::from_secs(20), "the subscription's error", || {
+        let error: Option<String> = f
+            .owner
+            .query_one(
+                "SELECT last_error FROM amqp.subscription_status WHERE subscription = 'orders'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        match error {
+            Some(e) if e.contains("cannot run code as its owner") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(
+        handled(&mut f.owner, "%"),
+        (0, 0),
+        "nothing ran as the relay's role"
+    );
+    // Granted again: the subscription runs within seconds, the message still there.
+    f.owner
+        .batch_execute(&format!("GRANT relay_app TO {OWNER}"))
+        .expect("grant");
+    eventually(
+        Duration::from_secs(30),
+        "the waiting message handled",
+        || match handled(&mut f.owner, "waits") {
+            (1, 1) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+}

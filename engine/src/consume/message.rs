@@ -1,8 +1,7 @@
-//! The data the subscription worker works with: a subscription as handling needs it, and a
-//! message to handle. No SQL here (see `queries`), no handling (see `handling`).
+//! What the consuming side works with: a subscription as handling needs it, and a message to
+//! handle. No SQL here (see [`super::statements`]), no handling (see [`super::handling`]).
 
 use amqp_outbox_broker::inbox::Delivery;
-use pgrx::pg_sys;
 
 /// One active subscription, as the handling needs it.
 #[derive(Clone, Debug, PartialEq)]
@@ -13,11 +12,11 @@ pub struct Sub {
     pub prefetch: u16,
     pub max_attempts: i32,
     pub dead_letter_exchange: Option<String>,
-    /// The role the handler runs as.
-    pub owner: pg_sys::Oid,
-    /// `SELECT schema.function(ROW($1, …)::amqp.delivery)`, the names quoted by PostgreSQL;
-    /// `None` when it cannot run (see `problem`).
-    pub call: Option<String>,
+    /// The role the handler runs as (its oid).
+    pub owner: u32,
+    /// The handler function, `schema.function` quoted by PostgreSQL (`format('%I.%I')`), and
+    /// its oid; `None` when it cannot run (see `problem`).
+    pub handler: Option<(String, u32)>,
     /// Why the handler cannot run as its owner: the function or the owner is gone, or the owner
     /// may not execute it. Its messages then stay in the queue.
     pub problem: Option<String>,
@@ -51,6 +50,14 @@ impl Ordering {
 const KEY_MAX: usize = 200;
 
 impl Sub {
+    /// `SELECT schema.function(ROW($1, …)::amqp.delivery)`: the handler's call with the
+    /// message's 14 values bound (see [`super::statements::DELIVERY_ROW`]).
+    pub fn call(&self) -> Option<String> {
+        self.handler
+            .as_ref()
+            .map(|(f, _)| format!("SELECT {f}({})", super::statements::DELIVERY_ROW))
+    }
+
     /// Its messages go through lanes (`amqp.inbox_waiting`) rather than being handled by the
     /// subscription worker as they arrive.
     pub fn has_lanes(&self) -> bool {
@@ -229,8 +236,8 @@ mod tests {
             prefetch: 10,
             max_attempts: 1,
             dead_letter_exchange: None,
-            owner: pg_sys::InvalidOid,
-            call: None,
+            owner: 0,
+            handler: None,
             problem: None,
             parallelism: 1,
             ordering: Ordering::parse(ordering),

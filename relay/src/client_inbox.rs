@@ -1,0 +1,654 @@
+//! The engine's consuming side ([`amqp_outbox_engine::consume`]) over a client connection: the
+//! statements the extension's subscription worker runs through SPI, with the same texts and
+//! parameter types, and the handler run as the subscription's owner.
+//!
+//! **Running as the owner.** The relay's role (the install's owner) cannot switch users the way
+//! the extension's worker does inside the server. For each owner it keeps a function in its
+//! session's own temporary schema, `pg_temp.amqp_outbox_as_<owner oid>`, created while it had
+//! `SET ROLE` to the owner (so the owner owns it) and `SECURITY DEFINER`: a handler called
+//! through it runs as the owner, and PostgreSQL refuses `SET ROLE`, `RESET ROLE` and `SET
+//! SESSION AUTHORIZATION` inside a security-definer function, so it cannot come back to the
+//! relay's role. No other session sees a temporary schema. A relay whose role may not `SET
+//! ROLE` to an owner (the same right `amqp.subscribe()` asks of whoever registers the
+//! subscription) leaves that subscription stopped, saying why.
+
+use amqp_outbox_engine::consume::book::{Book, BookRow};
+use amqp_outbox_engine::consume::handling::{FailedRecord, InboxHost};
+use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
+use amqp_outbox_engine::consume::statements as sql;
+use amqp_outbox_engine::outbox::Caught;
+use postgres::error::DbError;
+use postgres::types::{ToSql, Type};
+use postgres::{Client, Error, GenericClient, Statement};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+/// The session's settings: its own statements resolve in pg_catalog only; its commits are
+/// durable (a message is acknowledged once its handling committed), whatever the server's
+/// default; lock waits are bounded as the worker's. Returns the search_path the session had
+/// before (the database's and the role's), which handlers run with.
+const SESSION_SQL: &str = "\
+SELECT pg_catalog.current_setting('search_path'), \
+       pg_catalog.set_config('synchronous_commit', 'on', false), \
+       pg_catalog.set_config('lock_timeout', '10s', false), \
+       pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false)";
+
+/// Creates (or replaces) the owner's function in the session's temporary schema, as the owner,
+/// keeping the handlers' search_path. `amqp_outbox_relay.owner` (the owner's oid) and that
+/// search_path are set for the transaction before; the names are quoted by PostgreSQL (`%I`).
+const MAKE_RUNNER_SQL: &str = r#"DO $make_runner$
+DECLARE
+    owner_ oid := pg_catalog.current_setting('amqp_outbox_relay.owner')::oid;
+BEGIN
+    EXECUTE pg_catalog.format('SET LOCAL ROLE %I',
+        (SELECT rolname FROM pg_catalog.pg_roles WHERE oid OPERATOR(pg_catalog.=) owner_));
+    EXECUTE pg_catalog.format($create$
+CREATE OR REPLACE FUNCTION pg_temp.%I(handler oid, d amqp.delivery) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $run$
+DECLARE
+    f text;
+BEGIN
+    SELECT pg_catalog.format('%%I.%%I', n.nspname, p.proname) INTO f
+      FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) p.pronamespace
+     WHERE p.oid OPERATOR(pg_catalog.=) handler;
+    IF f IS NULL THEN
+        RAISE EXCEPTION 'amqp_outbox: the handler function (oid %%) no longer exists', handler
+            USING ERRCODE = 'undefined_function';
+    END IF;
+    EXECUTE pg_catalog.format('SELECT %%s($1)', f) USING d;
+END
+$run$$create$,
+        'amqp_outbox_as_' OPERATOR(pg_catalog.||) owner_::text);
+    RESET ROLE;
+END
+$make_runner$"#;
+
+/// The settings [`MAKE_RUNNER_SQL`] reads, for the transaction.
+const RUNNER_SETTINGS_SQL: &str = "\
+SELECT pg_catalog.set_config('amqp_outbox_relay.owner', $1::oid::text, true), \
+       pg_catalog.set_config('search_path', $2, true)";
+
+/// The owner's function's name, quoted by PostgreSQL.
+const RUNNER_NAME_SQL: &str =
+    "SELECT 'pg_temp.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('amqp_outbox_as_' OPERATOR(pg_catalog.||) $1::oid::text)";
+
+/// The handler's bound of time for the rest of the transaction ('0': none).
+const STATEMENT_TIMEOUT_SQL: &str = "SELECT pg_catalog.set_config('statement_timeout', $1, true)";
+
+// As in `client_outbox`: one savepoint name for every level.
+const SAVEPOINT_SQL: &str = "SAVEPOINT amqp_outbox_relay";
+const RELEASE_SQL: &str = "RELEASE SAVEPOINT amqp_outbox_relay";
+const UNDO_SQL: &str =
+    "ROLLBACK TO SAVEPOINT amqp_outbox_relay; RELEASE SAVEPOINT amqp_outbox_relay";
+
+/// What a relay keeps for its consuming connection: the prepared statements, the handlers'
+/// search_path, the owners' functions made on it. Made again after a reconnection.
+pub struct InboxSession {
+    prepared: HashMap<String, Statement>,
+    handler_search_path: String,
+    /// Per owner: the call of its function, or why it cannot be made.
+    runners: BTreeMap<u32, Result<String, String>>,
+}
+
+impl InboxSession {
+    /// Sets the session's settings (outside a transaction block).
+    pub fn new(client: &mut Client) -> Result<InboxSession, Error> {
+        let row = client.query_one(SESSION_SQL, &[])?;
+        Ok(InboxSession {
+            prepared: HashMap::new(),
+            handler_search_path: row.try_get(0)?,
+            runners: BTreeMap::new(),
+        })
+    }
+
+    /// Makes (again) each owner's function, in a transaction of its own each (outside a
+    /// transaction block): at every reading of the subscriptions, so that an owner's rights and
+    /// the relay's right to act as it are those of now. Returns the owners it could not make
+    /// one for, with why.
+    pub fn make_runners(&mut self, client: &mut Client, owners: BTreeSet<u32>) {
+        self.runners.clear();
+        for owner in owners {
+            let made = make_runner(client, owner, &self.handler_search_path);
+            self.runners.insert(owner, made);
+        }
+    }
+
+    /// Why the relay cannot run code as this owner, if it cannot.
+    pub fn runner_problem(&self, owner: u32) -> Option<String> {
+        match self.runners.get(&owner) {
+            Some(Ok(_)) => None,
+            Some(Err(why)) => Some(why.clone()),
+            None => Some("the relay has not prepared to run as its owner yet".into()),
+        }
+    }
+}
+
+fn make_runner(client: &mut Client, owner: u32, search_path: &str) -> Result<String, String> {
+    let mut t = client.transaction().map_err(|e| describe(&e))?;
+    t.query_one(RUNNER_SETTINGS_SQL, &[&owner, &search_path])
+        .map_err(|e| describe(&e))?;
+    if let Err(e) = t.batch_execute(MAKE_RUNNER_SQL) {
+        return Err(format!(
+            "the relay cannot run code as its owner (role oid {owner}): {}; grant the relay's role membership in it (with SET) or have it connect as that role",
+            describe(&e)
+        ));
+    }
+    let name: String = t
+        .query_one(RUNNER_NAME_SQL, &[&owner])
+        .and_then(|r| r.try_get(0))
+        .map_err(|e| describe(&e))?;
+    t.commit().map_err(|e| describe(&e))?;
+    Ok(format!("SELECT {name}($15, {})", sql::DELIVERY_ROW))
+}
+
+fn describe(e: &Error) -> String {
+    crate::connect::describe(e)
+}
+
+/// The consuming statements through a client connection, inside the transaction the caller
+/// opened and ends.
+pub struct ClientInbox<'a, C: GenericClient> {
+    client: &'a mut C,
+    session: &'a mut InboxSession,
+    log: &'a crate::log::Log,
+}
+
+impl<'a, C: GenericClient> ClientInbox<'a, C> {
+    pub fn new(client: &'a mut C, session: &'a mut InboxSession, log: &'a crate::log::Log) -> Self {
+        ClientInbox {
+            client,
+            session,
+            log,
+        }
+    }
+
+    fn statement(&mut self, text: &str, types: &[Type]) -> Result<Statement, Error> {
+        if let Some(s) = self.session.prepared.get(text) {
+            return Ok(s.clone());
+        }
+        let s = self.client.prepare_typed(text, types)?;
+        self.session.prepared.insert(text.to_owned(), s.clone());
+        Ok(s)
+    }
+
+    fn query(
+        &mut self,
+        text: &str,
+        types: &[Type],
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<postgres::Row>, Error> {
+        let s = self.statement(text, types)?;
+        self.client.query(&s, params)
+    }
+
+    /// The active subscriptions, the handler left out (with why) when the relay cannot run as
+    /// its owner.
+    pub fn subscriptions(&mut self) -> Result<Vec<Sub>, Error> {
+        let rows = self.query(sql::SUBSCRIPTIONS_SQL, &[], &[])?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let owner: u32 = r.try_get::<_, Option<u32>>(6)?.unwrap_or(0);
+            let mut problem: Option<String> = r.try_get(9)?;
+            let handler = match (
+                r.try_get::<_, Option<String>>(7)?,
+                r.try_get::<_, Option<u32>>(8)?,
+            ) {
+                (Some(f), Some(oid)) if problem.is_none() => Some((f, oid)),
+                _ => None,
+            };
+            let ordering: Option<String> = r.try_get(11)?;
+            out.push(Sub {
+                name: r.try_get::<_, Option<String>>(0)?.unwrap_or_default(),
+                broker_id: r.try_get::<_, Option<i32>>(1)?.unwrap_or_default(),
+                queue: r.try_get::<_, Option<String>>(2)?.unwrap_or_default(),
+                prefetch: u16::try_from(r.try_get::<_, Option<i32>>(3)?.unwrap_or(100))
+                    .unwrap_or(100),
+                max_attempts: r.try_get::<_, Option<i32>>(4)?.unwrap_or(10),
+                dead_letter_exchange: r.try_get(5)?,
+                owner,
+                handler,
+                problem: problem.take(),
+                // The relay handles every message in arrival order, one at a time (see the
+                // hosted guide): a parallelism is not used, an ordering always holds.
+                parallelism: 1,
+                ordering: Ordering::parse(ordering.as_deref().unwrap_or("none")),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Failed messages due for a retry, of these subscriptions.
+    pub fn due_retries(&mut self, subs: &[String], limit: i64) -> Result<Vec<Message>, Error> {
+        let rows = self.query(
+            sql::DUE_RETRIES_SQL,
+            &[Type::TEXT_ARRAY, Type::INT8],
+            &[&subs, &limit],
+        )?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let headers: Option<String> = r.try_get(5)?;
+            out.push(Message {
+                subscription: r.try_get::<_, Option<String>>(0)?.unwrap_or_default(),
+                message_id: r.try_get(1)?,
+                exchange: r.try_get::<_, Option<String>>(2)?.unwrap_or_default(),
+                routing_key: r.try_get::<_, Option<String>>(3)?.unwrap_or_default(),
+                body: r.try_get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
+                headers: headers_of(headers),
+                content_type: r.try_get(6)?,
+                correlation_id: r.try_get(7)?,
+                reply_to: r.try_get(8)?,
+                timestamp: r.try_get::<_, Option<f64>>(9)?.map(|t| t.max(0.0) as u64),
+                redelivered: true,
+                delivery: None,
+                attempt: r.try_get::<_, Option<i32>>(10)?.unwrap_or(0) + 1,
+                retry: true,
+                user_id: r.try_get(11)?,
+                key: r.try_get(12)?,
+                waiting_id: None,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Seconds until the next failed message of these subscriptions is due.
+    pub fn next_retry_in(&mut self, subs: &[String]) -> Result<Option<f64>, Error> {
+        let rows = self.query(sql::NEXT_RETRY_SQL, &[Type::TEXT_ARRAY], &[&subs])?;
+        Ok(match rows.first() {
+            Some(r) => r.try_get(0)?,
+            None => None,
+        })
+    }
+
+    /// Writes the counters and states noted in `book`.
+    pub fn write_book(&mut self, book: &mut Book) -> Result<(), Error> {
+        for r in book.take() {
+            self.write_book_row(r)?;
+        }
+        Ok(())
+    }
+
+    fn write_book_row(&mut self, r: BookRow) -> Result<(), Error> {
+        use Type as T;
+        self.query(
+            sql::BOOK_SQL,
+            &[
+                T::TEXT,
+                T::INT8,
+                T::INT8,
+                T::INT8,
+                T::INT8,
+                T::INT8,
+                T::BOOL,
+                T::BOOL,
+                T::TEXT,
+                T::BOOL,
+                T::TEXT,
+                T::BOOL,
+                T::INT8,
+                T::INT4,
+                T::BOOL,
+                T::FLOAT8,
+            ],
+            &[
+                &r.subscription,
+                &r.delivered,
+                &r.handled,
+                &r.duplicates,
+                &r.failed,
+                &r.dead_lettered,
+                &r.connection_changed,
+                &r.connected,
+                &r.host,
+                &r.error_changed,
+                &r.error,
+                &r.queue_seen,
+                &r.queue_ready,
+                &r.queue_consumers,
+                &r.handled_now,
+                &r.caught_up,
+            ],
+        )
+        .map(drop)
+    }
+
+    /// At start: no consumer is connected yet, whatever the last run left.
+    pub fn reset_connections(&mut self) -> Result<(), Error> {
+        self.query(sql::RESET_CONNECTIONS_SQL, &[], &[]).map(drop)
+    }
+
+    /// Rolls back to the savepoint of [`InboxHost::subtransaction`] after the ERROR `error`.
+    fn undo<R>(&mut self, error: Error) -> Result<Result<R, Error>, Caught> {
+        match (self.client.batch_execute(UNDO_SQL), error.as_db_error()) {
+            (Ok(()), Some(db)) => Err(caught(db)),
+            // The transaction cannot go on (the connection is gone): the caller's error.
+            _ => Ok(Err(error)),
+        }
+    }
+}
+
+/// The headers' JSON text, as an object (anything else: none).
+fn headers_of(text: Option<String>) -> serde_json::Map<String, serde_json::Value> {
+    match text.and_then(|h| serde_json::from_str::<serde_json::Value>(&h).ok()) {
+        Some(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    }
+}
+
+fn caught(db: &DbError) -> Caught {
+    let mut message = db.message().to_owned();
+    if let Some(d) = db.detail() {
+        message.push_str(": ");
+        message.push_str(d);
+    }
+    Caught {
+        sqlstate: db.code().code().to_owned(),
+        message,
+    }
+}
+
+fn json(map: &serde_json::Map<String, serde_json::Value>) -> serde_json::Value {
+    serde_json::Value::Object(map.clone())
+}
+
+impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
+    type Error = Error;
+
+    fn constraints_immediate(&mut self) -> Result<(), Error> {
+        self.client.batch_execute(sql::CONSTRAINTS_IMMEDIATE_SQL)
+    }
+
+    fn with_failed(&mut self, subs: &[String]) -> Result<BTreeSet<String>, Error> {
+        self.query(sql::WITH_FAILED_SQL, &[Type::TEXT_ARRAY], &[&subs])?
+            .iter()
+            .map(|r| Ok(r.try_get::<_, Option<String>>(0)?.unwrap_or_default()))
+            .collect()
+    }
+
+    fn stop_requested(&self) -> bool {
+        crate::stop::requested()
+    }
+
+    /// A client cannot see a handler's writes to `amqp.subscription`: always looked at.
+    fn subscriptions_written(&mut self) -> bool {
+        true
+    }
+
+    fn subscription_names(&mut self) -> Result<Vec<String>, Error> {
+        self.query(sql::SUBSCRIPTION_NAMES_SQL, &[], &[])?
+            .iter()
+            .map(|r| Ok(r.try_get::<_, Option<String>>(0)?.unwrap_or_default()))
+            .collect()
+    }
+
+    fn derived_message_id(&mut self, content: Vec<u8>) -> Result<String, Error> {
+        let rows = self.query(sql::DERIVED_MESSAGE_ID_SQL, &[Type::BYTEA], &[&content])?;
+        match rows.first() {
+            Some(r) => Ok(r.try_get::<_, Option<String>>(0)?.unwrap_or_default()),
+            None => Ok(String::new()),
+        }
+    }
+
+    /// A relay's handler call ends with its statement (a timeout cancels it); nothing is left
+    /// behind by an earlier process.
+    fn left_behind(&mut self, _subscription: &str, _message_id: &str) -> Option<Caught> {
+        None
+    }
+
+    fn consume(&mut self, subscription: &str, message_id: &str) -> Result<bool, Error> {
+        let consumer = sql::consumer_name(subscription);
+        let rows = self.query(
+            sql::CONSUME_SQL,
+            &[Type::TEXT, Type::TEXT],
+            &[&consumer, &message_id],
+        )?;
+        match rows.first() {
+            Some(r) => Ok(r.try_get::<_, Option<bool>>(0)?.unwrap_or(false)),
+            None => Ok(false),
+        }
+    }
+
+    fn call_handler(
+        &mut self,
+        sub: &Sub,
+        m: &Message,
+        message_id: &str,
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let Some((_, handler_oid)) = sub.handler.clone() else {
+            return Ok(());
+        };
+        // Checked when the subscriptions were read: a subscription whose owner has no runner
+        // has no handler.
+        let Some(Ok(call)) = self.session.runners.get(&sub.owner).cloned() else {
+            return Ok(());
+        };
+        if let Some(t) = m.traceparent() {
+            self.query(sql::SET_TRACEPARENT_SQL, &[Type::TEXT], &[&t])?;
+        }
+        let bound = format!("{}ms", timeout.as_millis());
+        self.query(STATEMENT_TIMEOUT_SQL, &[Type::TEXT], &[&bound])?;
+        use Type as T;
+        let headers = json(&m.headers);
+        let tag = m.delivery.map(|(_, tag)| tag as i64);
+        let timestamp = m.timestamp.map(|t| t as f64);
+        self.query(
+            &call,
+            &[
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::BYTEA,
+                T::JSONB,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::BOOL,
+                T::INT8,
+                T::FLOAT8,
+                T::INT4,
+                T::TEXT,
+                T::OID,
+            ],
+            &[
+                &m.subscription,
+                &message_id,
+                &m.exchange,
+                &m.routing_key,
+                &m.body,
+                &headers,
+                &m.content_type,
+                &m.correlation_id,
+                &m.reply_to,
+                &m.redelivered,
+                &tag,
+                &timestamp,
+                &m.attempt,
+                &m.user_id,
+                &handler_oid,
+            ],
+        )?;
+        // The next message's statements run without the bound and the trace.
+        self.query(STATEMENT_TIMEOUT_SQL, &[Type::TEXT], &[&"0"])?;
+        if m.traceparent().is_some() {
+            self.query(sql::SET_TRACEPARENT_SQL, &[Type::TEXT], &[&""])?;
+        }
+        Ok(())
+    }
+
+    fn resolve_failed(&mut self, subscription: &str, message_id: &str) -> Result<(), Error> {
+        self.query(
+            sql::RESOLVE_FAILED_SQL,
+            &[Type::TEXT, Type::TEXT],
+            &[&subscription, &message_id],
+        )
+        .map(drop)
+    }
+
+    fn runs_as_problem(&mut self, subscription: &str) -> Result<Option<String>, Error> {
+        let rows = self.query(sql::RUNS_AS_PROBLEM_SQL, &[Type::TEXT], &[&subscription])?;
+        match rows.first() {
+            Some(r) => r.try_get(0),
+            None => Ok(None),
+        }
+    }
+
+    fn record_failure(
+        &mut self,
+        m: &Message,
+        message_id: &str,
+        caught: &Caught,
+        max_attempts: i32,
+        delays: &[i64],
+    ) -> Result<FailedRecord, Error> {
+        use Type as T;
+        let headers = json(&m.headers);
+        let timestamp = m.timestamp.map(|t| t as f64);
+        let rows = self.query(
+            sql::RECORD_FAILURE_SQL,
+            &[
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::BYTEA,
+                T::JSONB,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::FLOAT8,
+                T::TEXT,
+                T::TEXT,
+                T::INT4,
+                T::INT8_ARRAY,
+                T::INT4,
+                T::TEXT,
+                T::TEXT,
+            ],
+            &[
+                &m.subscription,
+                &message_id,
+                &m.exchange,
+                &m.routing_key,
+                &m.body,
+                &headers,
+                &m.content_type,
+                &m.correlation_id,
+                &m.reply_to,
+                &timestamp,
+                &caught.message,
+                &caught.sqlstate,
+                &max_attempts,
+                &delays,
+                &m.attempt,
+                &m.user_id,
+                &m.key,
+            ],
+        )?;
+        let Some(r) = rows.first() else {
+            return Ok(FailedRecord {
+                attempts: 1,
+                dead: false,
+            });
+        };
+        Ok(FailedRecord {
+            attempts: r.try_get::<_, Option<i32>>(0)?.unwrap_or(1),
+            dead: r.try_get::<_, Option<bool>>(1)?.unwrap_or(false),
+        })
+    }
+
+    fn dead_letter(
+        &mut self,
+        sub: &Sub,
+        exchange: &str,
+        m: &Message,
+        headers: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(), Error> {
+        use Type as T;
+        let headers = serde_json::Value::Object(headers);
+        self.query(
+            sql::DEAD_LETTER_SQL,
+            &[
+                T::INT4,
+                T::TEXT,
+                T::TEXT,
+                T::BYTEA,
+                T::JSONB,
+                T::TEXT,
+                T::TEXT,
+            ],
+            &[
+                &sub.broker_id,
+                &exchange,
+                &m.routing_key,
+                &m.body,
+                &headers,
+                &m.content_type,
+                &m.correlation_id,
+            ],
+        )
+        .map(drop)
+    }
+
+    fn receipt(
+        &mut self,
+        sub: &Sub,
+        message_id: &str,
+        error: Option<&str>,
+        business_type: Option<&str>,
+    ) -> Result<(), Error> {
+        use Type as T;
+        self.query(
+            sql::RECEIPT_SQL,
+            &[T::INT4, T::TEXT, T::TEXT, T::BOOL, T::TEXT, T::TEXT],
+            &[
+                &sub.broker_id,
+                &sub.name,
+                &message_id,
+                &error.is_none(),
+                &error,
+                &business_type,
+            ],
+        )
+        .map(drop)
+    }
+
+    fn note_dead_letter_refused(
+        &mut self,
+        subscription: &str,
+        message_id: &str,
+        why: &str,
+    ) -> Result<(), Error> {
+        self.query(
+            sql::NOTE_DEAD_LETTER_REFUSED_SQL,
+            &[Type::TEXT, Type::TEXT, Type::TEXT],
+            &[&subscription, &message_id, &why],
+        )
+        .map(drop)
+    }
+
+    fn warning(&mut self, text: &str) {
+        self.log.warning(text);
+    }
+
+    fn subtransaction<R>(
+        &mut self,
+        work: impl FnOnce(&mut Self) -> Result<R, Error>,
+    ) -> Result<Result<R, Error>, Caught> {
+        if let Err(e) = self.client.batch_execute(SAVEPOINT_SQL) {
+            return Ok(Err(e));
+        }
+        match work(self) {
+            Ok(r) => match self.client.batch_execute(RELEASE_SQL) {
+                Ok(()) => Ok(Ok(r)),
+                Err(e) if e.as_db_error().is_some() => self.undo(e),
+                Err(e) => Ok(Err(e)),
+            },
+            Err(e) if e.as_db_error().is_some() => self.undo(e),
+            Err(e) => {
+                let _ = self.client.batch_execute(RELEASE_SQL);
+                Ok(Err(e))
+            }
+        }
+    }
+}

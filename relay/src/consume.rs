@@ -1,0 +1,395 @@
+//! The consuming side for one database while this relay holds its lease: the subscriptions'
+//! consumers (the broker crate's inbox thread), their messages handled in batches by the
+//! engine's handling ([`amqp_outbox_engine::consume`]) over a connection of its own, each
+//! batch one transaction, acknowledged to the broker after it committed; failed messages
+//! retried when due; the retention of consumption records. Its own thread, beside the
+//! delivery's, so that a slow handler never holds up publishing.
+//!
+//! Every message is handled on this one connection in the order it arrived, whatever a
+//! subscription's `parallelism` says. A subscription with an `ordering` is not served (it says
+//! so in `amqp.subscription_status`): its rule of holding a key back behind a failed message
+//! is the extension's lanes' and is not in the relay yet.
+
+use crate::client_inbox::{ClientInbox, InboxSession};
+use crate::client_outbox::{ClientOutbox, Session};
+use crate::config::Config;
+use crate::connect;
+use crate::delivery::Ended;
+use crate::lease::Lease;
+use crate::log::Log;
+use crate::report::RelayTelemetry;
+use crate::stop;
+use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
+use amqp_outbox_broker::LogLevel;
+use amqp_outbox_engine::brokers;
+use amqp_outbox_engine::consume::book::Book;
+use amqp_outbox_engine::consume::handling::{self, Rules};
+use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
+use amqp_outbox_engine::consume::statements::ROTATE_SQL;
+use amqp_outbox_engine::consume::subscriptions::Subscriptions;
+use amqp_outbox_engine::outbox::Outbox;
+use postgres::Client;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Longest sleep: the fallback for anything no wake-up announced (the lease's notices among
+/// them, which this thread looks at when it wakes).
+const NAPTIME: Duration = Duration::from_millis(250);
+/// How often the retention of consumption records runs.
+const ROTATE_EVERY: Duration = Duration::from_secs(60);
+/// After a retention that could not have its lock at once.
+const ROTATE_RETRY: Duration = Duration::from_secs(5);
+/// How often subscriptions that cannot run are read again: what fixes them (CREATE FUNCTION,
+/// GRANT) sends no notice.
+const RECHECK_PROBLEMS: Duration = Duration::from_secs(5);
+
+/// Whether a receipts exchange is set for this database (`amqp_outbox.receipts_exchange`, as
+/// `amqp.send_receipt()` reads it).
+const RECEIPTS_SQL: &str = "SELECT COALESCE(pg_catalog.current_setting('amqp_outbox.receipts_exchange', true), '') OPERATOR(pg_catalog.<>) ''";
+
+/// The retention, with a short lock wait: a session keeping the older table only postpones it.
+const ROTATE_LOCK_SQL: &str = "SET LOCAL lock_timeout = '200ms'";
+
+pub struct Consumer<'a> {
+    config: &'a Config,
+    client: Client,
+    session: InboxSession,
+    handle: InboxHandle,
+    log: Log,
+    generation: u64,
+    subs: Subscriptions,
+    book: Book,
+    pending: VecDeque<Message>,
+    need_reload: bool,
+    receipts: bool,
+    reloaded_at: Instant,
+    retry_at: Option<Instant>,
+    rotate_at: Instant,
+    /// Per subscription: when its queue was last reported empty (see `note_caught_up`).
+    empty_at: BTreeMap<String, SystemTime>,
+}
+
+impl<'a> Consumer<'a> {
+    /// Connects its session and the AMQP thread for the lease's acquisition `generation`.
+    pub fn start(config: &'a Config, url: &str, log: Log, generation: u64) -> Result<Self, String> {
+        let mut client = connect::connect(url, &config.postgres_tls)?;
+        let session = InboxSession::new(&mut client).map_err(|e| connect::describe(&e))?;
+        let handle = amqp_outbox_broker::inbox::spawn()
+            .map_err(|e| format!("cannot start the consumers' AMQP thread: {e}"))?;
+        let mut consumer = Consumer {
+            config,
+            client,
+            session,
+            handle,
+            log,
+            generation,
+            subs: Subscriptions::default(),
+            book: Book::default(),
+            pending: VecDeque::new(),
+            need_reload: true,
+            receipts: false,
+            reloaded_at: Instant::now(),
+            retry_at: Some(Instant::now()),
+            rotate_at: Instant::now(),
+            empty_at: BTreeMap::new(),
+        };
+        let mut t = consumer
+            .client
+            .transaction()
+            .map_err(|e| connect::describe(&e))?;
+        ClientInbox::new(&mut t, &mut consumer.session, &consumer.log)
+            .reset_connections()
+            .and_then(|()| t.commit())
+            .map_err(|e| connect::describe(&e))?;
+        Ok(consumer)
+    }
+
+    /// Runs until the relay stops, the lease is lost or something fails; then closes the
+    /// consumers (unacknowledged messages go back to their queues).
+    pub fn run(mut self, lease: &Lease) -> Ended {
+        let ended = self.serve(lease);
+        self.handle.shutdown(Duration::from_secs(2));
+        ended
+    }
+
+    fn serve(&mut self, lease: &Lease) -> Ended {
+        loop {
+            if stop::requested() {
+                return Ended::Stopped;
+            }
+            if lease.held() != Some(self.generation) {
+                return Ended::LeaseLost;
+            }
+            if lease.take_subscriptions_changed() {
+                self.need_reload = true;
+            }
+            if let Err(why) = self.take_events() {
+                return Ended::Failed(why);
+            }
+            self.note_caught_up();
+            if let Err(e) = self.step() {
+                return Ended::Failed(e);
+            }
+            if self.rotate_at <= Instant::now() {
+                self.rotate();
+            }
+            let timeout = if self.pending.is_empty() {
+                self.retry_at
+                    .map_or(NAPTIME, |t| t.saturating_duration_since(Instant::now()))
+                    .min(NAPTIME)
+                    .min(lease.expires_in())
+            } else {
+                Duration::ZERO
+            };
+            if !timeout.is_zero() {
+                stop::wait(&[self.handle.wake_fd()], timeout);
+            }
+        }
+    }
+
+    fn take_events(&mut self) -> Result<(), String> {
+        for event in self.handle.drain_events() {
+            match event {
+                InboxEvent::Deliveries(ds) => {
+                    self.pending.extend(ds.into_iter().map(Message::from));
+                }
+                InboxEvent::Connected {
+                    subscription, host, ..
+                } => {
+                    let e = self.book.entry(&subscription);
+                    e.connection = Some((true, Some(host)));
+                    e.error = Some(None);
+                }
+                InboxEvent::Disconnected {
+                    subscription,
+                    error,
+                } => {
+                    self.log.warning(&format!(
+                        "subscription \"{subscription}\" not consuming: {error}"
+                    ));
+                    let e = self.book.entry(&subscription);
+                    e.connection = Some((false, None));
+                    e.error = Some(Some(error));
+                }
+                InboxEvent::QueueDepth {
+                    subscription,
+                    ready,
+                    consumers,
+                } => {
+                    if ready == 0 {
+                        self.empty_at
+                            .entry(subscription.clone())
+                            .or_insert_with(SystemTime::now);
+                    }
+                    self.book.entry(&subscription).queue = Some((
+                        i64::from(ready),
+                        i32::try_from(consumers).unwrap_or(i32::MAX),
+                    ));
+                }
+                InboxEvent::Log { level, message } => match level {
+                    LogLevel::Debug => self.log.debug(&message),
+                    LogLevel::Info => self.log.log(&message),
+                    LogLevel::Warning => self.log.warning(&message),
+                },
+                InboxEvent::Fatal(why) => {
+                    return Err(format!("the consumers' AMQP thread failed: {why}"))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A subscription whose queue was seen empty, with none of the deliveries that came before
+    /// that report still waiting here, has handled everything its queue held until then (the
+    /// monitor's "caught up", as the extension's worker reports it).
+    fn note_caught_up(&mut self) {
+        let pending = &self.pending;
+        let book = &mut self.book;
+        self.empty_at.retain(|sub, at| {
+            if pending.iter().any(|m| &m.subscription == sub) {
+                return true;
+            }
+            book.entry(sub).caught_up = Some(*at);
+            false
+        });
+    }
+
+    /// Reads the subscriptions and the brokers, prepares to run as each owner, and tells the
+    /// AMQP thread what to consume. Outside a transaction block (each owner's function is made
+    /// in a transaction of its own).
+    fn reload(&mut self) -> Result<(), String> {
+        let describe = |e: postgres::Error| connect::describe(&e);
+        self.need_reload = false;
+        self.reloaded_at = Instant::now();
+        let mut t = self.client.transaction().map_err(describe)?;
+        let tables = ClientOutbox::new(&mut t, &mut Session::plain())
+            .broker_tables()
+            .map_err(describe)?;
+        let mut subs = ClientInbox::new(&mut t, &mut self.session, &self.log)
+            .subscriptions()
+            .map_err(describe)?;
+        self.receipts = t
+            .query_one(RECEIPTS_SQL, &[])
+            .and_then(|r| r.try_get(0))
+            .map_err(describe)?;
+        t.commit().map_err(describe)?;
+        let template = brokers::template(&self.config.settings, String::new());
+        let telemetry = RelayTelemetry::new(self.log.clone());
+        let brokers = brokers::assemble(tables, &template, &telemetry);
+        let owners: BTreeSet<u32> = subs
+            .iter()
+            .filter(|s| s.handler.is_some())
+            .map(|s| s.owner)
+            .collect();
+        self.session.make_runners(&mut self.client, owners);
+        for sub in &mut subs {
+            refuse_what_cannot_run(sub, &self.session);
+        }
+        if let Some(configs) = self.subs.update(subs, &brokers) {
+            self.handle.send(InboxCommand::Configure(configs));
+        }
+        for (name, why) in self.subs.problems.clone() {
+            let e = self.book.entry(&name);
+            e.connection = Some((false, None));
+            e.error = Some(Some(why));
+        }
+        self.retry_at = Some(Instant::now());
+        Ok(())
+    }
+
+    /// One transaction: a batch of deliveries and due retries, the counters; then the
+    /// acknowledgements of what it committed.
+    fn step(&mut self) -> Result<(), String> {
+        if !self.subs.problems.is_empty() && self.reloaded_at.elapsed() >= RECHECK_PROBLEMS {
+            self.need_reload = true;
+        }
+        if self.need_reload {
+            self.reload()?;
+        }
+        let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
+        if self.pending.is_empty() && !retry_due && self.book.is_empty() {
+            return Ok(());
+        }
+        let batch_size = self.config.inbox_batch_size.max(1);
+        let mut work: Vec<Message> = {
+            let n = self.pending.len().min(self.subs.batch_limit(batch_size));
+            self.pending.drain(..n).collect()
+        };
+        let rules = Rules {
+            handler_timeout: self.config.handler_timeout,
+            receipts: self.receipts,
+            backoff: self.config.settings.retry_backoff(),
+        };
+        let describe = |e: postgres::Error| connect::describe(&e);
+        let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
+        let mut t = self.client.transaction().map_err(describe)?;
+        let mut inbox = ClientInbox::new(&mut t, &mut self.session, &self.log);
+        let names: Vec<String> = self.subs.active.keys().cloned().collect();
+        if retry_due && work.len() < batch_size {
+            let room = batch_size - work.len();
+            let due = inbox.due_retries(&names, room as i64).map_err(describe)?;
+            let took_all = due.len() < room;
+            work.extend(due);
+            self.retry_at = if took_all { None } else { Some(Instant::now()) };
+        }
+        if !work.is_empty() {
+            let outcomes =
+                handling::handle_all(&mut inbox, &self.subs.active, &work, &rules, &mut self.book)
+                    .map_err(describe)?;
+            for (m, o) in work.iter().zip(outcomes) {
+                if o == handling::Outcome::CannotRun {
+                    self.need_reload = true;
+                }
+                if let (Some((epoch, tag)), true) = (m.delivery, o.acknowledged()) {
+                    acks.entry((m.subscription.clone(), epoch))
+                        .or_default()
+                        .push(tag);
+                }
+            }
+        }
+        if self.retry_at.is_none() {
+            self.retry_at = inbox
+                .next_retry_in(&names)
+                .map_err(describe)?
+                .map(|s| Instant::now() + Duration::from_secs_f64(s.clamp(0.0, 3600.0)));
+        }
+        inbox.write_book(&mut self.book).map_err(describe)?;
+        t.commit().map_err(describe)?;
+        // Only now is the work committed: acknowledge it.
+        for ((subscription, epoch), delivery_tags) in acks {
+            self.handle.send(InboxCommand::Ack {
+                subscription,
+                epoch,
+                delivery_tags,
+            });
+        }
+        Ok(())
+    }
+
+    /// The retention of consumption records, in a transaction of its own that waits for no
+    /// lock longer than 200 ms.
+    fn rotate(&mut self) {
+        let done = self.client.transaction().and_then(|mut t| {
+            t.batch_execute(ROTATE_LOCK_SQL)?;
+            let done: Option<String> = t.query_one(ROTATE_SQL, &[])?.try_get(0)?;
+            t.commit()?;
+            Ok(done)
+        });
+        match done {
+            Ok(done) => {
+                self.rotate_at = Instant::now() + ROTATE_EVERY;
+                if let Some(done) = done.filter(|d| d.starts_with("rotated")) {
+                    self.log.log(&format!("consumption records {done}"));
+                }
+            }
+            Err(e) => {
+                self.rotate_at = Instant::now() + ROTATE_RETRY;
+                self.log.debug(&format!(
+                    "retention of consumption records postponed: {}",
+                    connect::describe(&e)
+                ));
+            }
+        }
+    }
+}
+
+/// A subscription the relay cannot serve keeps its messages in its queue, and says why.
+fn refuse_what_cannot_run(sub: &mut Sub, session: &InboxSession) {
+    if sub.handler.is_none() {
+        return;
+    }
+    let why = if sub.ordering != Ordering::None {
+        Some("the relay does not serve subscriptions with an ordering yet: set ordering 'none' (amqp.alter_subscription) or use the extension".to_string())
+    } else {
+        session.runner_problem(sub.owner)
+    };
+    if let Some(why) = why {
+        sub.handler = None;
+        sub.problem = Some(why);
+    }
+}
+
+/// Serves the consuming side of the database of `url` while the lease is held, starting again
+/// after every failure, until the relay stops.
+pub fn serve(url: &str, config: &Config, lease: &Lease, log: &Log) {
+    let mut backoff = Duration::from_millis(500);
+    while !stop::requested() {
+        let Some(generation) = lease.held() else {
+            stop::wait(&[], Duration::from_millis(200));
+            continue;
+        };
+        let ended = match Consumer::start(config, url, log.clone(), generation) {
+            Ok(consumer) => consumer.run(lease),
+            Err(e) => Ended::Failed(e),
+        };
+        match ended {
+            Ended::Stopped => break,
+            Ended::LeaseLost => backoff = Duration::from_millis(500),
+            Ended::Failed(e) => {
+                log.warning(&format!("consuming stopped, starting again: {e}"));
+                stop::wait(&[], backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}
