@@ -17,7 +17,6 @@ use amqp_outbox_engine::consume::handling::{FailedRecord, InboxHost};
 use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
 use amqp_outbox_engine::consume::statements as sql;
 use amqp_outbox_engine::outbox::Caught;
-use postgres::error::DbError;
 use postgres::types::{ToSql, Type};
 use postgres::{Client, Error, GenericClient, Statement};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -74,12 +73,6 @@ const RUNNER_NAME_SQL: &str =
 
 /// The handler's bound of time for the rest of the transaction ('0': none).
 const STATEMENT_TIMEOUT_SQL: &str = "SELECT pg_catalog.set_config('statement_timeout', $1, true)";
-
-// As in `client_outbox`: one savepoint name for every level.
-const SAVEPOINT_SQL: &str = "SAVEPOINT amqp_outbox_relay";
-const RELEASE_SQL: &str = "RELEASE SAVEPOINT amqp_outbox_relay";
-const UNDO_SQL: &str =
-    "ROLLBACK TO SAVEPOINT amqp_outbox_relay; RELEASE SAVEPOINT amqp_outbox_relay";
 
 /// What a relay keeps for its consuming connection: the prepared statements, the handlers'
 /// search_path, the owners' functions made on it. Made again after a reconnection.
@@ -315,15 +308,6 @@ impl<'a, C: GenericClient> ClientInbox<'a, C> {
     pub fn reset_connections(&mut self) -> Result<(), Error> {
         self.query(sql::RESET_CONNECTIONS_SQL, &[], &[]).map(drop)
     }
-
-    /// Rolls back to the savepoint of [`InboxHost::subtransaction`] after the ERROR `error`.
-    fn undo<R>(&mut self, error: Error) -> Result<Result<R, Error>, Caught> {
-        match (self.client.batch_execute(UNDO_SQL), error.as_db_error()) {
-            (Ok(()), Some(db)) => Err(caught(db)),
-            // The transaction cannot go on (the connection is gone): the caller's error.
-            _ => Ok(Err(error)),
-        }
-    }
 }
 
 /// The headers' JSON text, as an object (anything else: none).
@@ -331,18 +315,6 @@ fn headers_of(text: Option<String>) -> serde_json::Map<String, serde_json::Value
     match text.and_then(|h| serde_json::from_str::<serde_json::Value>(&h).ok()) {
         Some(serde_json::Value::Object(m)) => m,
         _ => serde_json::Map::new(),
-    }
-}
-
-fn caught(db: &DbError) -> Caught {
-    let mut message = db.message().to_owned();
-    if let Some(d) = db.detail() {
-        message.push_str(": ");
-        message.push_str(d);
-    }
-    Caught {
-        sqlstate: db.code().code().to_owned(),
-        message,
     }
 }
 
@@ -635,20 +607,12 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
         &mut self,
         work: impl FnOnce(&mut Self) -> Result<R, Error>,
     ) -> Result<Result<R, Error>, Caught> {
-        if let Err(e) = self.client.batch_execute(SAVEPOINT_SQL) {
-            return Ok(Err(e));
-        }
-        match work(self) {
-            Ok(r) => match self.client.batch_execute(RELEASE_SQL) {
-                Ok(()) => Ok(Ok(r)),
-                Err(e) if e.as_db_error().is_some() => self.undo(e),
-                Err(e) => Ok(Err(e)),
-            },
-            Err(e) if e.as_db_error().is_some() => self.undo(e),
-            Err(e) => {
-                let _ = self.client.batch_execute(RELEASE_SQL);
-                Ok(Err(e))
-            }
-        }
+        crate::savepoint::run(self, work)
+    }
+}
+
+impl<C: GenericClient> crate::savepoint::OnConnection for ClientInbox<'_, C> {
+    fn batch_execute(&mut self, sql: &str) -> Result<(), Error> {
+        self.client.batch_execute(sql)
     }
 }

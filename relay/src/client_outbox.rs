@@ -19,7 +19,6 @@ use amqp_outbox_engine::outbox::{Caught, Outbox, Recorded, RetryDelays};
 use amqp_outbox_engine::row::{Row, RowTags};
 use amqp_outbox_engine::scan_floor::Probe;
 use amqp_outbox_engine::statements;
-use postgres::error::DbError;
 use postgres::types::{FromSql, ToSql, Type};
 use postgres::{Client, Error, GenericClient, Statement};
 use std::collections::HashMap;
@@ -40,13 +39,6 @@ SELECT CASE WHEN pg_catalog.current_setting('transaction_isolation') \
                  IN ('repeatable read', 'serializable') \
              AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL \
             THEN pg_catalog.pg_current_xact_id()::text::int8 END";
-
-// One name for every level: PostgreSQL keeps an outer savepoint of the same name, and ROLLBACK
-// TO / RELEASE act on the innermost, so nested subtransactions need no names of their own.
-const SAVEPOINT_SQL: &str = "SAVEPOINT amqp_outbox_relay";
-const RELEASE_SQL: &str = "RELEASE SAVEPOINT amqp_outbox_relay";
-const UNDO_SQL: &str =
-    "ROLLBACK TO SAVEPOINT amqp_outbox_relay; RELEASE SAVEPOINT amqp_outbox_relay";
 
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -133,28 +125,6 @@ impl<'a, C: GenericClient> ClientOutbox<'a, C> {
             .iter()
             .map(|r| Ok(r.try_get::<_, Option<i64>>(0)?.unwrap_or_default()))
             .collect()
-    }
-
-    /// Rolls back to the savepoint of [`Outbox::subtransaction`] after the ERROR `error`.
-    fn undo<R>(&mut self, error: Error) -> Result<Result<R, Error>, Caught> {
-        match (self.client.batch_execute(UNDO_SQL), error.as_db_error()) {
-            (Ok(()), Some(db)) => Err(caught(db)),
-            // The transaction cannot go on (the connection is gone): the caller's error.
-            _ => Ok(Err(error)),
-        }
-    }
-}
-
-fn caught(db: &DbError) -> Caught {
-    // As the worker words a caught error: the message, then its detail.
-    let mut message = db.message().to_owned();
-    if let Some(d) = db.detail() {
-        message.push_str(": ");
-        message.push_str(d);
-    }
-    Caught {
-        sqlstate: db.code().code().to_owned(),
-        message,
     }
 }
 
@@ -506,23 +476,12 @@ impl<C: GenericClient> Outbox for ClientOutbox<'_, C> {
         &mut self,
         work: impl FnOnce(&mut Self) -> Result<R, Error>,
     ) -> Result<Result<R, Error>, Caught> {
-        if let Err(e) = self.client.batch_execute(SAVEPOINT_SQL) {
-            // Not begun (the transaction is aborted, or gone): nothing to undo.
-            return Ok(Err(e));
-        }
-        match work(self) {
-            Ok(r) => match self.client.batch_execute(RELEASE_SQL) {
-                Ok(()) => Ok(Ok(r)),
-                Err(e) if e.as_db_error().is_some() => self.undo(e),
-                Err(e) => Ok(Err(e)),
-            },
-            Err(e) if e.as_db_error().is_some() => self.undo(e),
-            Err(e) => {
-                // The savepoint is still good; its end changes nothing when the connection is
-                // gone, so the first error is the one to report.
-                let _ = self.client.batch_execute(RELEASE_SQL);
-                Ok(Err(e))
-            }
-        }
+        crate::savepoint::run(self, work)
+    }
+}
+
+impl<C: GenericClient> crate::savepoint::OnConnection for ClientOutbox<'_, C> {
+    fn batch_execute(&mut self, sql: &str) -> Result<(), Error> {
+        self.client.batch_execute(sql)
     }
 }
