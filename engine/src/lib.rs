@@ -17,6 +17,7 @@
 //!   test-only fault injection.
 //! - [`consume`]: the consuming side: subscriptions, their messages handled in batches, the
 //!   counters.
+//! - [`monitor`]: the reconciliation monitor's rounds and its compensations.
 //! - [`scheduled`]: delayed messages moved into the outbox when due; old idempotency keys.
 //! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
 //! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
@@ -35,6 +36,7 @@ pub mod flight;
 pub mod gather;
 pub mod headers;
 pub mod message;
+pub mod monitor;
 pub mod outbox;
 pub mod pacer;
 pub mod row;

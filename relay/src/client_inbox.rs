@@ -2,16 +2,9 @@
 //! statements the extension's subscription worker runs through SPI, with the same texts and
 //! parameter types, and the handler run as the subscription's owner.
 //!
-//! **Running as the owner.** The relay's role (the install's owner) cannot switch users the way
-//! the extension's worker does inside the server. For each owner it keeps a function in its
-//! session's own temporary schema, `pg_temp.amqp_outbox_as_<owner oid>`, created while it had
-//! `SET ROLE` to the owner (so the owner owns it) and `SECURITY DEFINER`: a handler called
-//! through it runs as the owner, and PostgreSQL refuses `SET ROLE`, `RESET ROLE` and `SET
-//! SESSION AUTHORIZATION` inside a security-definer function, so it cannot come back to the
-//! relay's role. No other session sees a temporary schema. A relay whose role may not `SET
-//! ROLE` to an owner (the same right `amqp.subscribe()` asks of whoever registers the
-//! subscription) leaves that subscription stopped, saying why.
+//! Handlers run as their subscriptions' owners through [`crate::runners`].
 
+use crate::runners::Runners;
 use amqp_outbox_engine::consume::book::{Book, BookRow};
 use amqp_outbox_engine::consume::handling::{FailedRecord, InboxHost};
 use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
@@ -19,7 +12,7 @@ use amqp_outbox_engine::consume::statements as sql;
 use amqp_outbox_engine::outbox::Caught;
 use postgres::types::{ToSql, Type};
 use postgres::{Client, Error, GenericClient, Statement};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 /// The session's settings: its own statements resolve in pg_catalog only; its commits are
@@ -32,55 +25,14 @@ SELECT pg_catalog.current_setting('search_path'), \
        pg_catalog.set_config('lock_timeout', '10s', false), \
        pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false)";
 
-/// Creates (or replaces) the owner's function in the session's temporary schema, as the owner,
-/// keeping the handlers' search_path. `amqp_outbox_relay.owner` (the owner's oid) and that
-/// search_path are set for the transaction before; the names are quoted by PostgreSQL (`%I`).
-const MAKE_RUNNER_SQL: &str = r#"DO $make_runner$
-DECLARE
-    owner_ oid := pg_catalog.current_setting('amqp_outbox_relay.owner')::oid;
-BEGIN
-    EXECUTE pg_catalog.format('SET LOCAL ROLE %I',
-        (SELECT rolname FROM pg_catalog.pg_roles WHERE oid OPERATOR(pg_catalog.=) owner_));
-    EXECUTE pg_catalog.format($create$
-CREATE OR REPLACE FUNCTION pg_temp.%I(handler oid, d amqp.delivery) RETURNS void
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $run$
-DECLARE
-    f text;
-BEGIN
-    SELECT pg_catalog.format('%%I.%%I', n.nspname, p.proname) INTO f
-      FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) p.pronamespace
-     WHERE p.oid OPERATOR(pg_catalog.=) handler;
-    IF f IS NULL THEN
-        RAISE EXCEPTION 'amqp_outbox: the handler function (oid %%) no longer exists', handler
-            USING ERRCODE = 'undefined_function';
-    END IF;
-    EXECUTE pg_catalog.format('SELECT %%s($1)', f) USING d;
-END
-$run$$create$,
-        'amqp_outbox_as_' OPERATOR(pg_catalog.||) owner_::text);
-    RESET ROLE;
-END
-$make_runner$"#;
-
-/// The settings [`MAKE_RUNNER_SQL`] reads, for the transaction.
-const RUNNER_SETTINGS_SQL: &str = "\
-SELECT pg_catalog.set_config('amqp_outbox_relay.owner', $1::oid::text, true), \
-       pg_catalog.set_config('search_path', $2, true)";
-
-/// The owner's function's name, quoted by PostgreSQL.
-const RUNNER_NAME_SQL: &str =
-    "SELECT 'pg_temp.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('amqp_outbox_as_' OPERATOR(pg_catalog.||) $1::oid::text)";
-
 /// The handler's bound of time for the rest of the transaction ('0': none).
 const STATEMENT_TIMEOUT_SQL: &str = "SELECT pg_catalog.set_config('statement_timeout', $1, true)";
 
-/// What a relay keeps for its consuming connection: the prepared statements, the handlers'
-/// search_path, the owners' functions made on it. Made again after a reconnection.
+/// What a relay keeps for its consuming connection: the prepared statements, the owners'
+/// functions made on it. Made again after a reconnection.
 pub struct InboxSession {
     prepared: HashMap<String, Statement>,
-    handler_search_path: String,
-    /// Per owner: the call of its function, or why it cannot be made.
-    runners: BTreeMap<u32, Result<String, String>>,
+    runners: Runners,
 }
 
 impl InboxSession {
@@ -89,53 +41,28 @@ impl InboxSession {
         let row = client.query_one(SESSION_SQL, &[])?;
         Ok(InboxSession {
             prepared: HashMap::new(),
-            handler_search_path: row.try_get(0)?,
-            runners: BTreeMap::new(),
+            runners: Runners::new(row.try_get(0)?),
         })
     }
 
-    /// Makes (again) each owner's function, in a transaction of its own each (outside a
-    /// transaction block): at every reading of the subscriptions, so that an owner's rights and
-    /// the relay's right to act as it are those of now. Returns the owners it could not make
-    /// one for, with why.
+    /// Makes (again) each owner's functions ([`Runners::ensure`]), outside a transaction
+    /// block: at every reading of the subscriptions, so that an owner's rights and the relay's
+    /// right to act as it are those of now.
     pub fn make_runners(&mut self, client: &mut Client, owners: BTreeSet<u32>) {
-        self.runners.clear();
+        self.runners.forget();
         for owner in owners {
-            let made = make_runner(client, owner, &self.handler_search_path);
-            self.runners.insert(owner, made);
+            // Kept with the runners: asked by `runner_problem`.
+            let _ = self.runners.ensure(client, owner);
         }
     }
 
     /// Why the relay cannot run code as this owner, if it cannot.
     pub fn runner_problem(&self, owner: u32) -> Option<String> {
-        match self.runners.get(&owner) {
-            Some(Ok(_)) => None,
-            Some(Err(why)) => Some(why.clone()),
-            None => Some("the relay has not prepared to run as its owner yet".into()),
+        match self.runners.calls(owner) {
+            Some(_) => None,
+            None => Some(self.runners.why_not(owner)),
         }
     }
-}
-
-fn make_runner(client: &mut Client, owner: u32, search_path: &str) -> Result<String, String> {
-    let mut t = client.transaction().map_err(|e| describe(&e))?;
-    t.query_one(RUNNER_SETTINGS_SQL, &[&owner, &search_path])
-        .map_err(|e| describe(&e))?;
-    if let Err(e) = t.batch_execute(MAKE_RUNNER_SQL) {
-        return Err(format!(
-            "the relay cannot run code as its owner (role oid {owner}): {}; grant the relay's role membership in it (with SET) or have it connect as that role",
-            describe(&e)
-        ));
-    }
-    let name: String = t
-        .query_one(RUNNER_NAME_SQL, &[&owner])
-        .and_then(|r| r.try_get(0))
-        .map_err(|e| describe(&e))?;
-    t.commit().map_err(|e| describe(&e))?;
-    Ok(format!("SELECT {name}($15, {})", sql::DELIVERY_ROW))
-}
-
-fn describe(e: &Error) -> String {
-    crate::connect::describe(e)
 }
 
 /// The consuming statements through a client connection, inside the transaction the caller
@@ -391,7 +318,12 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
         };
         // Checked when the subscriptions were read: a subscription whose owner has no runner
         // has no handler.
-        let Some(Ok(call)) = self.session.runners.get(&sub.owner).cloned() else {
+        let Some(call) = self
+            .session
+            .runners
+            .calls(sub.owner)
+            .map(|c| c.handler.clone())
+        else {
             return Ok(());
         };
         if let Some(t) = m.traceparent() {

@@ -47,6 +47,13 @@ const RECHECK_PROBLEMS: Duration = Duration::from_secs(5);
 /// `amqp.send_receipt()` reads it).
 const RECEIPTS_SQL: &str = "SELECT COALESCE(pg_catalog.current_setting('amqp_outbox.receipts_exchange', true), '') OPERATOR(pg_catalog.<>) ''";
 
+/// The consuming session's pid, for `amqp.worker_status` and `amqp.health()` (the extension's
+/// subscription worker's pid there).
+const SUBSCRIPTION_PID_SQL: &str = "\
+INSERT INTO amqp._relay_counters AS c (one, subscription_pid) \
+VALUES (true, pg_catalog.pg_backend_pid()) \
+ON CONFLICT (one) DO UPDATE SET subscription_pid = excluded.subscription_pid";
+
 /// The retention, with a short lock wait: a session keeping the older table only postpones it.
 const ROTATE_LOCK_SQL: &str = "SET LOCAL lock_timeout = '200ms'";
 
@@ -99,7 +106,8 @@ impl<'a> Consumer<'a> {
             .map_err(|e| connect::describe(&e))?;
         ClientInbox::new(&mut t, &mut consumer.session, &consumer.log)
             .reset_connections()
-            .and_then(|()| t.commit())
+            .and_then(|()| t.execute(SUBSCRIPTION_PID_SQL, &[]))
+            .and_then(|_| t.commit())
             .map_err(|e| connect::describe(&e))?;
         Ok(consumer)
     }

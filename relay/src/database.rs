@@ -1,6 +1,6 @@
-//! One database: its lease, and while this relay holds it the delivery (this thread) and the
-//! consuming side (a thread of its own, [`crate::consume`]); each started again after every
-//! failure, until the relay stops.
+//! One database: its lease, and while this relay holds it the delivery (this thread), the
+//! consuming side ([`crate::consume`]) and the monitor ([`crate::monitor`]), each on a thread
+//! and connection of its own and started again after every failure, until the relay stops.
 
 use crate::config::Config;
 use crate::connect;
@@ -35,6 +35,12 @@ pub fn serve(url: &str, config: &Config) {
             .spawn_scoped(scope, || crate::consume::serve(url, config, &lease, &log));
         if let Err(e) = consuming {
             log.warning(&format!("cannot start the consuming side: {e}"));
+        }
+        let monitoring = std::thread::Builder::new()
+            .name("monitor".into())
+            .spawn_scoped(scope, || crate::monitor::serve(url, config, &lease, &log));
+        if let Err(e) = monitoring {
+            log.warning(&format!("cannot start the monitor: {e}"));
         }
         deliver(url, config, &lease, &log);
     });

@@ -12,6 +12,8 @@
 //! - [`consume`]: the subscriptions' consumers and the engine's handling of their messages,
 //!   on a thread and connection of their own; [`client_inbox`]: the engine's `InboxHost` over
 //!   a `postgres` connection, handlers run as their owners.
+//! - [`monitor`]: the reconciliation monitor's rounds and compensations.
+//! - [`runners`]: users' code (handlers, compensations) run as its owner.
 //! - [`savepoint`]: a subtransaction over a client connection, for both hosts.
 //! - [`cli`]: the command; [`connect`], [`tls`], [`log`], [`stop`]: connections (TLS with
 //!   libpq's `sslmode`), log lines on stderr, SIGTERM.
@@ -28,7 +30,9 @@ pub mod database;
 pub mod delivery;
 pub mod lease;
 pub mod log;
+pub mod monitor;
 pub mod report;
+pub mod runners;
 pub mod savepoint;
 pub mod stop;
 pub mod tls;

@@ -743,6 +743,18 @@ fn the_relay_runs_subscriptions_as_their_owners_once_each_across_a_kill() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(owners, ["relay_app"], "every handler ran as its owner");
+    let status: String = f
+        .owner
+        .query_one(
+            "SELECT status FROM amqp.health() WHERE component = 'subscription worker'",
+            &[],
+        )
+        .expect("health")
+        .get(0);
+    assert_eq!(
+        status, "ok",
+        "amqp.health() sees the relay's consuming side"
+    );
 
     // The failing message: kept, retried, dead after its second attempt. The one that tried
     // to become the relay's role: refused by PostgreSQL, its work undone.
@@ -866,4 +878,102 @@ fn a_subscription_whose_owner_the_relay_cannot_become_waits_and_says_why() {
             other => Err(format!("{other:?}")),
         },
     );
+}
+
+#[test]
+fn the_relays_monitor_compensates_a_silent_consumer_as_the_handlers_owner() {
+    let mut f = Fixture::new("relay_monitor");
+    let sub_queue = Rabbit::shared().declare_queue("relay_monitor_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    f.owner
+        .batch_execute(
+            "CREATE TABLE app.undone (message_id text, who text); \
+             GRANT INSERT ON app.undone TO relay_app; \
+             CREATE FUNCTION app.undo(original amqp.produced, failure amqp.receipt) RETURNS void \
+                 LANGUAGE sql AS $$ INSERT INTO app.undone VALUES (original.message_id, current_user) $$; \
+             CREATE FUNCTION app.undo_escaping(original amqp.produced, failure amqp.receipt) \
+                 RETURNS void LANGUAGE plpgsql AS $$ \
+                 BEGIN RESET ROLE; INSERT INTO app.undone VALUES (original.message_id, current_user); END $$; \
+             ALTER FUNCTION app.undo(amqp.produced, amqp.receipt) OWNER TO relay_app; \
+             ALTER FUNCTION app.undo_escaping(amqp.produced, amqp.receipt) OWNER TO relay_app; \
+             SELECT amqp.on_failure('relay.order', 'app.undo(amqp.produced, amqp.receipt)'); \
+             SELECT amqp.on_failure('relay.escape', 'app.undo_escaping(amqp.produced, amqp.receipt)'); \
+             UPDATE amqp.compensation_handler SET owner = 'relay_app'; \
+             INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action) \
+             VALUES ('relay.order', '{shipping}', '1 second', '2 seconds', 'compensate'), \
+                    ('relay.escape', '{shipping}', '1 second', '2 seconds', 'compensate');",
+        )
+        .expect("compensation handlers and rules");
+    let _relay = Relay::start(&f.cluster, "a", &["retry_backoff_min=100ms"]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    let mut ids = Vec::new();
+    for business_type in ["relay.order", "relay.escape"] {
+        let id: i64 = f
+            .owner
+            .query_one(
+                "SELECT amqp.publish_message(1, '', $1, 'order', business_type => $2)",
+                &[&f.route.queue, &business_type],
+            )
+            .expect("publish")
+            .get(0);
+        ids.push(id);
+    }
+    // Nobody answers for "shipping": lost after 2 s, then compensated as relay_app.
+    let undone = eventually(Duration::from_secs(30), "the compensation", || {
+        let rows = f
+            .owner
+            .query("SELECT who FROM app.undone", &[])
+            .map_err(|e| e.to_string())?;
+        match rows.len() {
+            0 => Err("none yet".into()),
+            _ => Ok(rows
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()),
+        }
+    });
+    assert_eq!(
+        undone,
+        ["relay_app"],
+        "compensated once, as the handler's owner"
+    );
+    // The one that tried to become the relay's role: refused, kept pending with the error.
+    eventually(
+        Duration::from_secs(20),
+        "the escaping compensation refused",
+        || {
+            let r = f
+                .owner
+                .query_one(
+                    "SELECT state, attempts, coalesce(last_error, '') FROM amqp.compensation \
+                  WHERE business_type = 'relay.escape'",
+                    &[],
+                )
+                .map_err(|e| e.to_string())?;
+            let (state, attempts, error): (String, i32, String) = (r.get(0), r.get(1), r.get(2));
+            if state == "pending" && attempts >= 1 && error.contains("security-definer") {
+                Ok(())
+            } else {
+                Err(format!("{state} {attempts} {error}"))
+            }
+        },
+    );
+    let state: String = f
+        .owner
+        .query_one(
+            "SELECT state FROM amqp.compensation WHERE business_type = 'relay.order'",
+            &[],
+        )
+        .expect("compensation")
+        .get(0);
+    assert_eq!(state, "done");
+    let status: String = f
+        .owner
+        .query_one(
+            "SELECT status FROM amqp.health() WHERE component = 'monitor'",
+            &[],
+        )
+        .expect("health")
+        .get(0);
+    assert_eq!(status, "ok", "amqp.health() sees the relay's monitor");
 }

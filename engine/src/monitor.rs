@@ -1,0 +1,302 @@
+//! The reconciliation monitor's schedule and its compensations, for every host (the
+//! extension's monitor process through SPI, the relay over a connection of its own). About once
+//! a second a round: passes of `amqp._monitor()` while a whole batch was due, within a time
+//! budget; then the due compensations, within theirs; the counts `amqp.health()` reads every
+//! few seconds, the production log's upkeep every ten. Each statement runs in a transaction of
+//! its own with its error logged, never raised: nothing a user stores in a rule, a receipt or a
+//! handler ends the monitor.
+//!
+//! A compensation runs as its handler's owner in a subtransaction that keeps its effects and
+//! its "done" mark together, so it happens at most once and is retried with backoff until it
+//! does. Each attempt is counted, and the next one set, in a transaction of its own before the
+//! function runs. One whose consumer has answered ok since (or whose message completed) is
+//! never run: the monitor's pass cancels it, and the statement that takes it checks again with
+//! the row locked.
+
+use crate::outbox::Caught;
+use crate::telemetry::Level;
+use amqp_outbox_broker::backoff::Backoff;
+use std::time::{Duration, Instant};
+
+/// A round about this often.
+pub const ROUND_EVERY: Duration = Duration::from_secs(1);
+/// Messages one pass looks at, at most (the number in [`PASS_SQL`]).
+const PASS_BATCH: i64 = 5000;
+/// One pass: how many messages it looked at.
+pub const PASS_SQL: &str = "SELECT amqp._monitor(5000)::text";
+/// Passes run back to back while a whole batch was due, until this much of a round is used:
+/// a backlog (after an upgrade or a long stop) is worked off without giving up the schedule.
+const PASS_BUDGET: Duration = Duration::from_millis(500);
+/// Compensations run per round at most, and the time after which no further one starts (a
+/// slow function is bounded by `amqp_outbox.handler_timeout` on top).
+const COMPENSATIONS_PER_ROUND: usize = 20;
+const COMPENSATION_BUDGET: Duration = Duration::from_millis(300);
+const SUMMARY_EVERY: Duration = Duration::from_secs(5);
+/// The counts `amqp.health()` reads.
+pub const SUMMARY_SQL: &str = "SELECT 'counted'::text FROM amqp._summarize()";
+const UPKEEP_EVERY: Duration = Duration::from_secs(10);
+/// The production log's day partitions and retention.
+pub const UPKEEP_SQL: &str = "SELECT amqp._reconcile_upkeep()";
+/// The upkeep's partition DDL waits at most this long for its locks: the outbox's writes to the
+/// production log would queue behind a waiting ALTER or DROP (a pg_dump holds every table) up
+/// to their lock_timeout.
+pub const UPKEEP_LOCK_WAIT: Duration = Duration::from_millis(200);
+
+/// What makes a pending compensation `c` still due to run: the consumer's latest answer is not
+/// ok (an ok since its failure cancels it) and its message did not complete.
+macro_rules! still_due {
+    () => {
+        "c.state = 'pending' \
+    AND coalesce((SELECT r.status FROM amqp.receipt r \
+                   WHERE r.message_id = c.message_id AND r.message_at = c.message_at \
+                     AND r.consumer = c.consumer \
+                   ORDER BY r.received_at DESC LIMIT 1), 'failed') <> 'ok' \
+    AND NOT EXISTS (SELECT FROM amqp.produced x \
+                     WHERE x.message_id = c.message_id AND x.message_at = c.message_at \
+                       AND x.outcome = 'complete')"
+    };
+}
+
+/// The oldest due compensation, locked: message_id, consumer, attempts, the handler's
+/// `schema.function` quoted by PostgreSQL, its oid, its owner's oid, the message's
+/// `amqp.produced` row and the failed `amqp.receipt` row as text.
+pub const NEXT_COMPENSATION_SQL: &str = concat!(
+    "SELECT c.message_id, c.consumer, c.attempts, \
+            quote_ident(n.nspname) || '.' || quote_ident(p.proname), p.oid, h.owner::oid, \
+            (SELECT x::text FROM amqp.produced x \
+              WHERE x.message_id = c.message_id AND x.message_at = c.message_at LIMIT 1), \
+            (SELECT r::text FROM amqp.receipt r \
+              WHERE r.message_id = c.message_id AND r.message_at = c.message_at \
+                AND r.consumer = c.consumer AND r.status <> 'ok' \
+              ORDER BY r.received_at DESC LIMIT 1) \
+       FROM amqp.compensation c \
+       JOIN amqp.compensation_handler h ON h.business_type = c.business_type \
+       JOIN pg_proc p ON p.oid = to_regprocedure(h.handler) \
+       JOIN pg_namespace n ON n.oid = p.pronamespace \
+      WHERE c.next_attempt_at <= clock_timestamp() AND ",
+    still_due!(),
+    " ORDER BY c.next_attempt_at LIMIT 1 FOR UPDATE OF c SKIP LOCKED"
+);
+
+/// Counts the attempt of compensation ($1 message_id, $2 consumer) and sets the next one $3
+/// microseconds from now.
+pub const CLAIM_COMPENSATION_SQL: &str = "UPDATE amqp.compensation \
+    SET attempts = attempts + 1, \
+        next_attempt_at = clock_timestamp() + $3 * interval '1 microsecond' \
+  WHERE message_id = $1 AND consumer = $2";
+
+/// Whether the claimed compensation ($1, $2) is still due, locking it until the function's
+/// transaction ends (a row: yes).
+pub const STILL_DUE_SQL: &str = concat!(
+    "SELECT true FROM amqp.compensation c WHERE c.message_id = $1 AND c.consumer = $2 AND ",
+    still_due!(),
+    " FOR UPDATE OF c"
+);
+
+/// The handler's arguments, bound as text: the message's `amqp.produced` row, the failed
+/// `amqp.receipt` row.
+pub const COMPENSATION_ARGS: &str = "$1::text::amqp.produced, $2::text::amqp.receipt";
+
+/// In the compensation's subtransaction, after the handler returned: done, counted, and the
+/// message looked at again by the next pass (it may be finished now).
+pub const MARK_COMPENSATED_SQL: &str = "WITH c AS ( \
+        UPDATE amqp.compensation \
+           SET state = 'done', done_at = clock_timestamp() \
+         WHERE message_id = $1 AND consumer = $2 \
+        RETURNING message_id, message_at, business_type), \
+     again AS ( \
+        UPDATE amqp.produced p SET check_at = clock_timestamp() \
+          FROM c WHERE p.message_id = c.message_id AND p.message_at = c.message_at \
+           AND p.completed_at IS NULL) \
+     SELECT amqp._count(amqp._day(message_at), business_type, 'compensated', 1) FROM c";
+
+/// The function raised: its error kept ($3).
+pub const COMPENSATION_FAILED_SQL: &str =
+    "UPDATE amqp.compensation SET last_error = $3 WHERE message_id = $1 AND consumer = $2";
+
+/// A compensation due now, as the monitor read it.
+#[derive(Debug, Clone)]
+pub struct Due {
+    pub message_id: String,
+    pub consumer: String,
+    pub attempts: i32,
+    /// `schema.function`, quoted by PostgreSQL.
+    pub function: String,
+    pub function_oid: u32,
+    pub owner: u32,
+    pub original: Option<String>,
+    pub failure: Option<String>,
+}
+
+impl Due {
+    /// `SELECT schema.function($1::text::amqp.produced, $2::text::amqp.receipt)`.
+    pub fn call(&self) -> String {
+        format!("SELECT {}({COMPENSATION_ARGS})", self.function)
+    }
+}
+
+/// What the monitor needs of its host: each method one transaction of its own.
+pub trait MonitorHost {
+    /// `sql` (one statement returning at most one text value) alone in a transaction, its
+    /// ERROR caught; `lock_wait`: the longest it waits for a lock.
+    fn statement_alone(
+        &mut self,
+        what: &str,
+        sql: &'static str,
+        lock_wait: Option<Duration>,
+    ) -> Result<Option<String>, Caught>;
+    /// Takes the oldest due compensation ([`NEXT_COMPENSATION_SQL`]), its attempt counted and
+    /// the next one set `delay(attempts)` from now ([`CLAIM_COMPENSATION_SQL`]), committed.
+    fn claim_compensation(
+        &mut self,
+        delay: &dyn Fn(i32) -> Duration,
+    ) -> Result<Option<Due>, String>;
+    /// In a transaction: if still due ([`STILL_DUE_SQL`]), the handler as its owner bounded by
+    /// `timeout`, then [`MARK_COMPENSATED_SQL`], in one subtransaction. `Ok(false)`: no longer
+    /// due; `Err`: the function (or the mark) raised, everything it did undone.
+    fn compensate(&mut self, due: &Due, timeout: Duration) -> Result<bool, Caught>;
+    /// [`COMPENSATION_FAILED_SQL`], in a transaction.
+    fn compensation_failed(&mut self, due: &Due, error: &str) -> Result<(), String>;
+    fn log(&mut self, level: Level, text: &str);
+}
+
+/// When the periodic parts of a round are due next.
+#[derive(Default)]
+pub struct Schedule {
+    summary_at: Option<Instant>,
+    upkeep_at: Option<Instant>,
+}
+
+impl Schedule {
+    /// One round: passes, compensations, and the counts and upkeep when due.
+    pub fn round<H: MonitorHost>(
+        &mut self,
+        host: &mut H,
+        backoff: &Backoff,
+        handler_timeout: Duration,
+    ) {
+        let started = Instant::now();
+        loop {
+            match host.statement_alone("amqp_outbox monitor", PASS_SQL, None) {
+                Ok(looked) => {
+                    let full = looked
+                        .and_then(|n| n.parse::<i64>().ok())
+                        .is_some_and(|n| n >= PASS_BATCH);
+                    if !full || started.elapsed() >= PASS_BUDGET {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    host.log(
+                        Level::Warning,
+                        &format!(
+                            "monitor pass failed: {} (SQLSTATE {})",
+                            e.message, e.sqlstate
+                        ),
+                    );
+                    break;
+                }
+            }
+        }
+        let compensating = Instant::now();
+        for _ in 0..COMPENSATIONS_PER_ROUND {
+            if compensating.elapsed() >= COMPENSATION_BUDGET
+                || !compensate_one(host, backoff, handler_timeout)
+            {
+                break;
+            }
+        }
+        let now = Instant::now();
+        if self.summary_at.is_none_or(|t| now >= t) {
+            self.summary_at = Some(now + SUMMARY_EVERY);
+            logged(host, "monitor counts", SUMMARY_SQL, None);
+        }
+        if self.upkeep_at.is_none_or(|t| now >= t) {
+            self.upkeep_at = Some(now + UPKEEP_EVERY);
+            logged(
+                host,
+                "reconciliation upkeep",
+                UPKEEP_SQL,
+                Some(UPKEEP_LOCK_WAIT),
+            );
+        }
+    }
+}
+
+/// SQLSTATE 55P03: the lock wait ran out.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// One statement alone, its error logged; with a lock wait, a lock not had in time only
+/// postpones it (a debug line).
+fn logged<H: MonitorHost>(
+    host: &mut H,
+    what: &str,
+    sql: &'static str,
+    lock_wait: Option<Duration>,
+) {
+    match host.statement_alone(what, sql, lock_wait) {
+        Ok(Some(done)) if done.starts_with("made") => {
+            host.log(Level::Log, &format!("production log: {done}"))
+        }
+        Ok(_) => {}
+        Err(e) if lock_wait.is_some() && e.sqlstate == LOCK_NOT_AVAILABLE => {
+            host.log(Level::Debug, &format!("{what} postponed: {}", e.message))
+        }
+        Err(e) => host.log(
+            Level::Warning,
+            &format!("{what} failed: {} (SQLSTATE {})", e.message, e.sqlstate),
+        ),
+    }
+}
+
+/// Runs the oldest due compensation, if any. Returns whether there was one.
+fn compensate_one<H: MonitorHost>(
+    host: &mut H,
+    backoff: &Backoff,
+    handler_timeout: Duration,
+) -> bool {
+    let delay = |attempts: i32| backoff.delay(u32::try_from(attempts).unwrap_or(0));
+    let due = match host.claim_compensation(&delay) {
+        Ok(Some(due)) => due,
+        Ok(None) => return false,
+        Err(e) => {
+            host.log(
+                Level::Warning,
+                &format!("reading due compensations failed: {e}"),
+            );
+            return false;
+        }
+    };
+    match host.compensate(&due, handler_timeout) {
+        Ok(true) => host.log(
+            Level::Log,
+            &format!(
+                "compensated message {} for consumer \"{}\"",
+                due.message_id, due.consumer
+            ),
+        ),
+        Ok(false) => {}
+        Err(caught) => {
+            host.log(
+                Level::Warning,
+                &format!(
+                    "compensation of message {} for consumer \"{}\" failed (attempt {}), retried in {:.1} s: {} (SQLSTATE {})",
+                    due.message_id,
+                    due.consumer,
+                    due.attempts + 1,
+                    delay(due.attempts).as_secs_f64(),
+                    caught.message,
+                    caught.sqlstate
+                ),
+            );
+            let text = format!("{} (SQLSTATE {})", caught.message, caught.sqlstate);
+            if let Err(e) = host.compensation_failed(&due, &text) {
+                host.log(
+                    Level::Warning,
+                    &format!("recording a compensation failed: {e}"),
+                );
+            }
+        }
+    }
+    true
+}
