@@ -19,18 +19,18 @@ use crate::lease::Lease;
 use crate::log::Log;
 use crate::report::RelayTelemetry;
 use crate::stop;
-use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
-use amqp_outbox_broker::LogLevel;
+use amqp_outbox_broker::inbox::{InboxCommand, InboxHandle};
 use amqp_outbox_engine::brokers;
 use amqp_outbox_engine::consume::book::Book;
+use amqp_outbox_engine::consume::events::{Fatal, Taken};
 use amqp_outbox_engine::consume::handling::{self, Rules};
 use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
 use amqp_outbox_engine::consume::statements::ROTATE_SQL;
 use amqp_outbox_engine::consume::subscriptions::Subscriptions;
 use amqp_outbox_engine::outbox::Outbox;
 use postgres::Client;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::time::{Duration, Instant, SystemTime};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
 
 /// Longest sleep: the fallback for anything no wake-up announced (the lease's notices among
 /// them, which this thread looks at when it wakes).
@@ -66,14 +66,13 @@ pub struct Consumer<'a> {
     generation: u64,
     subs: Subscriptions,
     book: Book,
-    pending: VecDeque<Message>,
+    /// Deliveries not handled yet, and the queues seen empty.
+    taken: Taken,
     need_reload: bool,
     receipts: bool,
     reloaded_at: Instant,
     retry_at: Option<Instant>,
     rotate_at: Instant,
-    /// Per subscription: when its queue was last reported empty (see `note_caught_up`).
-    empty_at: BTreeMap<String, SystemTime>,
 }
 
 impl<'a> Consumer<'a> {
@@ -92,13 +91,12 @@ impl<'a> Consumer<'a> {
             generation,
             subs: Subscriptions::default(),
             book: Book::default(),
-            pending: VecDeque::new(),
+            taken: Taken::default(),
             need_reload: true,
             receipts: false,
             reloaded_at: Instant::now(),
             retry_at: Some(Instant::now()),
             rotate_at: Instant::now(),
-            empty_at: BTreeMap::new(),
         };
         let mut t = consumer
             .client
@@ -134,14 +132,14 @@ impl<'a> Consumer<'a> {
             if let Err(why) = self.take_events() {
                 return Ended::Failed(why);
             }
-            self.note_caught_up();
+            self.taken.note_caught_up(&mut self.book, |_| false);
             if let Err(e) = self.step() {
                 return Ended::Failed(e);
             }
             if self.rotate_at <= Instant::now() {
                 self.rotate();
             }
-            let timeout = if self.pending.is_empty() {
+            let timeout = if self.taken.pending.is_empty() {
                 self.retry_at
                     .map_or(NAPTIME, |t| t.saturating_duration_since(Instant::now()))
                     .min(NAPTIME)
@@ -156,70 +154,14 @@ impl<'a> Consumer<'a> {
     }
 
     fn take_events(&mut self) -> Result<(), String> {
-        for event in self.handle.drain_events() {
-            match event {
-                InboxEvent::Deliveries(ds) => {
-                    self.pending.extend(ds.into_iter().map(Message::from));
-                }
-                InboxEvent::Connected {
-                    subscription, host, ..
-                } => {
-                    let e = self.book.entry(&subscription);
-                    e.connection = Some((true, Some(host)));
-                    e.error = Some(None);
-                }
-                InboxEvent::Disconnected {
-                    subscription,
-                    error,
-                } => {
-                    self.log.warning(&format!(
-                        "subscription \"{subscription}\" not consuming: {error}"
-                    ));
-                    let e = self.book.entry(&subscription);
-                    e.connection = Some((false, None));
-                    e.error = Some(Some(error));
-                }
-                InboxEvent::QueueDepth {
-                    subscription,
-                    ready,
-                    consumers,
-                } => {
-                    if ready == 0 {
-                        self.empty_at
-                            .entry(subscription.clone())
-                            .or_insert_with(SystemTime::now);
-                    }
-                    self.book.entry(&subscription).queue = Some((
-                        i64::from(ready),
-                        i32::try_from(consumers).unwrap_or(i32::MAX),
-                    ));
-                }
-                InboxEvent::Log { level, message } => match level {
-                    LogLevel::Debug => self.log.debug(&message),
-                    LogLevel::Info => self.log.log(&message),
-                    LogLevel::Warning => self.log.warning(&message),
-                },
-                InboxEvent::Fatal(why) => {
-                    return Err(format!("the consumers' AMQP thread failed: {why}"))
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A subscription whose queue was seen empty, with none of the deliveries that came before
-    /// that report still waiting here, has handled everything its queue held until then (the
-    /// monitor's "caught up", as the extension's worker reports it).
-    fn note_caught_up(&mut self) {
-        let pending = &self.pending;
-        let book = &mut self.book;
-        self.empty_at.retain(|sub, at| {
-            if pending.iter().any(|m| &m.subscription == sub) {
-                return true;
-            }
-            book.entry(sub).caught_up = Some(*at);
-            false
-        });
+        let log = &self.log;
+        self.taken
+            .take(
+                self.handle.drain_events(),
+                &mut self.book,
+                &mut |level, text| log.line(level, text),
+            )
+            .map_err(|Fatal(why)| format!("the consumers' AMQP thread failed: {why}"))
     }
 
     /// Reads the subscriptions and the brokers, prepares to run as each owner, and tells the
@@ -275,13 +217,17 @@ impl<'a> Consumer<'a> {
             self.reload()?;
         }
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
-        if self.pending.is_empty() && !retry_due && self.book.is_empty() {
+        if self.taken.pending.is_empty() && !retry_due && self.book.is_empty() {
             return Ok(());
         }
         let batch_size = self.config.inbox_batch_size.max(1);
         let mut work: Vec<Message> = {
-            let n = self.pending.len().min(self.subs.batch_limit(batch_size));
-            self.pending.drain(..n).collect()
+            let n = self
+                .taken
+                .pending
+                .len()
+                .min(self.subs.batch_limit(batch_size));
+            self.taken.pending.drain(..n).collect()
         };
         let rules = Rules {
             handler_timeout: self.config.handler_timeout,

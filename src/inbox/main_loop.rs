@@ -13,14 +13,15 @@ use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
 use crate::worker::standbys::{self, StandbyWait};
-use amqp_outbox_broker::inbox::{InboxCommand, InboxEvent, InboxHandle};
-use amqp_outbox_broker::LogLevel;
+use amqp_outbox_broker::inbox::{InboxCommand, InboxHandle};
 use amqp_outbox_engine::consume::book::Book;
+use amqp_outbox_engine::consume::events::{Fatal, Taken};
 use amqp_outbox_engine::consume::message::Message;
 use amqp_outbox_engine::consume::statements::ROTATE_SQL;
+use amqp_outbox_engine::telemetry::Level;
 use pgrx::prelude::*;
-use std::collections::{BTreeMap, VecDeque};
-use std::time::{Duration, Instant, SystemTime};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 /// Longest sleep: the fallback for anything no wake-up announced.
 const NAPTIME: Duration = Duration::from_secs(1);
@@ -41,7 +42,8 @@ pub struct Inbox {
     settings: WorkerSettings,
     subs: Subscriptions,
     book: Book,
-    pending: VecDeque<Message>,
+    /// Deliveries not handled yet, and the queues seen empty.
+    taken: Taken,
     need_reload: bool,
     present: bool,
     /// The extension is not installed: the worker exits (the launcher starts it again after
@@ -50,9 +52,6 @@ pub struct Inbox {
     /// When the retention of consumption records is due (`None`: now).
     rotate_at: Option<Instant>,
     retry_at: Option<Instant>,
-    /// Per subscription: when its queue was last reported empty, not yet known to be handled
-    /// up to then (see [`Inbox::note_caught_up`]).
-    empty_at: BTreeMap<String, SystemTime>,
     /// When the subscriptions were last read.
     reloaded_at: Instant,
     /// The message whose handler ended the previous worker of this database, if one did.
@@ -74,13 +73,12 @@ impl Inbox {
             settings: gucs::worker_settings(),
             subs: Subscriptions::default(),
             book: Book::default(),
-            pending: VecDeque::new(),
+            taken: Taken::default(),
             need_reload: true,
             present: false,
             missing: false,
             rotate_at: None,
             retry_at: Some(Instant::now()),
-            empty_at: BTreeMap::new(),
             reloaded_at: Instant::now(),
             left_behind: handler_trap::take().into_iter().collect(),
             staged: BTreeMap::new(),
@@ -119,7 +117,7 @@ impl Inbox {
                 // SAFETY: the main thread, between transactions; never returns.
                 unsafe { crate::pg_compat::proc_exit(0) };
             }
-            let timeout = if !self.pending.is_empty() {
+            let timeout = if !self.taken.pending.is_empty() {
                 Duration::ZERO
             } else {
                 self.retry_at
@@ -137,73 +135,25 @@ impl Inbox {
     }
 
     fn take_events(&mut self) {
-        for event in self.handle.drain_events() {
-            match event {
-                InboxEvent::Deliveries(ds) => {
-                    self.pending.extend(ds.into_iter().map(Message::from));
-                }
-                // The AMQP thread logs the connection itself (host, queue, prefetch, channel).
-                InboxEvent::Connected {
-                    subscription, host, ..
-                } => {
-                    let e = self.book.entry(&subscription);
-                    e.connection = Some((true, Some(host)));
-                    e.error = Some(None);
-                }
-                InboxEvent::Disconnected {
-                    subscription,
-                    error,
-                } => {
-                    log!("amqp_outbox: subscription \"{subscription}\" not consuming: {error}");
-                    let e = self.book.entry(&subscription);
-                    e.connection = Some((false, None));
-                    e.error = Some(Some(error));
-                }
-                InboxEvent::QueueDepth {
-                    subscription,
-                    ready,
-                    consumers,
-                } => {
-                    if ready == 0 {
-                        self.empty_at
-                            .entry(subscription.clone())
-                            .or_insert_with(SystemTime::now);
-                    }
-                    self.book.entry(&subscription).queue = Some((
-                        i64::from(ready),
-                        i32::try_from(consumers).unwrap_or(i32::MAX),
-                    ));
-                }
-                InboxEvent::Log { level, message } => match level {
-                    LogLevel::Debug => debug1!("amqp_outbox: {message}"),
-                    LogLevel::Info => log!("amqp_outbox: {message}"),
-                    LogLevel::Warning => warning!("amqp_outbox: {message}"),
-                },
-                InboxEvent::Fatal(why) => {
-                    error!("amqp_outbox: the subscription worker's AMQP thread failed: {why}")
-                }
-            }
+        let taken = self.taken.take(
+            self.handle.drain_events(),
+            &mut self.book,
+            &mut |level, text| match level {
+                Level::Debug => debug1!("amqp_outbox: {text}"),
+                Level::Log => log!("amqp_outbox: {text}"),
+                Level::Warning => warning!("amqp_outbox: {text}"),
+            },
+        );
+        if let Err(Fatal(why)) = taken {
+            error!("amqp_outbox: the subscription worker's AMQP thread failed: {why}")
         }
     }
 
-    /// A subscription whose queue was seen empty at `t`, with none of the deliveries that came
-    /// before that report still waiting here, has handled (committed, in earlier steps)
-    /// everything its queue held until `t`: the monitor may decide that an answer sent until
-    /// then is missing, not late. (Deliveries come through the same ordered channel as the
-    /// depth reports; a failed one is kept in amqp.inbox_failed, handled too.)
+    /// See [`Taken::note_caught_up`]; handed to a lane is not handled yet.
     fn note_caught_up(&mut self) {
-        let pending = &self.pending;
         let staged = &self.staged;
-        let book = &mut self.book;
-        self.empty_at.retain(|sub, at| {
-            // Handed to a lane is not handled yet.
-            if pending.iter().any(|m| &m.subscription == sub)
-                || staged.values().flatten().any(|(s, _, _)| s == sub)
-            {
-                return true;
-            }
-            book.entry(sub).caught_up = Some(*at);
-            false
+        self.taken.note_caught_up(&mut self.book, |sub| {
+            staged.values().flatten().any(|(s, _, _)| s == sub)
         });
     }
 
@@ -255,7 +205,7 @@ impl Inbox {
         let lanes_committed = shmem::take_lane_progress();
         let check_staged = !self.staged.is_empty()
             && (lanes_committed || self.staged_checked.elapsed() >= STAGED_CHECK);
-        if self.pending.is_empty()
+        if self.taken.pending.is_empty()
             && !self.need_reload
             && !rotate_due
             && !retry_due
@@ -266,8 +216,12 @@ impl Inbox {
         }
         let mut wake_lanes = false;
         let batch: Vec<Message> = {
-            let n = self.pending.len().min(self.subs.batch_limit(batch_size));
-            self.pending.drain(..n).collect()
+            let n = self
+                .taken
+                .pending
+                .len()
+                .min(self.subs.batch_limit(batch_size));
+            self.taken.pending.drain(..n).collect()
         };
         pg::transaction("amqp_outbox subscriptions", || {
             let exists = outbox_queries::extension_exists();

@@ -4,11 +4,13 @@
 //! - [`message`]: a subscription as handling needs it, and a message to handle.
 //! - [`handling`]: a batch handled in one transaction, one subtransaction per message, what
 //!   became of each; [`handling::InboxHost`] is what it needs of its host.
+//! - [`events`]: what the consumers' AMQP thread reports, taken by the loop.
 //! - [`subscriptions`]: the active subscriptions and what the AMQP thread is told of them.
 //! - [`book`]: the counters and states written to `amqp._subscription_state`.
 //! - [`statements`]: the texts of every statement, for each host to run.
 
 pub mod book;
+pub mod events;
 pub mod handling;
 pub mod message;
 pub mod statements;
