@@ -137,6 +137,108 @@ impl<'a, C: GenericClient> ClientInbox<'a, C> {
         Ok(out)
     }
 
+    /// Puts a delivery of a subscription with an ordering into `amqp.inbox_waiting`; returns its
+    /// row's id (the one it already has when delivered again while it waits), `None` when that
+    /// row went meanwhile (its handling committed: this copy is a duplicate).
+    pub fn stage(&mut self, m: &Message, message_id: &str) -> Result<Option<i64>, Error> {
+        use Type as T;
+        let headers = json(&m.headers);
+        let timestamp = m.timestamp.map(|t| t as f64);
+        let rows = self.query(
+            sql::STAGE_SQL,
+            &[
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::BYTEA,
+                T::JSONB,
+                T::TEXT,
+                T::TEXT,
+                T::TEXT,
+                T::FLOAT8,
+                T::TEXT,
+                T::BOOL,
+            ],
+            &[
+                &m.subscription,
+                &message_id,
+                &m.key,
+                &m.exchange,
+                &m.routing_key,
+                &m.body,
+                &headers,
+                &m.content_type,
+                &m.correlation_id,
+                &m.reply_to,
+                &timestamp,
+                &m.user_id,
+                &m.redelivered,
+            ],
+        )?;
+        if let Some(r) = rows.first() {
+            return r.try_get(0);
+        }
+        let rows = self.query(
+            sql::WAITING_ID_SQL,
+            &[T::TEXT, T::TEXT],
+            &[&m.subscription, &message_id],
+        )?;
+        match rows.first() {
+            Some(r) => r.try_get(0),
+            None => Ok(None),
+        }
+    }
+
+    /// Which of these waiting rows are gone (handled, duplicates, failed).
+    pub fn gone_from_waiting(&mut self, ids: &[i64]) -> Result<Vec<i64>, Error> {
+        self.query(sql::GONE_FROM_WAITING_SQL, &[Type::INT8_ARRAY], &[&ids])?
+            .iter()
+            .map(|r| Ok(r.try_get::<_, Option<i64>>(0)?.unwrap_or_default()))
+            .collect()
+    }
+
+    /// Claims up to `limit` waiting messages of these subscriptions that may be handled now
+    /// (their key is not held back by an earlier or failed message).
+    pub fn claim_waiting(&mut self, subs: &[String], limit: i64) -> Result<Vec<Message>, Error> {
+        let rows = self.query(
+            sql::CLAIM_WAITING_SQL,
+            &[Type::TEXT_ARRAY, Type::INT8],
+            &[&subs, &limit],
+        )?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let headers: Option<String> = r.try_get(6)?;
+            out.push(Message {
+                subscription: r.try_get::<_, Option<String>>(1)?.unwrap_or_default(),
+                message_id: r.try_get(2)?,
+                exchange: r.try_get::<_, Option<String>>(3)?.unwrap_or_default(),
+                routing_key: r.try_get::<_, Option<String>>(4)?.unwrap_or_default(),
+                body: r.try_get::<_, Option<Vec<u8>>>(5)?.unwrap_or_default(),
+                headers: headers_of(headers),
+                content_type: r.try_get(7)?,
+                correlation_id: r.try_get(8)?,
+                reply_to: r.try_get(9)?,
+                timestamp: r.try_get::<_, Option<f64>>(10)?.map(|t| t.max(0.0) as u64),
+                user_id: r.try_get(11)?,
+                redelivered: r.try_get::<_, Option<bool>>(12)?.unwrap_or(false),
+                delivery: None,
+                attempt: 1,
+                retry: false,
+                key: r.try_get(13)?,
+                waiting_id: r.try_get(0)?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Removes handled (or failed, or duplicate) messages from `amqp.inbox_waiting`.
+    pub fn done_waiting(&mut self, ids: &[i64]) -> Result<(), Error> {
+        self.query(sql::DONE_WAITING_SQL, &[Type::INT8_ARRAY], &[&ids])
+            .map(drop)
+    }
+
     /// Failed messages due for a retry, of these subscriptions.
     pub fn due_retries(&mut self, subs: &[String], limit: i64) -> Result<Vec<Message>, Error> {
         let rows = self.query(

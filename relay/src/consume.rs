@@ -5,10 +5,10 @@
 //! retried when due; the retention of consumption records. Its own thread, beside the
 //! delivery's, so that a slow handler never holds up publishing.
 //!
-//! Every message is handled on this one connection in the order it arrived, whatever a
-//! subscription's `parallelism` says. A subscription with an `ordering` is not served (it says
-//! so in `amqp.subscription_status`): its rule of holding a key back behind a failed message
-//! is the extension's lanes' and is not in the relay yet.
+//! Every message is handled on this one connection, whatever a subscription's `parallelism`
+//! says. Messages of a subscription with an `ordering` go through `amqp.inbox_waiting` as the
+//! extension's lanes take them: a key's messages one after another in arrival order, held back
+//! behind a failed one until it is handled or dead.
 
 use crate::client_inbox::{ClientInbox, InboxSession};
 use crate::client_outbox::{ClientOutbox, Session};
@@ -23,7 +23,7 @@ use amqp_outbox_broker::inbox::{InboxCommand, InboxHandle};
 use amqp_outbox_engine::brokers;
 use amqp_outbox_engine::consume::book::Book;
 use amqp_outbox_engine::consume::events::{Fatal, Taken};
-use amqp_outbox_engine::consume::handling::{self, Rules};
+use amqp_outbox_engine::consume::handling::{self, InboxHost, Rules};
 use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
 use amqp_outbox_engine::consume::statements::ROTATE_SQL;
 use amqp_outbox_engine::consume::subscriptions::Subscriptions;
@@ -73,6 +73,13 @@ pub struct Consumer<'a> {
     reloaded_at: Instant,
     retry_at: Option<Instant>,
     rotate_at: Instant,
+    /// Deliveries put into `amqp.inbox_waiting`, by row id: acknowledged once their row is
+    /// gone (handled, a duplicate, or kept in amqp.inbox_failed).
+    staged: BTreeMap<i64, Vec<(String, u64, u64)>>,
+    /// Waiting messages may be claimable now (some were staged, a key was freed, a claim was
+    /// full, or the relay just started).
+    claim_waiting: bool,
+    waiting_checked: Instant,
 }
 
 impl<'a> Consumer<'a> {
@@ -97,6 +104,9 @@ impl<'a> Consumer<'a> {
             reloaded_at: Instant::now(),
             retry_at: Some(Instant::now()),
             rotate_at: Instant::now(),
+            staged: BTreeMap::new(),
+            claim_waiting: true,
+            waiting_checked: Instant::now(),
         };
         let mut t = consumer
             .client
@@ -132,7 +142,10 @@ impl<'a> Consumer<'a> {
             if let Err(why) = self.take_events() {
                 return Ended::Failed(why);
             }
-            self.taken.note_caught_up(&mut self.book, |_| false);
+            let staged = &self.staged;
+            self.taken.note_caught_up(&mut self.book, |sub| {
+                staged.values().flatten().any(|(s, _, _)| s == sub)
+            });
             if let Err(e) = self.step() {
                 return Ended::Failed(e);
             }
@@ -207,8 +220,9 @@ impl<'a> Consumer<'a> {
         Ok(())
     }
 
-    /// One transaction: a batch of deliveries and due retries, the counters; then the
-    /// acknowledgements of what it committed.
+    /// One transaction: a batch of deliveries and due retries, the messages of subscriptions
+    /// with an ordering put into `amqp.inbox_waiting` and those that may go now taken from it,
+    /// the counters; then the acknowledgements of what it committed.
     fn step(&mut self) -> Result<(), String> {
         if !self.subs.problems.is_empty() && self.reloaded_at.elapsed() >= RECHECK_PROBLEMS {
             self.need_reload = true;
@@ -217,11 +231,15 @@ impl<'a> Consumer<'a> {
             self.reload()?;
         }
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
-        if self.taken.pending.is_empty() && !retry_due && self.book.is_empty() {
+        // Waiting messages are looked at again while some are held back (a key waits for its
+        // failed message's retry), at the naptime.
+        let waiting_due = self.claim_waiting
+            || (!self.staged.is_empty() && self.waiting_checked.elapsed() >= NAPTIME);
+        if self.taken.pending.is_empty() && !retry_due && !waiting_due && self.book.is_empty() {
             return Ok(());
         }
         let batch_size = self.config.inbox_batch_size.max(1);
-        let mut work: Vec<Message> = {
+        let batch: Vec<Message> = {
             let n = self
                 .taken
                 .pending
@@ -239,25 +257,89 @@ impl<'a> Consumer<'a> {
         let mut t = self.client.transaction().map_err(describe)?;
         let mut inbox = ClientInbox::new(&mut t, &mut self.session, &self.log);
         let names: Vec<String> = self.subs.active.keys().cloned().collect();
+        // Messages of subscriptions with an ordering wait in amqp.inbox_waiting, unacknowledged
+        // until their row is gone: a key is held back behind an earlier or failed message.
+        let (ordered, mut work): (Vec<Message>, Vec<Message>) = batch.into_iter().partition(|m| {
+            self.subs
+                .active
+                .get(&m.subscription)
+                .is_some_and(|s| s.handler.is_some() && s.ordering != Ordering::None)
+        });
+        for mut m in ordered {
+            let Some(sub) = self.subs.active.get(&m.subscription) else {
+                continue;
+            };
+            let message_id = match &m.message_id {
+                Some(id) => id.clone(),
+                None => inbox
+                    .derived_message_id(m.digest_input())
+                    .map_err(describe)?,
+            };
+            m.key = sub.key_of(&m);
+            let staged = inbox.stage(&m, &message_id).map_err(describe)?;
+            if let Some((epoch, tag)) = m.delivery {
+                match staged {
+                    Some(id) => self.staged.entry(id).or_default().push((
+                        m.subscription.clone(),
+                        epoch,
+                        tag,
+                    )),
+                    // A copy of a message whose handling committed meanwhile.
+                    None => acks
+                        .entry((m.subscription.clone(), epoch))
+                        .or_default()
+                        .push(tag),
+                }
+            }
+            self.book.entry(&m.subscription).delivered += 1;
+            self.claim_waiting = true;
+        }
         if retry_due && work.len() < batch_size {
             let room = batch_size - work.len();
             let due = inbox.due_retries(&names, room as i64).map_err(describe)?;
             let took_all = due.len() < room;
+            // A retry that succeeds may free its key.
+            self.claim_waiting |= due.iter().any(|m| m.key.is_some());
             work.extend(due);
             self.retry_at = if took_all { None } else { Some(Instant::now()) };
+        }
+        if self.claim_waiting || waiting_due {
+            self.waiting_checked = Instant::now();
+            let room = batch_size.saturating_sub(work.len()).max(1);
+            let claimed = inbox.claim_waiting(&names, room as i64).map_err(describe)?;
+            self.claim_waiting = claimed.len() >= room;
+            work.extend(claimed);
         }
         if !work.is_empty() {
             let outcomes =
                 handling::handle_all(&mut inbox, &self.subs.active, &work, &rules, &mut self.book)
                     .map_err(describe)?;
+            let mut done = Vec::new();
             for (m, o) in work.iter().zip(outcomes) {
                 if o == handling::Outcome::CannotRun {
                     self.need_reload = true;
                 }
-                if let (Some((epoch, tag)), true) = (m.delivery, o.acknowledged()) {
+                if !o.acknowledged() {
+                    continue;
+                }
+                if let Some((epoch, tag)) = m.delivery {
                     acks.entry((m.subscription.clone(), epoch))
                         .or_default()
                         .push(tag);
+                }
+                done.extend(m.waiting_id);
+                // A failed or handled keyed message may hold back or free others.
+                self.claim_waiting |= m.key.is_some();
+            }
+            if !done.is_empty() {
+                inbox.done_waiting(&done).map_err(describe)?;
+            }
+        }
+        if !self.staged.is_empty() {
+            let ids: Vec<i64> = self.staged.keys().copied().collect();
+            for id in inbox.gone_from_waiting(&ids).map_err(describe)? {
+                for (sub, epoch, tag) in self.staged.remove(&id).unwrap_or_default() {
+                    acks.entry((sub, epoch)).or_default().push(tag);
                 }
             }
         }
@@ -312,12 +394,7 @@ fn refuse_what_cannot_run(sub: &mut Sub, session: &InboxSession) {
     if sub.handler.is_none() {
         return;
     }
-    let why = if sub.ordering != Ordering::None {
-        Some("the relay does not serve subscriptions with an ordering yet: set ordering 'none' (amqp.alter_subscription) or use the extension".to_string())
-    } else {
-        session.runner_problem(sub.owner)
-    };
-    if let Some(why) = why {
+    if let Some(why) = session.runner_problem(sub.owner) {
         sub.handler = None;
         sub.problem = Some(why);
     }

@@ -294,78 +294,35 @@ pub fn stage(client: &mut SpiClient<'_>, m: &Message, message_id: &str) -> SpiRe
     ];
     // DO NOTHING, not DO UPDATE: a lane may hold the row for as long as its handler runs, and
     // an update would wait for it.
-    let inserted = run_kept(
-        client,
-        "INSERT INTO amqp.inbox_waiting \
-             (subscription, message_id, ordering_key, exchange, routing_key, body, headers, \
-              content_type, correlation_id, reply_to, \"timestamp\", user_id, redelivered) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11), $12, $13) \
-         ON CONFLICT (subscription, message_id) DO NOTHING \
-         RETURNING id",
-        &args,
-        true,
-        |t| first_i64(t),
-    )?;
+    let inserted = run_kept(client, sql::STAGE_SQL, &args, true, |t| first_i64(t))?;
     if inserted.is_some() {
         return Ok(inserted);
     }
     let args: [DatumWithOid; 2] = [m.subscription.as_str().into(), message_id.into()];
-    run_kept(
-        client,
-        "SELECT id FROM amqp.inbox_waiting WHERE subscription = $1 AND message_id = $2",
-        &args,
-        false,
-        |t| first_i64(t),
-    )
+    run_kept(client, sql::WAITING_ID_SQL, &args, false, |t| first_i64(t))
 }
 
 /// Which of these `amqp.inbox_waiting` rows are gone (handled, duplicates, failed).
 pub fn gone_from_waiting(client: &mut SpiClient<'_>, ids: Vec<i64>) -> SpiResult<Vec<i64>> {
     let args: [DatumWithOid; 1] = [ids.into()];
-    run_kept(
-        client,
-        "SELECT x FROM unnest($1::int8[]) AS x \
-          WHERE NOT EXISTS (SELECT FROM amqp.inbox_waiting w WHERE w.id = x)",
-        &args,
-        false,
-        |t| {
-            let mut out = Vec::new();
-            for r in t {
-                if let Some(id) = r.get::<i64>(1)? {
-                    out.push(id);
-                }
+    run_kept(client, sql::GONE_FROM_WAITING_SQL, &args, false, |t| {
+        let mut out = Vec::new();
+        for r in t {
+            if let Some(id) = r.get::<i64>(1)? {
+                out.push(id);
             }
-            Ok(out)
-        },
-    )
+        }
+        Ok(out)
+    })
 }
-
-/// A message of these subscriptions that may be handled now (see [`claim_waiting`]), in SQL
-/// over `w`: no key, or no earlier message with its key waiting or in progress, and none
-/// failed and not dead.
-const CLAIMABLE: &str = "(w.ordering_key IS NULL \
-     OR (NOT EXISTS (SELECT FROM amqp.inbox_waiting e \
-                      WHERE e.subscription = w.subscription \
-                        AND e.ordering_key = w.ordering_key AND e.id < w.id) \
-         AND NOT EXISTS (SELECT FROM amqp.inbox_failed f \
-                          WHERE f.subscription = w.subscription \
-                            AND f.ordering_key = w.ordering_key \
-                            AND f.dead_lettered_at IS NULL)))";
 
 /// How many waiting messages of these subscriptions may be handled now, those in progress in
 /// other lanes included (at most their prefetch each).
 pub fn claimable(client: &mut SpiClient<'_>, subs: Vec<String>) -> SpiResult<usize> {
     let args: [DatumWithOid; 1] = [subs.into()];
-    run_kept(
-        client,
-        &format!(
-            "SELECT count(*) FROM amqp.inbox_waiting w \
-              WHERE w.subscription = ANY($1) AND {CLAIMABLE}"
-        ),
-        &args,
-        false,
-        |t| Ok(usize::try_from(t.first().get_one::<i64>()?.unwrap_or(0)).unwrap_or(0)),
-    )
+    run_kept(client, sql::CLAIMABLE_COUNT_SQL, &args, false, |t| {
+        Ok(usize::try_from(t.first().get_one::<i64>()?.unwrap_or(0)).unwrap_or(0))
+    })
 }
 
 /// Claims up to `limit` waiting messages of these subscriptions for a lane, oldest first: a
@@ -378,59 +335,38 @@ pub fn claim_waiting(
     limit: i64,
 ) -> SpiResult<Vec<(Message, Option<i16>)>> {
     let args: [DatumWithOid; 2] = [subs.into(), limit.into()];
-    run_kept(
-        client,
-        &format!(
-            "SELECT w.id, w.subscription, w.message_id, w.exchange, w.routing_key, w.body, \
-                w.headers::text, w.content_type, w.correlation_id, w.reply_to, \
-                extract(epoch FROM w.\"timestamp\")::float8, w.user_id, w.redelivered, \
-                w.ordering_key, w.ended \
-           FROM amqp.inbox_waiting w \
-          WHERE w.subscription = ANY($1) AND {CLAIMABLE} \
-          ORDER BY w.id LIMIT $2 \
-          FOR UPDATE OF w SKIP LOCKED"
-        ),
-        &args,
-        true,
-        |t| {
-            let mut out = Vec::new();
-            for r in t {
-                let m = Message {
-                    subscription: r.get::<String>(2)?.unwrap_or_default(),
-                    message_id: r.get::<String>(3)?,
-                    exchange: r.get::<String>(4)?.unwrap_or_default(),
-                    routing_key: r.get::<String>(5)?.unwrap_or_default(),
-                    body: r.get::<Vec<u8>>(6)?.unwrap_or_default(),
-                    headers: headers_of(r.get::<String>(7)?),
-                    content_type: r.get::<String>(8)?,
-                    correlation_id: r.get::<String>(9)?,
-                    reply_to: r.get::<String>(10)?,
-                    timestamp: r.get::<f64>(11)?.map(|t| t.max(0.0) as u64),
-                    user_id: r.get::<String>(12)?,
-                    redelivered: r.get::<bool>(13)?.unwrap_or(false),
-                    delivery: None,
-                    attempt: 1,
-                    retry: false,
-                    key: r.get::<String>(14)?,
-                    waiting_id: r.get::<i64>(1)?,
-                };
-                out.push((m, r.get::<i16>(15)?));
-            }
-            Ok(out)
-        },
-    )
+    run_kept(client, sql::CLAIM_WAITING_SQL, &args, true, |t| {
+        let mut out = Vec::new();
+        for r in t {
+            let m = Message {
+                subscription: r.get::<String>(2)?.unwrap_or_default(),
+                message_id: r.get::<String>(3)?,
+                exchange: r.get::<String>(4)?.unwrap_or_default(),
+                routing_key: r.get::<String>(5)?.unwrap_or_default(),
+                body: r.get::<Vec<u8>>(6)?.unwrap_or_default(),
+                headers: headers_of(r.get::<String>(7)?),
+                content_type: r.get::<String>(8)?,
+                correlation_id: r.get::<String>(9)?,
+                reply_to: r.get::<String>(10)?,
+                timestamp: r.get::<f64>(11)?.map(|t| t.max(0.0) as u64),
+                user_id: r.get::<String>(12)?,
+                redelivered: r.get::<bool>(13)?.unwrap_or(false),
+                delivery: None,
+                attempt: 1,
+                retry: false,
+                key: r.get::<String>(14)?,
+                waiting_id: r.get::<i64>(1)?,
+            };
+            out.push((m, r.get::<i16>(15)?));
+        }
+        Ok(out)
+    })
 }
 
 /// Removes handled (or failed, or duplicate) messages from `amqp.inbox_waiting`.
 pub fn done_waiting(client: &mut SpiClient<'_>, ids: Vec<i64>) -> SpiResult<()> {
     let args: [DatumWithOid; 1] = [ids.into()];
-    run_kept(
-        client,
-        "DELETE FROM amqp.inbox_waiting WHERE id = ANY($1)",
-        &args,
-        true,
-        |_| Ok(()),
-    )
+    run_kept(client, sql::DONE_WAITING_SQL, &args, true, |_| Ok(()))
 }
 
 /// The handler of this waiting message ended a lane (`ended`: 1 timeout, 2 terminated): the
@@ -443,7 +379,7 @@ pub fn mark_ended(
 ) -> SpiResult<()> {
     client
         .update(
-            "UPDATE amqp.inbox_waiting SET ended = $3 WHERE subscription = $1 AND message_id = $2",
+            sql::MARK_ENDED_SQL,
             None,
             &[sub.into(), message_id.into(), ended.into()],
         )
@@ -455,14 +391,7 @@ pub fn mark_ended(
 /// was changed back).
 pub fn lanes_wanted(client: &SpiClient<'_>) -> SpiResult<usize> {
     let n = client
-        .select(
-            "SELECT greatest( \
-                 (SELECT max(parallelism) FROM amqp.subscription \
-                   WHERE NOT paused AND (parallelism > 1 OR ordering <> 'none')), \
-                 (SELECT 1 FROM amqp.inbox_waiting LIMIT 1))",
-            None,
-            &[],
-        )?
+        .select(sql::LANES_WANTED_SQL, None, &[])?
         .first()
         .get_one::<i32>()?
         .unwrap_or(0);

@@ -977,3 +977,96 @@ fn the_relays_monitor_compensates_a_silent_consumer_as_the_handlers_owner() {
         .get(0);
     assert_eq!(status, "ok", "amqp.health() sees the relay's monitor");
 }
+
+#[test]
+fn the_relay_keeps_each_keys_order_behind_a_failed_message() {
+    let mut f = Fixture::new("relay_ordered");
+    let sub_queue = Rabbit::shared().declare_queue("relay_ordered_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    let ordered_queue = Rabbit::shared().declare_queue("relay_ordered_keys");
+    f.owner
+        .batch_execute(&format!(
+            "CREATE TABLE app.seen (n bigserial, k text, i int); \
+             GRANT INSERT ON app.seen TO relay_app; \
+             GRANT USAGE ON SEQUENCE app.seen_n_seq TO relay_app; \
+             CREATE SEQUENCE app.fail_once; GRANT USAGE ON SEQUENCE app.fail_once TO relay_app; \
+             CREATE FUNCTION app.in_order(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $$ \
+             DECLARE m jsonb := amqp.body_text(d)::jsonb; \
+             BEGIN \
+                 IF m->>'k' = 'k3' AND (m->>'i')::int = 2 AND nextval('app.fail_once') = 1 THEN \
+                     RAISE EXCEPTION 'fails once'; \
+                 END IF; \
+                 INSERT INTO app.seen (k, i) VALUES (m->>'k', (m->>'i')::int); \
+             END $$; \
+             ALTER FUNCTION app.in_order(amqp.delivery) OWNER TO relay_app; \
+             SELECT amqp.subscribe('ordered', 1, '{q}', 'app.in_order(amqp.delivery)', \
+                                   ordering => 'business_key'); \
+             UPDATE amqp.subscription SET owner = 'relay_app' WHERE subscription = 'ordered';",
+            q = ordered_queue.queue
+        ))
+        .expect("an ordered subscription");
+    let _relay = Relay::start(&f.cluster, "a", &["retry_backoff_min=300ms"]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    // Five keys, twenty messages each, interleaved, a few per transaction.
+    for i in 0..20 {
+        let mut t = f.owner.transaction().expect("BEGIN");
+        for k in 1..=5 {
+            let key = format!("k{k}");
+            let body = format!("{{\"k\": \"{key}\", \"i\": {i}}}");
+            t.execute(
+                "SELECT amqp.publish_message(1, '', $1, $2, business_key => $3)",
+                &[&ordered_queue.queue, &body, &key],
+            )
+            .expect("publish");
+        }
+        t.commit().expect("COMMIT");
+    }
+    eventually(Duration::from_secs(60), "100 handled", || {
+        let n: i64 = f
+            .owner
+            .query_one("SELECT count(*) FROM app.seen", &[])
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if n == 100 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    });
+    let expected: Vec<i32> = (0..20).collect();
+    for k in 1..=5 {
+        let order: Vec<i32> = f
+            .owner
+            .query_one(
+                "SELECT array_agg(i ORDER BY n) FROM app.seen WHERE k = $1",
+                &[&format!("k{k}")],
+            )
+            .expect("order")
+            .get(0);
+        assert_eq!(order, expected, "k{k} in its order, each once");
+    }
+    let failed: i64 = f
+        .owner
+        .query_one("SELECT nextval('app.fail_once') - 1", &[])
+        .expect("fail_once")
+        .get(0);
+    assert_eq!(
+        failed, 2,
+        "the failing message failed once and ran again once"
+    );
+    eventually(Duration::from_secs(10), "nothing left waiting", || {
+        let n: i64 = f
+            .owner
+            .query_one(
+                "SELECT (SELECT count(*) FROM amqp.inbox_waiting) + (SELECT count(*) FROM amqp.inbox_failed)",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if n == 0 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    });
+}

@@ -175,3 +175,81 @@ pub const RESET_CONNECTIONS_SQL: &str = "UPDATE amqp._subscription_state \
 /// The retention of consumption records (`amqp.rotate_consumption()`), run in a transaction of
 /// its own with a short lock wait.
 pub const ROTATE_SQL: &str = "SELECT amqp.rotate_consumption()";
+
+/// Puts a delivery of a subscription with an ordering or a parallelism into
+/// `amqp.inbox_waiting` (its values: subscription, message_id, ordering_key, exchange,
+/// routing_key, body, headers, content_type, correlation_id, reply_to, timestamp as epoch
+/// seconds, user_id, redelivered); returns its row's id. DO NOTHING, not DO UPDATE: a lane may
+/// hold the row for as long as its handler runs, and an update would wait for it; a copy of a
+/// waiting message finds its row with [`WAITING_ID_SQL`].
+pub const STAGE_SQL: &str = "INSERT INTO amqp.inbox_waiting \
+         (subscription, message_id, ordering_key, exchange, routing_key, body, headers, \
+          content_type, correlation_id, reply_to, \"timestamp\", user_id, redelivered) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11), $12, $13) \
+     ON CONFLICT (subscription, message_id) DO NOTHING \
+     RETURNING id";
+
+/// The waiting row of ($1 subscription, $2 message_id), if it is still there.
+pub const WAITING_ID_SQL: &str =
+    "SELECT id FROM amqp.inbox_waiting WHERE subscription = $1 AND message_id = $2";
+
+/// Which of these `amqp.inbox_waiting` rows (`$1`, int8[]) are gone (handled, duplicates,
+/// failed): their deliveries may be acknowledged.
+pub const GONE_FROM_WAITING_SQL: &str = "SELECT x FROM unnest($1::int8[]) AS x \
+      WHERE NOT EXISTS (SELECT FROM amqp.inbox_waiting w WHERE w.id = x)";
+
+/// A waiting message `w` that may be handled now: no key, or no earlier message with its key
+/// waiting or in progress, and none failed and not dead.
+macro_rules! claimable {
+    () => {
+        "(w.ordering_key IS NULL \
+     OR (NOT EXISTS (SELECT FROM amqp.inbox_waiting e \
+                      WHERE e.subscription = w.subscription \
+                        AND e.ordering_key = w.ordering_key AND e.id < w.id) \
+         AND NOT EXISTS (SELECT FROM amqp.inbox_failed f \
+                          WHERE f.subscription = w.subscription \
+                            AND f.ordering_key = w.ordering_key \
+                            AND f.dead_lettered_at IS NULL)))"
+    };
+}
+
+/// How many waiting messages of these subscriptions (`$1`) may be handled now, those in
+/// progress elsewhere included.
+pub const CLAIMABLE_COUNT_SQL: &str = concat!(
+    "SELECT count(*) FROM amqp.inbox_waiting w WHERE w.subscription = ANY($1) AND ",
+    claimable!()
+);
+
+/// Claims up to `$2` waiting messages of these subscriptions (`$1`), oldest first, a message
+/// with a key only when no earlier one with that key waits or is in progress (a locked row is
+/// still there) and none has failed (not yet dead); rows others hold are skipped: id,
+/// subscription, message_id, exchange, routing_key, body, headers (text), content_type,
+/// correlation_id, reply_to, timestamp (epoch seconds), user_id, redelivered, ordering_key,
+/// ended.
+pub const CLAIM_WAITING_SQL: &str = concat!(
+    "SELECT w.id, w.subscription, w.message_id, w.exchange, w.routing_key, w.body, \
+            w.headers::text, w.content_type, w.correlation_id, w.reply_to, \
+            extract(epoch FROM w.\"timestamp\")::float8, w.user_id, w.redelivered, \
+            w.ordering_key, w.ended \
+       FROM amqp.inbox_waiting w \
+      WHERE w.subscription = ANY($1) AND ",
+    claimable!(),
+    " ORDER BY w.id LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
+);
+
+/// Removes handled (or failed, or duplicate) messages (`$1`, int8[]) from
+/// `amqp.inbox_waiting`.
+pub const DONE_WAITING_SQL: &str = "DELETE FROM amqp.inbox_waiting WHERE id = ANY($1)";
+
+/// The handler of this waiting message ($1 subscription, $2 message_id) ended a lane ($3: 1
+/// timeout, 2 terminated): the next lane to take it records it as failed instead of running
+/// it again.
+pub const MARK_ENDED_SQL: &str =
+    "UPDATE amqp.inbox_waiting SET ended = $3 WHERE subscription = $1 AND message_id = $2";
+
+/// How many lanes the subscriptions want: the largest parallelism of those with lanes, and one
+/// while messages wait for a subscription that has none any more.
+pub const LANES_WANTED_SQL: &str = "SELECT greatest( \
+         (SELECT max(parallelism) FROM amqp.subscription \
+           WHERE NOT paused AND (parallelism > 1 OR ordering <> 'none')), \
+         (SELECT 1 FROM amqp.inbox_waiting LIMIT 1))";
