@@ -10,7 +10,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::hosted::{installed, owner_client, DB, OWNER};
-use amqp_outbox_e2e::{eventually, PgCluster, Rabbit, Route};
+use amqp_outbox_e2e::raw_amqp::publish_with_message_id;
+use amqp_outbox_e2e::{eventually, AmqpEndpoint, PgCluster, Rabbit, Route};
+use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::BasicProperties;
 use postgres::Client;
 
 /// The relay's program, built with the tests (tests/src/bin).
@@ -1069,4 +1073,113 @@ fn the_relay_keeps_each_keys_order_behind_a_failed_message() {
             Err(format!("{n}"))
         }
     });
+}
+
+#[test]
+fn poison_in_the_outbox_and_from_the_broker_stops_nothing_in_the_relay() {
+    let mut f = Fixture::new("relay_poison");
+    let sub_queue = Rabbit::shared().declare_queue("relay_poison_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    let relay = Relay::start(&f.cluster, "a", &[]);
+    let pid = f.wait_for_relay(None, Duration::from_secs(20));
+
+    // Rows whose headers AMQP cannot carry, written directly (the table's owner may), beside
+    // good ones: parked at their first attempt, the rest delivered once each.
+    let mut expected = HashSet::new();
+    let before = bodies("before", 0..50);
+    f.publish(&before);
+    expected.extend(before);
+    let mut poison = Vec::new();
+    for headers in [
+        "'{\"f\": 1e400}'::jsonb",
+        "jsonb_build_object('big', repeat('x', 200000))",
+        &format!("jsonb_build_object('{}', 1)", "n".repeat(256)),
+    ] {
+        let id: i64 = f
+            .owner
+            .query_one(
+                &format!(
+                    "INSERT INTO amqp.message (broker_id, exchange, routing_key, body, headers) \
+                     VALUES (1, '', $1, convert_to('poison', 'UTF8'), {headers}) RETURNING id"
+                ),
+                &[&f.route.queue],
+            )
+            .expect("a poisoned row")
+            .get(0);
+        poison.push(id);
+    }
+    let after = bodies("after", 0..50);
+    f.publish(&after);
+    expected.extend(after);
+    let delivered = f.wait_delivered(&expected, Duration::from_secs(30));
+    assert!(
+        !delivered.contains_key("poison"),
+        "a poisoned message was sent"
+    );
+    for (body, copies) in &delivered {
+        assert_eq!(copies.len(), 1, "{body} arrived {} times", copies.len());
+    }
+    for id in &poison {
+        eventually(Duration::from_secs(20), "the poison parked", || {
+            let r = f
+                .owner
+                .query_one(
+                    "SELECT state, attempts FROM amqp.message_status WHERE id = $1",
+                    &[id],
+                )
+                .map_err(|e| e.to_string())?;
+            let (state, attempts): (String, i32) = (r.get(0), r.get(1));
+            if state == "parked" && attempts == 1 {
+                Ok(())
+            } else {
+                Err(format!("{state} {attempts}"))
+            }
+        });
+    }
+
+    // Deliveries with NUL characters and bytes that are not UTF-8, beside good ones: each
+    // handled, on the same consumer connection.
+    let admin = AmqpAdmin::connect(&AmqpEndpoint::shared().uri()).expect("AMQP client");
+    let mut headers = FieldTable::default();
+    headers.insert("k".into(), AMQPValue::LongString("a\0b".into()));
+    headers.insert("n\0ame".into(), AMQPValue::LongString("v".into()));
+    admin
+        .publish("", &sub_queue.queue, b"good-1", BasicProperties::default())
+        .expect("good-1");
+    admin
+        .publish(
+            "",
+            &sub_queue.queue,
+            b"nul",
+            BasicProperties::default()
+                .with_message_id("id\0nul".into())
+                .with_correlation_id("corr\0id".into())
+                .with_headers(headers),
+        )
+        .expect("nul");
+    publish_with_message_id(
+        &AmqpEndpoint::shared(),
+        "",
+        &sub_queue.queue,
+        b"bad\xff\xfeid",
+        b"not-utf8",
+    )
+    .expect("not-utf8");
+    admin
+        .publish("", &sub_queue.queue, b"good-2", BasicProperties::default())
+        .expect("good-2");
+    eventually(
+        Duration::from_secs(20),
+        "the four handled",
+        || match handled(&mut f.owner, "%") {
+            (4, 4) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    assert_eq!(f.relay_pid(), Some(pid), "the relay's session was replaced");
+    let log = relay.log();
+    assert!(
+        !log.contains("stopped, starting again"),
+        "a part of the relay started again:\n{log}"
+    );
 }
