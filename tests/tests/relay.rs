@@ -29,10 +29,15 @@ struct Relay {
 
 impl Relay {
     fn start(cluster: &PgCluster, name: &str, settings: &[&str]) -> Relay {
+        Relay::start_url(cluster, name, &url(cluster), settings)
+    }
+
+    /// A relay that reaches the database at `database_url`.
+    fn start_url(cluster: &PgCluster, name: &str, database_url: &str, settings: &[&str]) -> Relay {
         let log = cluster.dir().join(format!("relay-{name}.log"));
         let file = std::fs::File::create(&log).expect("relay log");
         let mut command = Command::new(RELAY);
-        command.arg("--database").arg(url(cluster)).arg("--verbose");
+        command.arg("--database").arg(database_url).arg("--verbose");
         for s in settings {
             command.arg("--set").arg(s);
         }
@@ -1182,4 +1187,64 @@ fn poison_in_the_outbox_and_from_the_broker_stops_nothing_in_the_relay() {
         !log.contains("stopped, starting again"),
         "a part of the relay started again:\n{log}"
     );
+}
+
+#[test]
+fn a_relay_whose_network_hangs_loses_nothing_and_another_takes_over_when_its_session_ends() {
+    use amqp_outbox_e2e::chaos::{ProxyMode, TcpProxy};
+    let mut f = Fixture::new("relay_hang");
+    let proxy = TcpProxy::start(([127, 0, 0, 1], f.cluster.port()).into());
+    let through_proxy = url(&f.cluster).replace(
+        &format!("port={}", f.cluster.port()),
+        &format!("port={}", proxy.port()),
+    );
+    let mut hung = Relay::start_url(&f.cluster, "hung", &through_proxy, &[]);
+    let hung_pid = f.wait_for_relay(None, Duration::from_secs(20));
+    let standing_by = Relay::start(&f.cluster, "standing-by", &[]);
+    standing_by.wait_for_log("standing by", Duration::from_secs(20));
+    let first = bodies("first", 0..50);
+    f.publish(&first);
+    let mut expected: HashSet<String> = first.into_iter().collect();
+    f.wait_delivered(&expected, Duration::from_secs(30));
+
+    // Every byte between the active relay and PostgreSQL held, no connection closed: the server
+    // sees a live peer (its keepalives are answered), so the lock stays with the hung session
+    // and nothing is delivered meanwhile; nothing is lost either.
+    proxy.set_mode(ProxyMode::Stall);
+    let second = bodies("second", 0..50);
+    f.publish(&second);
+    expected.extend(second);
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        f.relay_pid(),
+        Some(hung_pid),
+        "the lock moved while its session lived"
+    );
+
+    // The server ends the dead session (here the hung connections are cut, as the server's TCP
+    // keepalive does when packets are dropped, or a restart): the standing-by relay takes over
+    // and delivers what waited.
+    proxy.cut();
+    proxy.set_mode(ProxyMode::Refuse);
+    let took_over = f.wait_for_relay(Some(hung_pid), Duration::from_secs(20));
+    assert_ne!(took_over, hung_pid);
+    let delivered = f.wait_delivered(&expected, Duration::from_secs(30));
+    for (body, copies) in &delivered {
+        assert!(copies.len() <= 2, "{body} arrived {} times", copies.len());
+    }
+    // The hung relay lives on, and stands by once it reaches the database again.
+    proxy.set_mode(ProxyMode::Pass);
+    eventually(
+        Duration::from_secs(30),
+        "the hung relay standing by again",
+        || {
+            let log = hung.log();
+            if log.matches("standing by").count() >= 1 && log.contains("lost the lease") {
+                Ok(())
+            } else {
+                Err(log)
+            }
+        },
+    );
+    assert!(hung.is_running(), "the hung relay exited:\n{}", hung.log());
 }
