@@ -1248,3 +1248,85 @@ fn a_relay_whose_network_hangs_loses_nothing_and_another_takes_over_when_its_ses
     );
     assert!(hung.is_running(), "the hung relay exited:\n{}", hung.log());
 }
+
+#[test]
+fn the_relay_follows_a_failover_to_the_promoted_standby() {
+    use amqp_outbox_e2e::chaos::Standby;
+    use amqp_outbox_e2e::StopMode;
+    let mut f = Fixture::new("relay_failover");
+    let standby = Standby::create(&f.cluster, &[("hot_standby", "on")])
+        .unwrap_or_else(|e| panic!("cannot create the standby: {e}"));
+    eventually(
+        Duration::from_secs(30),
+        "the standby accepting connections",
+        || standby.client(DB),
+    );
+    // Both servers in one connection string; the relay connects to the one that takes writes.
+    let both = format!(
+        "host=127.0.0.1,127.0.0.1 port={},{} user={OWNER} dbname={DB} connect_timeout=3 \
+         target_session_attrs=read-write",
+        f.cluster.port(),
+        standby.port()
+    );
+    let _relay = Relay::start_url(&f.cluster, "a", &both, &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    let before = bodies("before", 0..50);
+    f.publish(&before);
+    let mut expected: HashSet<String> = before.into_iter().collect();
+    f.wait_delivered(&expected, Duration::from_secs(30));
+    f.wait_drained();
+    // The standby has everything (the deletes of delivered rows too), then the primary dies.
+    let lsn: String = f
+        .owner
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .expect("lsn")
+        .get(0);
+    let mut sc = standby.client(DB).expect("the standby");
+    eventually(Duration::from_secs(30), "the standby caught up", || {
+        let caught: bool = sc
+            .query_one(
+                "SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn",
+                &[&lsn],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if caught {
+            Ok(())
+        } else {
+            Err("behind".into())
+        }
+    });
+    f.cluster.stop(StopMode::Immediate);
+    standby.promote().expect("promote");
+    let mut promoted = eventually(Duration::from_secs(30), "the promoted standby", || {
+        let mut c = Client::connect(
+            &standby
+                .connection_string(DB)
+                .replace("user=postgres", &format!("user={OWNER}")),
+            postgres::NoTls,
+        )
+        .map_err(|e| e.to_string())?;
+        let ro: String = c
+            .query_one("SHOW transaction_read_only", &[])
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if ro == "off" {
+            Ok(c)
+        } else {
+            Err("still read-only".into())
+        }
+    });
+    let after = bodies("after", 0..50);
+    let mut t = promoted.transaction().expect("BEGIN");
+    for b in &after {
+        t.execute("SELECT amqp.publish(1, '', $1, $2)", &[&f.route.queue, b])
+            .expect("publish on the promoted standby");
+    }
+    t.commit().expect("COMMIT");
+    expected.extend(after);
+    let delivered = f.wait_delivered(&expected, Duration::from_secs(60));
+    for (body, copies) in &delivered {
+        assert_eq!(copies.len(), 1, "{body} arrived {} times", copies.len());
+    }
+    wait_drained(&mut promoted);
+}
