@@ -1330,3 +1330,89 @@ fn the_relay_follows_a_failover_to_the_promoted_standby() {
     }
     wait_drained(&mut promoted);
 }
+
+#[test]
+fn a_broker_restart_under_the_relay_loses_nothing_and_handles_nothing_twice() {
+    use amqp_outbox_e2e::PrivateRabbit;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut node = PrivateRabbit::start();
+    let mut route = node.rabbit().declare_queue("relay_churn");
+    route.delete_on_drop = false; // the node goes away with its data
+    let cluster = installed();
+    let mut owner = owner_client(&cluster);
+    owner
+        .execute(
+            "INSERT INTO amqp.broker (broker_id, host, port) VALUES (1, '127.0.0.1', $1)",
+            &[&i32::from(node.port())],
+        )
+        .expect("broker");
+    app_subscription(&mut owner, &route.queue);
+    let _relay = Relay::start(
+        &cluster,
+        "a",
+        &["retry_backoff_min=100ms", "retry_backoff_max=1s"],
+    );
+    eventually(Duration::from_secs(20), "the relay serving", || {
+        owner
+            .query_one(
+                "SELECT worker_pid FROM amqp.worker_status WHERE state = 'running'",
+                &[],
+            )
+            .map_err(|e| e.to_string())
+            .map(drop)
+    });
+
+    // Ten messages a transaction, through the outbox to the subscription's queue, until told.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let stop = stop.clone();
+        let mut c = owner_client(&cluster);
+        let queue = route.queue.clone();
+        std::thread::spawn(move || {
+            let mut batches = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let mut t = c.transaction().expect("BEGIN");
+                for i in 0..10 {
+                    let body = format!("m-{batches}-{i}");
+                    t.execute("SELECT amqp.publish(1, '', $1, $2)", &[&queue, &body])
+                        .expect("publish");
+                }
+                t.commit().expect("COMMIT");
+                batches += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            batches
+        })
+    };
+    let wait_more = |owner: &mut Client, more: i64, what: &str| {
+        let from = handled(owner, "m-%").0;
+        eventually(Duration::from_secs(60), what, || {
+            let (n, _) = handled(owner, "m-%");
+            if n >= from + more {
+                Ok(())
+            } else {
+                Err(format!("{} more", n - from))
+            }
+        });
+    };
+    wait_more(&mut owner, 200, "200 handled before the restart");
+    node.stop();
+    std::thread::sleep(Duration::from_secs(2));
+    node.boot();
+    wait_more(&mut owner, 200, "200 more handled after the restart");
+    stop.store(true, Ordering::Relaxed);
+    let batches = producer.join().expect("producer");
+    let total = i64::from(batches) * 10;
+    eventually(
+        Duration::from_secs(60),
+        "every message handled",
+        || match handled(&mut owner, "m-%") {
+            (n, d) if n == total && d == total => Ok(()),
+            other => Err(format!("{other:?} of {total}")),
+        },
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(handled(&mut owner, "m-%"), (total, total), "none twice");
+    eprintln!("{total} messages across a broker restart");
+}
