@@ -110,6 +110,18 @@ pub fn script(env: &Env, system: System, load: &Load, body: &str) -> String {
 
 /// Starts pgbench in the background (the caller may profile a backend meanwhile).
 pub fn spawn(env: &Env, system: System, load: &Load, body: &str) -> Result<Child, String> {
+    spawn_on(env, env.cluster.port(), system, load, body)
+}
+
+/// Starts pgbench against the bench's database on the server at `port` (the bench's cluster,
+/// or another with the same database and broker, e.g. the relay's).
+pub fn spawn_on(
+    env: &Env,
+    port: u16,
+    system: System,
+    load: &Load,
+    body: &str,
+) -> Result<Child, String> {
     let file = env.write_file(
         &format!(
             "pgbench-{}-{}c-{}pt-{}b.sql",
@@ -120,7 +132,7 @@ pub fn spawn(env: &Env, system: System, load: &Load, body: &str) -> Result<Child
         ),
         &script(env, system, load, body),
     )?;
-    let port = env.cluster.port().to_string();
+    let port = port.to_string();
     let clients = load.clients.to_string();
     let jobs = load.clients.min(4).to_string();
     let secs = load.secs.to_string();
@@ -184,5 +196,17 @@ pub fn wait(child: Child, load: &Load) -> Result<Outcome, String> {
 
 pub fn run(env: &Env, system: System, load: &Load, body: &str) -> Result<Outcome, String> {
     let child = spawn(env, system, load, body)?;
+    wait(child, load)
+}
+
+/// [`run`] against the server at `port`.
+pub fn run_on(
+    env: &Env,
+    port: u16,
+    system: System,
+    load: &Load,
+    body: &str,
+) -> Result<Outcome, String> {
+    let child = spawn_on(env, port, system, load, body)?;
     wait(child, load)
 }

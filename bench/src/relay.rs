@@ -6,7 +6,11 @@
 //! - drain: a backlog committed in one transaction, from the commit until the outbox is empty
 //!   (relay ÷ worker, target ≥ 0.8), with each one's CPU per message;
 //! - latency: commit → consumer at 200 msg/s, one message per transaction (target for the
-//!   relay: p99 ≤ 5 ms), beside the worker's.
+//!   relay: p99 ≤ 5 ms), beside the worker's;
+//! - publish cost: `amqp.publish()` by pgbench (1 and 8 clients, one message per transaction,
+//!   the delivery on), the plain-SQL install's ÷ the extension's;
+//! - capacity: the same 8 clients, messages committed and delivered per second (all the run's
+//!   messages over the time until the last one left the outbox; target ≥ 0.8 of the worker).
 //!
 //! The two sides run rotated, the same queue and consumer for both.
 
@@ -18,6 +22,7 @@ use amqp_outbox_relay::connect::describe;
 use postgres::Client;
 
 use crate::env::{self, payload, Env};
+use crate::pgbench::{self, Load, System};
 use crate::phases::{self, broker_cpu, paced_pad, pcts, per_msg_us, rotated, PacedOutbox};
 use crate::raw::LatencyConsumer;
 use crate::report::{Figure, Target};
@@ -309,8 +314,92 @@ pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             .baseline("worker", pick(&got.0, |p| p.p99))
             .target(Target::AtMost(5.0)),
     );
+    // Publish cost and capacity.
+    let body = payload(100);
+    let mut publish: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+    let mut capacity = (Vec::new(), Vec::new());
+    for (k, clients) in [1u32, 8].into_iter().enumerate() {
+        let load = Load {
+            clients,
+            per_txn: 1,
+            size: 100,
+            secs: opts.secs,
+        };
+        for rep in 0..opts.reps.max(2) {
+            for who in rotated(&[Who::Worker, Who::Relay], rep) {
+                let (port, mut watch) = match who {
+                    Who::Worker => (env.cluster.port(), env.cluster.try_client()?),
+                    Who::Relay => (hosted_cluster.port(), hosted_cluster.try_client()?),
+                };
+                let (rows, cap) = publish_once(env, port, &mut watch, &load, &body)?;
+                log(format!(
+                    "  publish, {clients} client(s) ({who:?} delivering): {rows:.0} rows/s, {cap:.0} committed and delivered/s"
+                ));
+                let p = &mut publish[k];
+                match who {
+                    Who::Worker => p.0.push(rows),
+                    Who::Relay => p.1.push(rows),
+                }
+                if clients == 8 {
+                    match who {
+                        Who::Worker => capacity.0.push(cap),
+                        Who::Relay => capacity.1.push(cap),
+                    }
+                }
+                env.purge(&env.routes.publish.queue.clone())?;
+            }
+        }
+    }
+    for (k, clients) in [1u32, 8].into_iter().enumerate() {
+        let cfg = format!("{clients} client(s), 1 msg/txn, 100 B, the delivery on");
+        let (worker, relay) = std::mem::take(&mut publish[k]);
+        run.fig(
+            Figure::new(
+                sec,
+                "amqp.publish(), plain-SQL install (relay) / extension (worker)",
+                &cfg,
+                "rows/s",
+            )
+            .samples(relay)
+            .baseline("worker", worker),
+        );
+    }
+    run.fig(
+        Figure::new(
+            sec,
+            "capacity, committed and delivered per second, relay / worker",
+            "8 clients, 1 msg/txn, 100 B",
+            "msg/s",
+        )
+        .samples(capacity.1)
+        .baseline("worker", capacity.0)
+        .target(Target::RatioAtLeast(0.8)),
+    );
     drop(relay);
     drop(hosted);
     drop(hosted_cluster);
     Ok(())
+}
+
+/// One pgbench run of `amqp.publish()` against the server at `port`, whose outbox `watch`
+/// reads; returns the rows committed per second during the run, and the messages committed and
+/// delivered per second (the run's messages over the time until the outbox was empty).
+fn publish_once(
+    env: &Env,
+    port: u16,
+    watch: &mut Client,
+    load: &Load,
+    body: &str,
+) -> Result<(f64, f64), String> {
+    let t0 = Instant::now();
+    let out = pgbench::run_on(env, port, System::Publish, load, body)?;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !outbox_empty(watch)? {
+        if Instant::now() >= deadline {
+            return Err("the outbox did not empty within 4 minutes of the run".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let messages = out.rows_per_sec * f64::from(load.secs);
+    Ok((out.rows_per_sec, messages / t0.elapsed().as_secs_f64()))
 }
