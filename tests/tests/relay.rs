@@ -352,13 +352,33 @@ fn a_standing_by_relay_takes_over_when_the_active_one_is_killed() {
 #[test]
 fn the_relay_comes_back_after_its_sessions_are_terminated() {
     let mut f = Fixture::new("relay_cut");
+    let sub_queue = Rabbit::shared().declare_queue("relay_cut_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
     let mut relay = Relay::start(&f.cluster, "a", &[]);
     let pid = f.wait_for_relay(None, Duration::from_secs(20));
     let warm = bodies("before", 0..20);
     f.publish(&warm);
     f.wait_delivered(&warm.iter().cloned().collect(), Duration::from_secs(20));
+    let parts = |c: &mut Client| -> Result<(i32, i32), String> {
+        let r = c
+            .query_one(
+                "SELECT subscription_worker_pid, monitor_pid FROM amqp.worker_status",
+                &[],
+            )
+            .map_err(|e| e.to_string())?;
+        match (r.get::<_, Option<i32>>(0), r.get::<_, Option<i32>>(1)) {
+            (Some(s), Some(m)) => Ok((s, m)),
+            other => Err(format!("{other:?}")),
+        }
+    };
+    let before = eventually(
+        Duration::from_secs(20),
+        "the consuming side and monitor",
+        || parts(&mut f.owner),
+    );
 
-    // What a DBA's "terminate every session of that application" does.
+    // What a DBA's "terminate every session of that application" does: the lease's, the
+    // delivery's, the consuming side's and the monitor's.
     let mut admin = f.cluster.client_db(DB);
     let ended: i64 = admin
         .query_one(
@@ -369,15 +389,50 @@ fn the_relay_comes_back_after_its_sessions_are_terminated() {
         )
         .expect("terminate")
         .get(0);
-    assert!(
-        ended >= 2,
-        "the lease's session and the delivery's: {ended}"
-    );
+    assert!(ended >= 4, "the relay's four sessions: {ended}");
     let after = bodies("after", 0..50);
     f.publish(&after);
     let back = f.wait_for_relay(Some(pid), Duration::from_secs(20));
     assert_ne!(back, pid);
     f.wait_delivered(&after.iter().cloned().collect(), Duration::from_secs(30));
+    // The consuming side and the monitor are back too, in new sessions, and handle.
+    eventually(
+        Duration::from_secs(20),
+        "new consuming and monitor sessions",
+        || {
+            let now = parts(&mut f.owner)?;
+            if now.0 != before.0 && now.1 != before.1 {
+                Ok(())
+            } else {
+                Err(format!("{now:?} (before {before:?})"))
+            }
+        },
+    );
+    f.owner
+        .execute(
+            "SELECT amqp.publish(1, '', $1, 'handled-after')",
+            &[&sub_queue.queue],
+        )
+        .expect("publish to the subscription");
+    eventually(
+        Duration::from_secs(20),
+        "handled after the cut",
+        || match handled(&mut f.owner, "handled-after") {
+            (1, 1) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    for component in ["subscription worker", "monitor"] {
+        let status: String = f
+            .owner
+            .query_one(
+                "SELECT status FROM amqp.health() WHERE component = $1",
+                &[&component],
+            )
+            .expect("health")
+            .get(0);
+        assert_eq!(status, "ok", "{component}");
+    }
     assert!(relay.is_running(), "the process itself went on");
 }
 
