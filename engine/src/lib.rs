@@ -6,7 +6,8 @@
 //!   delivery each message still needs.
 //! - [`scan_floor`]: the lowest id a claim must read from, so that a claim reads about one
 //!   tuple per delivered message and never misses a row committed late.
-//! - [`pacer`], [`gather`]: when to claim and how long to gather commits into one batch.
+//! - [`cadence`], [`gather`], [`pacer`]: when the loop claims, how long commits gather into one
+//!   batch, how periodic statements are spaced.
 //! - [`standby_gate`]: what may leave for the broker once the named standbys have the commits.
 //! - [`row`], [`message`]: a claimed row, and the AMQP message made of it; [`headers`]: the
 //!   user's jsonb headers and arguments, checked before they go to AMQP.
@@ -28,6 +29,7 @@
 
 pub mod broker_tables;
 pub mod brokers;
+pub mod cadence;
 pub mod claim;
 pub mod consume;
 pub mod events;

@@ -15,13 +15,13 @@ use crate::connect;
 use crate::lease::Lease;
 use crate::report::{self, RelayTelemetry, Report};
 use crate::stop;
-use amqp_outbox_broker::{BrokerConfig, BrokerHandle, Command};
+use amqp_outbox_broker::{BrokerConfig, BrokerHandle};
 use amqp_outbox_engine::brokers::{self, Brokers};
+use amqp_outbox_engine::cadence::Cadence;
 use amqp_outbox_engine::claim::{self, Claimed};
 use amqp_outbox_engine::events::{self, ThreadFailed};
 use amqp_outbox_engine::faults::Faults;
 use amqp_outbox_engine::flight::Flight;
-use amqp_outbox_engine::gather::Gather;
 use amqp_outbox_engine::scan_floor::ScanFloor;
 use amqp_outbox_engine::scheduled::Scheduled;
 use amqp_outbox_engine::settle::{self, Settlement, Sweep};
@@ -71,12 +71,7 @@ pub struct Delivery<'a> {
     scheduled_noted: bool,
     key_window: i32,
     sweep: Sweep,
-    gather: Gather,
-    stepped_at: Option<Instant>,
-    /// The last claim filled its batch: claim again without sleeping.
-    more_work: bool,
-    /// The last claim took everything due, when [`Flight::released`] was this.
-    claimed_all: Option<u64>,
+    cadence: Cadence,
     /// A commit's NOTIFY arrived since the last claim.
     committed: bool,
 }
@@ -127,10 +122,7 @@ impl<'a> Delivery<'a> {
             scheduled_noted: true,
             key_window,
             sweep: Sweep::default(),
-            gather: Gather::default(),
-            stepped_at: None,
-            more_work: false,
-            claimed_all: None,
+            cadence: Cadence::default(),
             committed: true,
         })
     }
@@ -208,40 +200,31 @@ impl<'a> Delivery<'a> {
         }
     }
 
-    /// A step when something asks for one: a commit, outcomes to record, a reload, a retry
-    /// come due, a claim that left rows behind, an orphan check, or the naptime.
+    /// A step when something asks for one ([`Cadence::nothing_to_claim`]): a commit, outcomes
+    /// to record, a reload, a retry come due, a claim that left rows behind, an orphan check,
+    /// delayed messages due, or the naptime.
     fn step_if_needed(&mut self, settlement: Settlement) -> Result<(), String> {
         let config = self.config;
         let settings = &config.settings;
-        self.next_due();
         let settle_needed = !settlement.is_empty()
             || self.brokers.reload_pending()
             || self.brokers.orphan_check_due()
             || (settings.enabled && self.scheduled.due(self.scheduled_noted));
-        let claim_needed = self.committed
-            || self.more_work
-            || settlement.reopened
-            || self.claimed_all != Some(self.flight.released())
-            || self
-                .stepped_at
-                .is_none_or(|t| t.elapsed() >= settings.naptime);
-        if !settle_needed && !claim_needed {
+        if self.cadence.nothing_to_claim(
+            &mut self.flight,
+            &mut self.floor,
+            settlement.reopened,
+            settle_needed,
+            self.committed,
+            settings.naptime,
+        ) {
             return Ok(());
         }
-        if !self.more_work {
+        if let Some(gap) = self.cadence.gap(settings.batch_interval) {
             // Commits that come fast are gathered into one claim (the worker's rule).
-            let interval = self
-                .gather
-                .interval(settings.batch_interval, Instant::now());
-            if let Some(gap) = self
-                .stepped_at
-                .and_then(|t| interval.checked_sub(t.elapsed()))
-                .filter(|gap| !gap.is_zero())
-            {
-                stop::wait(&[], gap);
-            }
+            stop::wait(&[], gap);
         }
-        self.stepped_at = Some(Instant::now());
+        self.cadence.stepping();
         self.committed = false;
         self.telemetry.add(report::STEPS, 1);
         if settle_needed {
@@ -251,10 +234,7 @@ impl<'a> Delivery<'a> {
             return Ok(());
         }
         let claimed = self.claim()?;
-        let messages = claimed.commands.iter().map(Command::messages).sum();
-        self.gather.claimed(messages, Instant::now());
-        self.more_work = claimed.more;
-        self.claimed_all = claimed.complete.then_some(self.flight.released());
+        self.cadence.claimed(&claimed, &self.flight);
         for command in claimed.commands {
             if !self.handle.send(command) {
                 return Err("the AMQP thread has stopped".into());
@@ -303,9 +283,9 @@ impl<'a> Delivery<'a> {
                     .run_when_due(&mut outbox, &self.telemetry, noted, true, self.key_window)
                     .map_err(|e| connect::describe(&e))?;
                 if moved > 0 {
-                    // The moved rows keep their ids, below the floor by now.
+                    // The moved rows keep their ids, below the floor by now (the claim that
+                    // follows in this step reads from the lowest id).
                     self.floor.reset();
-                    self.claimed_all = None;
                 }
             }
         }
@@ -333,34 +313,19 @@ impl<'a> Delivery<'a> {
         Ok(claimed)
     }
 
-    /// A retry or hold that came due: the next step claims, from the lowest id.
-    fn next_due(&mut self) -> Option<Duration> {
-        let due = self.flight.holds.until_next_due(Instant::now());
-        if due.is_some_and(|d| d.is_zero()) {
-            self.floor.reset();
-            self.claimed_all = None;
-        }
-        due
-    }
-
-    /// How long to wait for a wake-up.
+    /// How long to wait for a wake-up: the cadence's time, sooner for a delayed message due,
+    /// and in time to see the lease confirmed (or lost) and to report.
     fn timeout(&mut self, lease: &Lease) -> Duration {
-        if self.more_work {
-            return Duration::ZERO;
-        }
-        let since_step = self.stepped_at.map_or(Duration::ZERO, |t| t.elapsed());
-        let mut timeout = self.config.settings.naptime.saturating_sub(since_step);
-        if let Some(due) = self.next_due() {
-            timeout = timeout.min(due);
-        }
-        if let Some(due) = self.flight.proven_due_in(Instant::now()) {
-            timeout = timeout.min(due);
-        }
+        let mut timeout = self.cadence.timeout(
+            &mut self.flight,
+            &mut self.floor,
+            self.config.settings.naptime,
+            None,
+        );
         if self.config.settings.enabled {
             // A delayed message is moved when it is due, whatever the naptime.
             timeout = timeout.min(self.scheduled.until_due(self.scheduled_noted));
         }
-        // Woken to see the lease confirmed (or lost) in time.
         timeout.min(lease.expires_in()).min(report::REPORT_EVERY)
     }
 

@@ -6,7 +6,6 @@ use super::brokers::Brokers;
 use super::events;
 use super::faults::Faults;
 use super::flight::Flight;
-use super::gather::Gather;
 use super::host::{SpiOutbox, WorkerTelemetry};
 use super::pg;
 use super::presence::Presence;
@@ -19,16 +18,13 @@ use super::status::{Status, STATUS_EVERY};
 use crate::gucs::{self, WorkerSettings};
 use crate::shmem;
 use amqp_outbox_broker::{BrokerHandle, Command};
+use amqp_outbox_engine::cadence::Cadence;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
-// Coalescing: a commit wakes the worker only once per step (the first commit after the step
-// armed the wake-up), but confirms and acknowledgements wake it as they arrive, and one step per
-// wake-up would spend a transaction (and a broker round trip) on a few messages, taking the CPU
-// the publishing sessions need. So while commits come fast a step starts a gap after the
-// previous one and takes everything committed meanwhile; the gap follows the commit rate
-// ([`Gather`]), up to `amqp_outbox.batch_interval`. Rare commits are claimed at once, and so is
-// a backlog: after a claim that filled its batch, the next step runs without waiting.
+// When to claim, how long commits gather, how long to sleep: the engine's [`Cadence`], shared
+// with the relay. A commit wakes the worker only once per step (the first commit after the step
+// armed the wake-up).
 
 /// With `amqp_outbox.enabled = off`, commits do not start a step; this often one still runs, so
 /// the status views and configuration stay current.
@@ -47,17 +43,9 @@ pub struct Worker {
     pub(super) scheduled: Scheduled,
     shrink: Shrink,
     sweep: Sweep,
-    stepped_at: Option<Instant>,
-    /// The commit rate, and from it how long commits gather before a claim.
-    gather: Gather,
+    cadence: Cadence,
     /// Claimed batches waiting for `amqp_outbox.standby_names`.
     standbys: StandbyWait<Command>,
-    /// The last claim filled its batch: claim again without sleeping.
-    more_work: bool,
-    /// The last claim took everything due, when [`Flight::released`] was this.
-    claimed_all: Option<u64>,
-    /// A retry or hold came due: the next step claims.
-    due_to_claim: bool,
 }
 
 impl Worker {
@@ -77,12 +65,8 @@ impl Worker {
             scheduled: Scheduled::default(),
             shrink: Shrink::default(),
             sweep: Sweep::default(),
-            stepped_at: None,
-            gather: Gather::default(),
+            cadence: Cadence::default(),
             standbys: StandbyWait::new(standbys::MESSAGES),
-            more_work: false,
-            claimed_all: None,
-            due_to_claim: false,
         }
     }
 
@@ -157,22 +141,12 @@ impl Worker {
                 self.wait(timeout);
                 continue;
             }
-            if !self.more_work {
-                let interval = self
-                    .gather
-                    .interval(self.settings.batch_interval, Instant::now());
-                if let Some(gap) = self
-                    .stepped_at
-                    .and_then(|t| interval.checked_sub(t.elapsed()))
-                    .filter(|gap| !gap.is_zero())
-                {
-                    pg::sleep(gap, pg::WaitEvent::OutboxBatchGap);
-                }
+            if let Some(gap) = self.cadence.gap(self.settings.batch_interval) {
+                pg::sleep(gap, pg::WaitEvent::OutboxBatchGap);
             }
             // Before the snapshot of this step: a commit it does not see will wake the worker.
             shmem::arm_commit_wake(self.settings.enabled);
-            self.stepped_at = Some(Instant::now());
-            self.due_to_claim = false;
+            self.cadence.stepping();
             shmem::count(|c| &c.steps, 1);
             let claimed = self.step(settlement);
             if self.presence.missing() {
@@ -189,10 +163,7 @@ impl Worker {
                 // Started only to look: the launcher starts both workers if there is room.
                 self.exit();
             }
-            let messages = claimed.commands.iter().map(Command::messages).sum();
-            self.gather.claimed(messages, Instant::now());
-            self.more_work = claimed.more;
-            self.claimed_all = claimed.complete.then_some(self.flight.released());
+            self.cadence.claimed(&claimed, &self.flight);
             // Nothing to publish and nothing in flight: the table may be empty.
             let idle = claimed.commands.is_empty()
                 && !claimed.more
@@ -215,50 +186,29 @@ impl Worker {
         }
     }
 
-    /// Whether this wake-up can go without a step: the last claim took everything it saw
-    /// ([`Claimed::complete`]), and since then no commit came, nothing left flight without proof,
-    /// no connection changed, nothing came due and nothing needs writing. The naptime's step
-    /// still runs (rows inserted without `amqp.publish()`, a `COMMIT PREPARED`).
+    /// Whether this wake-up can go without a step ([`Cadence::nothing_to_claim`]); a commit
+    /// is one whose wake-up was taken.
     fn nothing_to_claim(&mut self, s: &Settlement) -> bool {
-        // First, whatever else holds: a retry come due lowers the scan floor for this step.
-        self.next_due();
-        !self.due_to_claim
-            && self.claimed_all == Some(self.flight.released())
-            && !self.more_work
-            && !s.reopened
-            && !self.settle_needed(s)
-            && !shmem::commit_wake_taken()
-            && self
-                .stepped_at
-                .is_some_and(|t| t.elapsed() < self.settings.naptime)
+        let settle_needed = self.settle_needed(s);
+        self.cadence.nothing_to_claim(
+            &mut self.flight,
+            &mut self.floor,
+            s.reopened,
+            settle_needed,
+            shmem::commit_wake_taken(),
+            self.settings.naptime,
+        )
     }
 
-    /// How long until a retry or hold comes due. One that came due since the last look is
-    /// claimed by the next step, reading from the lowest id (its row may be below the scan floor).
-    fn next_due(&mut self) -> Option<Duration> {
-        let due = self.flight.holds.until_next_due(Instant::now());
-        if due.is_some_and(|d| d.is_zero()) {
-            self.floor.reset();
-            self.due_to_claim = true;
-        }
-        due
-    }
-
-    /// How long to wait for a wake-up after a step (or a wake-up that needed none).
+    /// How long to wait for a wake-up after a step (or a wake-up that needed none): the
+    /// cadence's time, sooner when the status is due for a report or a delayed message to move.
     fn timeout(&mut self, reported: bool) -> Duration {
-        let since_step = self.stepped_at.map_or(Duration::ZERO, |t| t.elapsed());
-        let mut timeout = if self.more_work {
-            Duration::ZERO
-        } else if !reported {
-            STATUS_EVERY.min(self.settings.naptime)
-        } else {
-            self.settings.naptime.saturating_sub(since_step)
-        };
-        // What has come due since this step's claim is claimed by the next one.
-        if let Some(due) = self.next_due() {
-            timeout = timeout.min(due);
-        }
-        let mut timeout = self.deletes_due(timeout);
+        let mut timeout = self.cadence.timeout(
+            &mut self.flight,
+            &mut self.floor,
+            self.settings.naptime,
+            (!reported).then_some(STATUS_EVERY),
+        );
         if self.settings.enabled {
             // A delayed message is moved when it is due, whatever the naptime.
             timeout = timeout.min(self.scheduled.until_due(shmem::scheduled_noted()));
@@ -350,7 +300,8 @@ impl Worker {
             && !self.brokers.reload_pending()
             && s.nothing_to_record()
             && self
-                .stepped_at
+                .cadence
+                .stepped_at()
                 .is_some_and(|t| t.elapsed() < DISABLED_STEP_EVERY)
     }
 }

@@ -29,8 +29,7 @@ mod step;
 // The parts that need neither PostgreSQL's API nor a connection (crate amqp_outbox_engine);
 // claim, settle and events run their statements through the traits of `host`.
 pub(crate) use amqp_outbox_engine::{
-    claim, events, faults, flight, gather, message, pacer, scan_floor, scheduled, settle,
-    standby_gate,
+    claim, events, faults, flight, message, pacer, scan_floor, scheduled, settle, standby_gate,
 };
 
 use crate::shmem;
