@@ -7,6 +7,7 @@
 use crate::runners::Runners;
 use amqp_outbox_engine::consume::book::{Book, BookRow};
 use amqp_outbox_engine::consume::handling::{FailedRecord, InboxHost};
+use amqp_outbox_engine::consume::lanes::MAX_LANES;
 use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
 use amqp_outbox_engine::consume::statements as sql;
 use amqp_outbox_engine::outbox::Caught;
@@ -128,9 +129,9 @@ impl<'a, C: GenericClient> ClientInbox<'a, C> {
                 owner,
                 handler,
                 problem: problem.take(),
-                // The relay handles every message in arrival order, one at a time (see the
-                // hosted guide): a parallelism is not used, an ordering always holds.
-                parallelism: 1,
+                parallelism: usize::try_from(r.try_get::<_, Option<i32>>(10)?.unwrap_or(1))
+                    .unwrap_or(1)
+                    .clamp(1, MAX_LANES),
                 ordering: Ordering::parse(ordering.as_deref().unwrap_or("none")),
             });
         }
@@ -231,6 +232,17 @@ impl<'a, C: GenericClient> ClientInbox<'a, C> {
             });
         }
         Ok(out)
+    }
+
+    /// How many waiting messages of these subscriptions may be handled now (in progress in
+    /// other lanes included).
+    pub fn claimable(&mut self, subs: &[String]) -> Result<usize, Error> {
+        let rows = self.query(sql::CLAIMABLE_COUNT_SQL, &[Type::TEXT_ARRAY], &[&subs])?;
+        let n: i64 = match rows.first() {
+            Some(r) => r.try_get(0)?,
+            None => 0,
+        };
+        Ok(usize::try_from(n).unwrap_or(0))
     }
 
     /// Removes handled (or failed, or duplicate) messages from `amqp.inbox_waiting`.

@@ -5,9 +5,9 @@
 //! retried when due; the retention of consumption records. Its own thread, beside the
 //! delivery's, so that a slow handler never holds up publishing.
 //!
-//! Every message is handled on this one connection, whatever a subscription's `parallelism`
-//! says. Messages of a subscription with an `ordering` go through `amqp.inbox_waiting` as the
-//! extension's lanes take them: a key's messages one after another in arrival order, held back
+//! Messages of a subscription with a `parallelism` or an `ordering` go through
+//! `amqp.inbox_waiting` as the extension's lanes take them: this thread is lane 0, threads of
+//! [`crate::lanes`] the others; a key's messages one after another in arrival order, held back
 //! behind a failed one until it is handled or dead.
 
 use crate::client_inbox::{ClientInbox, InboxSession};
@@ -15,6 +15,7 @@ use crate::client_outbox::{ClientOutbox, Session};
 use crate::config::Config;
 use crate::connect;
 use crate::delivery::Ended;
+use crate::lanes::Lanes;
 use crate::lease::Lease;
 use crate::log::Log;
 use crate::report::RelayTelemetry;
@@ -24,7 +25,8 @@ use amqp_outbox_engine::brokers;
 use amqp_outbox_engine::consume::book::Book;
 use amqp_outbox_engine::consume::events::{Fatal, Taken};
 use amqp_outbox_engine::consume::handling::{self, InboxHost, Rules};
-use amqp_outbox_engine::consume::message::{Message, Ordering, Sub};
+use amqp_outbox_engine::consume::lanes::{self, Serving};
+use amqp_outbox_engine::consume::message::{Message, Sub};
 use amqp_outbox_engine::consume::statements::ROTATE_SQL;
 use amqp_outbox_engine::consume::subscriptions::Subscriptions;
 use amqp_outbox_engine::outbox::Outbox;
@@ -59,6 +61,9 @@ const ROTATE_LOCK_SQL: &str = "SET LOCAL lock_timeout = '200ms'";
 
 pub struct Consumer<'a> {
     config: &'a Config,
+    url: &'a str,
+    /// Lanes 1 and up, for subscriptions with a parallelism (this thread is lane 0).
+    lanes: Lanes,
     client: Client,
     session: InboxSession,
     handle: InboxHandle,
@@ -84,13 +89,20 @@ pub struct Consumer<'a> {
 
 impl<'a> Consumer<'a> {
     /// Connects its session and the AMQP thread for the lease's acquisition `generation`.
-    pub fn start(config: &'a Config, url: &str, log: Log, generation: u64) -> Result<Self, String> {
+    pub fn start(
+        config: &'a Config,
+        url: &'a str,
+        log: Log,
+        generation: u64,
+    ) -> Result<Self, String> {
         let mut client = connect::connect(url, &config.postgres_tls)?;
         let session = InboxSession::new(&mut client).map_err(|e| connect::describe(&e))?;
         let handle = amqp_outbox_broker::inbox::spawn()
             .map_err(|e| format!("cannot start the consumers' AMQP thread: {e}"))?;
         let mut consumer = Consumer {
             config,
+            url,
+            lanes: Lanes::default(),
             client,
             session,
             handle,
@@ -211,6 +223,13 @@ impl<'a> Consumer<'a> {
         if let Some(configs) = self.subs.update(subs, &brokers) {
             self.handle.send(InboxCommand::Configure(configs));
         }
+        self.lanes.configure(
+            &self.subs.active,
+            self.receipts,
+            self.config,
+            self.url,
+            &self.log,
+        );
         for (name, why) in self.subs.problems.clone() {
             let e = self.book.entry(&name);
             e.connection = Some((false, None));
@@ -263,7 +282,7 @@ impl<'a> Consumer<'a> {
             self.subs
                 .active
                 .get(&m.subscription)
-                .is_some_and(|s| s.handler.is_some() && s.ordering != Ordering::None)
+                .is_some_and(|s| s.handler.is_some() && s.has_lanes())
         });
         for mut m in ordered {
             let Some(sub) = self.subs.active.get(&m.subscription) else {
@@ -304,9 +323,21 @@ impl<'a> Consumer<'a> {
             self.retry_at = if took_all { None } else { Some(Instant::now()) };
         }
         if self.claim_waiting || waiting_due {
+            // As lane 0: its share of the waiting messages (the other lanes take theirs).
             self.waiting_checked = Instant::now();
-            let room = batch_size.saturating_sub(work.len()).max(1);
-            let claimed = inbox.claim_waiting(&names, room as i64).map_err(describe)?;
+            let Serving {
+                names: serving,
+                limit,
+                ordered,
+            } = lanes::serving(&self.subs.active, 0);
+            let mut room = batch_size.saturating_sub(work.len()).clamp(1, limit);
+            if let Some(parallelism) = ordered {
+                let heads = inbox.claimable(&serving).map_err(describe)?;
+                room = lanes::ordered_limit(room, heads, parallelism);
+            }
+            let claimed = inbox
+                .claim_waiting(&serving, room as i64)
+                .map_err(describe)?;
             self.claim_waiting = claimed.len() >= room;
             work.extend(claimed);
         }

@@ -11,7 +11,8 @@
 //!   status views show.
 //! - [`consume`]: the subscriptions' consumers and the engine's handling of their messages,
 //!   on a thread and connection of their own; [`client_inbox`]: the engine's `InboxHost` over
-//!   a `postgres` connection, handlers run as their owners.
+//!   a `postgres` connection, handlers run as their owners; [`lanes`]: more threads for
+//!   subscriptions with a parallelism.
 //! - [`monitor`]: the reconciliation monitor's rounds and compensations.
 //! - [`runners`]: users' code (handlers, compensations) run as its owner.
 //! - [`savepoint`]: a subtransaction over a client connection, for both hosts.
@@ -28,6 +29,7 @@ pub mod connect;
 pub mod consume;
 pub mod database;
 pub mod delivery;
+pub mod lanes;
 pub mod lease;
 pub mod log;
 pub mod monitor;

@@ -18,7 +18,8 @@ use crate::shmem::handler_trap::{self, Ended};
 use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
 use amqp_outbox_engine::consume::book::Book;
-use amqp_outbox_engine::consume::message::{Ordering, Sub};
+use amqp_outbox_engine::consume::lanes::{self, Serving};
+use amqp_outbox_engine::consume::message::Sub;
 use pgrx::prelude::*;
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -26,8 +27,6 @@ use std::time::{Duration, Instant};
 
 /// Longest sleep when nothing wakes the lane.
 const NAPTIME: Duration = Duration::from_secs(1);
-/// Messages one transaction of a lane takes at most.
-const LANE_BATCH: usize = 8;
 /// How often a busy lane writes its counters (with the work of that transaction).
 const BOOK_EVERY: Duration = Duration::from_secs(1);
 
@@ -99,26 +98,6 @@ impl Lane {
         }
     }
 
-    /// The subscriptions this lane takes messages of, how many per transaction at most (few
-    /// enough that the other lanes of a subscription find some too), and the largest
-    /// parallelism among those with an ordering, if any.
-    fn serving(&self) -> (Vec<String>, usize, Option<usize>) {
-        let mut names = Vec::new();
-        let mut limit = LANE_BATCH;
-        let mut ordered = None;
-        for s in self.subs.values().filter(|s| s.handler.is_some()) {
-            // Lane 0 also empties what waits for a subscription that has no lanes any more.
-            if s.parallelism > self.n || (self.n == 0 && !s.has_lanes()) {
-                names.push(s.name.clone());
-                limit = limit.min((usize::from(s.prefetch) / (2 * s.parallelism)).max(1));
-                if s.ordering != Ordering::None {
-                    ordered = ordered.max(Some(s.parallelism));
-                }
-            }
-        }
-        (names, limit, ordered)
-    }
-
     /// One transaction: claim, handle, delete. Returns whether it handled anything.
     fn step(&mut self) -> bool {
         let generation = shmem::subscriptions_generation();
@@ -143,15 +122,17 @@ impl Lane {
                 if let Some((ended, sub, id)) = self.trapped.take() {
                     queries::mark_ended(client, &sub, &id, i16::from(ended.code()))?;
                 }
-                let (names, mut limit, ordered) = self.serving();
+                let Serving {
+                    names,
+                    mut limit,
+                    ordered,
+                } = lanes::serving(&self.subs, self.n);
                 if names.is_empty() {
                     return self.flush_book(client, true);
                 }
                 if let Some(parallelism) = ordered {
-                    // A lane holds the key of each message it took until it commits: its share
-                    // of the keys that can go now, so that the other lanes find some too.
                     let heads = queries::claimable(client, names.clone())?;
-                    limit = limit.min(heads.div_ceil(parallelism).max(1));
+                    limit = lanes::ordered_limit(limit, heads, parallelism);
                 }
                 let claimed = queries::claim_waiting(client, names, limit as i64)?;
                 took_all = claimed.len() >= limit;

@@ -1471,3 +1471,65 @@ fn a_broker_restart_under_the_relay_loses_nothing_and_handles_nothing_twice() {
     assert_eq!(handled(&mut owner, "m-%"), (total, total), "none twice");
     eprintln!("{total} messages across a broker restart");
 }
+
+#[test]
+fn a_subscription_with_a_parallelism_is_handled_by_several_lanes_each_message_once() {
+    let mut f = Fixture::new("relay_lanes");
+    let sub_queue = Rabbit::shared().declare_queue("relay_lanes_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    let wide_queue = Rabbit::shared().declare_queue("relay_lanes_wide");
+    f.owner
+        .batch_execute(&format!(
+            "CREATE TABLE app.lanes (body text, backend int); \
+             GRANT INSERT ON app.lanes TO relay_app; \
+             CREATE FUNCTION app.slow(d amqp.delivery) RETURNS void LANGUAGE sql AS $$ \
+                 SELECT pg_sleep(0.2); \
+                 INSERT INTO app.lanes VALUES (amqp.body_text(d), pg_backend_pid()) $$; \
+             ALTER FUNCTION app.slow(amqp.delivery) OWNER TO relay_app; \
+             SELECT amqp.subscribe('wide', 1, '{q}', 'app.slow(amqp.delivery)', \
+                                   parallelism => 4); \
+             UPDATE amqp.subscription SET owner = 'relay_app' WHERE subscription = 'wide';",
+            q = wide_queue.queue
+        ))
+        .expect("a subscription with parallelism 4");
+    let _relay = Relay::start(&f.cluster, "a", &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    let mut t = f.owner.transaction().expect("BEGIN");
+    for i in 0..24 {
+        t.execute(
+            "SELECT amqp.publish(1, '', $1, $2)",
+            &[&wide_queue.queue, &format!("w-{i}")],
+        )
+        .expect("publish");
+    }
+    t.commit().expect("COMMIT");
+    let (rows, distinct, backends) = eventually(Duration::from_secs(60), "24 handled", || {
+        let r = f
+            .owner
+            .query_one(
+                "SELECT count(*), count(DISTINCT body), count(DISTINCT backend) FROM app.lanes",
+                &[],
+            )
+            .map_err(|e| e.to_string())?;
+        let (rows, distinct, backends): (i64, i64, i64) = (r.get(0), r.get(1), r.get(2));
+        if rows >= 24 {
+            Ok((rows, distinct, backends))
+        } else {
+            Err(format!("{rows}"))
+        }
+    });
+    assert_eq!((rows, distinct), (24, 24), "each message handled once");
+    assert!(backends >= 2, "handled by {backends} session(s): no lanes");
+    eventually(Duration::from_secs(10), "nothing left waiting", || {
+        let n: i64 = f
+            .owner
+            .query_one("SELECT count(*) FROM amqp.inbox_waiting", &[])
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if n == 0 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    });
+}

@@ -5,6 +5,7 @@
 //! - [`handling`]: a batch handled in one transaction, one subtransaction per message, what
 //!   became of each; [`handling::InboxHost`] is what it needs of its host.
 //! - [`events`]: what the consumers' AMQP thread reports, taken by the loop.
+//! - [`lanes`]: which subscriptions' waiting messages each lane takes.
 //! - [`subscriptions`]: the active subscriptions and what the AMQP thread is told of them.
 //! - [`book`]: the counters and states written to `amqp._subscription_state`.
 //! - [`statements`]: the texts of every statement, for each host to run.
@@ -12,6 +13,7 @@
 pub mod book;
 pub mod events;
 pub mod handling;
+pub mod lanes;
 pub mod message;
 pub mod statements;
 pub mod subscriptions;
