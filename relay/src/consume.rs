@@ -22,6 +22,7 @@ use crate::report::RelayTelemetry;
 use crate::stop;
 use amqp_outbox_broker::inbox::{InboxCommand, InboxHandle};
 use amqp_outbox_engine::brokers;
+use amqp_outbox_engine::consume::acks::{Acks, Staged};
 use amqp_outbox_engine::consume::book::Book;
 use amqp_outbox_engine::consume::events::{Fatal, Taken};
 use amqp_outbox_engine::consume::handling::{self, InboxHost, Rules};
@@ -31,7 +32,7 @@ use amqp_outbox_engine::consume::statements::ROTATE_SQL;
 use amqp_outbox_engine::consume::subscriptions::Subscriptions;
 use amqp_outbox_engine::outbox::Outbox;
 use postgres::Client;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 /// Longest sleep: the fallback for anything no wake-up announced (the lease's notices among
@@ -78,9 +79,8 @@ pub struct Consumer<'a> {
     reloaded_at: Instant,
     retry_at: Option<Instant>,
     rotate_at: Instant,
-    /// Deliveries put into `amqp.inbox_waiting`, by row id: acknowledged once their row is
-    /// gone (handled, a duplicate, or kept in amqp.inbox_failed).
-    staged: BTreeMap<i64, Vec<(String, u64, u64)>>,
+    /// Deliveries put into `amqp.inbox_waiting`: acknowledged once their row is gone.
+    staged: Staged,
     /// Waiting messages may be claimable now (some were staged, a key was freed, a claim was
     /// full, or the relay just started).
     claim_waiting: bool,
@@ -116,7 +116,7 @@ impl<'a> Consumer<'a> {
             reloaded_at: Instant::now(),
             retry_at: Some(Instant::now()),
             rotate_at: Instant::now(),
-            staged: BTreeMap::new(),
+            staged: Staged::default(),
             claim_waiting: true,
             waiting_checked: Instant::now(),
         };
@@ -155,9 +155,8 @@ impl<'a> Consumer<'a> {
                 return Ended::Failed(why);
             }
             let staged = &self.staged;
-            self.taken.note_caught_up(&mut self.book, |sub| {
-                staged.values().flatten().any(|(s, _, _)| s == sub)
-            });
+            self.taken
+                .note_caught_up(&mut self.book, |sub| staged.holds(sub));
             if let Err(e) = self.step() {
                 return Ended::Failed(e);
             }
@@ -272,7 +271,7 @@ impl<'a> Consumer<'a> {
             backoff: self.config.settings.retry_backoff(),
         };
         let describe = |e: postgres::Error| connect::describe(&e);
-        let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
+        let mut acks = Acks::default();
         let mut t = self.client.transaction().map_err(describe)?;
         let mut inbox = ClientInbox::new(&mut t, &mut self.session, &self.log);
         let names: Vec<String> = self.subs.active.keys().cloned().collect();
@@ -296,20 +295,7 @@ impl<'a> Consumer<'a> {
             };
             m.key = sub.key_of(&m);
             let staged = inbox.stage(&m, &message_id).map_err(describe)?;
-            if let Some((epoch, tag)) = m.delivery {
-                match staged {
-                    Some(id) => self.staged.entry(id).or_default().push((
-                        m.subscription.clone(),
-                        epoch,
-                        tag,
-                    )),
-                    // A copy of a message whose handling committed meanwhile.
-                    None => acks
-                        .entry((m.subscription.clone(), epoch))
-                        .or_default()
-                        .push(tag),
-                }
-            }
+            self.staged.note(&m, staged, &mut acks);
             self.book.entry(&m.subscription).delivered += 1;
             self.claim_waiting = true;
         }
@@ -353,11 +339,7 @@ impl<'a> Consumer<'a> {
                 if !o.acknowledged() {
                     continue;
                 }
-                if let Some((epoch, tag)) = m.delivery {
-                    acks.entry((m.subscription.clone(), epoch))
-                        .or_default()
-                        .push(tag);
-                }
+                acks.add(m);
                 done.extend(m.waiting_id);
                 // A failed or handled keyed message may hold back or free others.
                 self.claim_waiting |= m.key.is_some();
@@ -367,12 +349,10 @@ impl<'a> Consumer<'a> {
             }
         }
         if !self.staged.is_empty() {
-            let ids: Vec<i64> = self.staged.keys().copied().collect();
-            for id in inbox.gone_from_waiting(&ids).map_err(describe)? {
-                for (sub, epoch, tag) in self.staged.remove(&id).unwrap_or_default() {
-                    acks.entry((sub, epoch)).or_default().push(tag);
-                }
-            }
+            let gone = inbox
+                .gone_from_waiting(&self.staged.rows())
+                .map_err(describe)?;
+            self.staged.gone(gone, &mut acks);
         }
         if self.retry_at.is_none() {
             self.retry_at = inbox
@@ -383,12 +363,8 @@ impl<'a> Consumer<'a> {
         inbox.write_book(&mut self.book).map_err(describe)?;
         t.commit().map_err(describe)?;
         // Only now is the work committed: acknowledge it.
-        for ((subscription, epoch), delivery_tags) in acks {
-            self.handle.send(InboxCommand::Ack {
-                subscription,
-                epoch,
-                delivery_tags,
-            });
+        for command in acks.commands() {
+            self.handle.send(command);
         }
         Ok(())
     }

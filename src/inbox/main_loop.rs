@@ -14,13 +14,13 @@ use crate::worker::pg;
 use crate::worker::queries as outbox_queries;
 use crate::worker::standbys::{self, StandbyWait};
 use amqp_outbox_broker::inbox::{InboxCommand, InboxHandle};
+use amqp_outbox_engine::consume::acks::{Acks, Staged};
 use amqp_outbox_engine::consume::book::Book;
 use amqp_outbox_engine::consume::events::{Fatal, Taken};
 use amqp_outbox_engine::consume::message::Message;
 use amqp_outbox_engine::consume::statements::ROTATE_SQL;
 use amqp_outbox_engine::telemetry::Level;
 use pgrx::prelude::*;
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Longest sleep: the fallback for anything no wake-up announced.
@@ -58,7 +58,7 @@ pub struct Inbox {
     left_behind: Vec<(Ended, String, String)>,
     /// Deliveries put into `amqp.inbox_waiting` for lanes, by row id: acknowledged once their
     /// row is gone (handled, a duplicate, or kept in amqp.inbox_failed).
-    staged: BTreeMap<i64, Vec<(String, u64, u64)>>,
+    staged: Staged,
     /// When the rows of `staged` were last looked at.
     staged_checked: Instant,
     /// Acknowledgements waiting for `amqp_outbox.standby_names` to have the handlers' commits:
@@ -81,7 +81,7 @@ impl Inbox {
             retry_at: Some(Instant::now()),
             reloaded_at: Instant::now(),
             left_behind: handler_trap::take().into_iter().collect(),
-            staged: BTreeMap::new(),
+            staged: Staged::default(),
             staged_checked: Instant::now(),
             standbys: StandbyWait::new(standbys::ACKNOWLEDGEMENTS),
         }
@@ -152,9 +152,8 @@ impl Inbox {
     /// See [`Taken::note_caught_up`]; handed to a lane is not handled yet.
     fn note_caught_up(&mut self) {
         let staged = &self.staged;
-        self.taken.note_caught_up(&mut self.book, |sub| {
-            staged.values().flatten().any(|(s, _, _)| s == sub)
-        });
+        self.taken
+            .note_caught_up(&mut self.book, |sub| staged.holds(sub));
     }
 
     /// The retention of consumption records, in a transaction of its own that waits for no
@@ -196,7 +195,7 @@ impl Inbox {
     fn step(&mut self) {
         let batch_size = gucs::INBOX_BATCH_SIZE.get().max(1) as usize;
         let rules = handling::rules(&self.settings);
-        let mut acks: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
+        let mut acks = Acks::default();
         let rotate_due = self.rotate_at.is_none_or(|t| t <= Instant::now());
         let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
         if !self.subs.problems.is_empty() && self.reloaded_at.elapsed() >= RECHECK_PROBLEMS {
@@ -282,31 +281,14 @@ impl Inbox {
                     };
                     m.key = sub.key_of(&m);
                     let staged = queries::stage(client, &m, &message_id)?;
-                    if let Some((epoch, tag)) = m.delivery {
-                        match staged {
-                            Some(id) => self.staged.entry(id).or_default().push((
-                                m.subscription.clone(),
-                                epoch,
-                                tag,
-                            )),
-                            // A copy of a message whose handling committed meanwhile.
-                            None => acks
-                                .entry((m.subscription.clone(), epoch))
-                                .or_default()
-                                .push(tag),
-                        }
-                    }
+                    self.staged.note(&m, staged, &mut acks);
                     self.book.entry(&m.subscription).delivered += 1;
                     wake_lanes = true;
                 }
                 if check_staged || (lanes_committed && !self.staged.is_empty()) {
                     self.staged_checked = Instant::now();
-                    let ids: Vec<i64> = self.staged.keys().copied().collect();
-                    for id in queries::gone_from_waiting(client, ids)? {
-                        for (sub, epoch, tag) in self.staged.remove(&id).unwrap_or_default() {
-                            acks.entry((sub, epoch)).or_default().push(tag);
-                        }
-                    }
+                    let gone = queries::gone_from_waiting(client, self.staged.rows())?;
+                    self.staged.gone(gone, &mut acks);
                 }
                 let retry_due = self.retry_at.is_some_and(|t| t <= Instant::now());
                 if retry_due && work.len() < batch_size {
@@ -333,10 +315,8 @@ impl Inbox {
                             // its state saying why, and the broker keeps its messages.
                             self.need_reload = true;
                         }
-                        if let (Some((epoch, tag)), true) = (m.delivery, o.acknowledged()) {
-                            acks.entry((m.subscription.clone(), epoch))
-                                .or_default()
-                                .push(tag);
+                        if o.acknowledged() {
+                            acks.add(m);
                         }
                     }
                 }
@@ -357,14 +337,7 @@ impl Inbox {
         }
         // Only now is the work committed: acknowledge it (once the standbys have it, when
         // amqp_outbox.standby_names names some).
-        let acks: Vec<InboxCommand> = acks
-            .into_iter()
-            .map(|((subscription, epoch), delivery_tags)| InboxCommand::Ack {
-                subscription,
-                epoch,
-                delivery_tags,
-            })
-            .collect();
+        let acks = acks.commands();
         let ready = if self.standbys.active() {
             self.standbys.hold(acks)
         } else {

@@ -7,9 +7,11 @@
 //! - [`events`]: what the consumers' AMQP thread reports, taken by the loop.
 //! - [`lanes`]: which subscriptions' waiting messages each lane takes.
 //! - [`subscriptions`]: the active subscriptions and what the AMQP thread is told of them.
+//! - [`acks`]: the deliveries to acknowledge after the commit, and those waiting for lanes.
 //! - [`book`]: the counters and states written to `amqp._subscription_state`.
 //! - [`statements`]: the texts of every statement, for each host to run.
 
+pub mod acks;
 pub mod book;
 pub mod events;
 pub mod handling;
