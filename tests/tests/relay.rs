@@ -1533,3 +1533,69 @@ fn a_subscription_with_a_parallelism_is_handled_by_several_lanes_each_message_on
         }
     });
 }
+
+#[test]
+fn a_message_answered_through_the_relay_completes_its_reconciliation() {
+    let mut f = Fixture::new("relay_reconcile");
+    let sub_queue = Rabbit::shared().declare_queue("relay_reconcile_sub");
+    app_subscription(&mut f.owner, &sub_queue.queue);
+    // Receipts go to an exchange of this test's, collected back into this database.
+    let receipts = format!("{}.receipts", sub_queue.queue);
+    let mut admin = f.cluster.client_db(DB);
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {DB} SET amqp_outbox.receipts_exchange = '{receipts}'"
+        ))
+        .expect("the receipts exchange");
+    f.owner
+        .batch_execute(&format!(
+            "SELECT amqp.collect_receipts(1, '{receipts}', '{receipts}'); \
+             INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action) \
+             VALUES ('relay.paid', '{{orders}}', '5 seconds', '60 seconds', 'report');"
+        ))
+        .expect("collect receipts and a rule");
+    let _relay = Relay::start(&f.cluster, "a", &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    let id: String = {
+        let mut owner = owner_client(&f.cluster);
+        let mut t = owner.transaction().expect("BEGIN");
+        t.execute(
+            "SELECT amqp.publish_message(1, '', $1, 'paid', business_type => 'relay.paid')",
+            &[&sub_queue.queue],
+        )
+        .expect("publish");
+        let id: String = t
+            .query_one(
+                "SELECT message_id FROM amqp.message ORDER BY id DESC LIMIT 1",
+                &[],
+            )
+            .expect("its message_id")
+            .get(0);
+        t.commit().expect("COMMIT");
+        id
+    };
+    // Handled by "orders", answered with a receipt through the outbox, the receipt consumed
+    // back and recorded: the message is complete.
+    eventually(Duration::from_secs(30), "the message complete", || {
+        let r = f
+            .owner
+            .query_opt(
+                "SELECT outcome, answered_ok FROM amqp.produced WHERE message_id = $1",
+                &[&id],
+            )
+            .map_err(|e| e.to_string())?;
+        match r.map(|r| {
+            (
+                r.get::<_, Option<String>>(0),
+                r.get::<_, Option<Vec<String>>>(1),
+            )
+        }) {
+            Some((Some(outcome), Some(ok))) if outcome == "complete" && ok == ["orders"] => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(handled(&mut f.owner, "paid"), (1, 1));
+    let amqp = AmqpAdmin::connect(&AmqpEndpoint::shared().uri()).expect("AMQP client");
+    let _ = amqp.delete_queue(&receipts);
+    let _ = amqp.delete_exchange(&receipts);
+}
