@@ -1599,3 +1599,102 @@ fn a_message_answered_through_the_relay_completes_its_reconciliation() {
     let _ = amqp.delete_queue(&receipts);
     let _ = amqp.delete_exchange(&receipts);
 }
+
+#[test]
+fn messages_waiting_in_the_plain_sql_install_move_to_the_extension_and_its_worker_delivers_them() {
+    // The plain-SQL install, no relay running: messages waiting, one of them delayed.
+    let source = installed();
+    let mut src = owner_client(&source);
+    src.batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+        .expect("broker");
+    let rabbit = Rabbit::shared();
+    let route = rabbit.declare_queue("relay_move_back");
+    let mut ids = HashMap::new();
+    for i in 0..40 {
+        let body = format!("back-{i}");
+        let id: i64 = src
+            .query_one(
+                "SELECT amqp.publish_message(1, '', $1, $2)",
+                &[&route.queue, &body],
+            )
+            .expect("publish")
+            .get(0);
+        let message_id: String = src
+            .query_one("SELECT message_id FROM amqp.message WHERE id = $1", &[&id])
+            .expect("its message id")
+            .get(0);
+        ids.insert(body, message_id);
+    }
+    src.execute(
+        "SELECT amqp.publish_message(1, '', $1, 'back-later', deliver_after => '2 seconds')",
+        &[&route.queue],
+    )
+    .expect("delayed publish");
+    // As the docs say: the data without the install's own tables.
+    let path = source.dir().join("outbox.sql").display().to_string();
+    source
+        .run_client(
+            "pg_dump",
+            &[
+                "--data-only",
+                "--exclude-table=amqp._relay_*",
+                "--exclude-table=amqp._consumed_since",
+                "-f",
+                &path,
+                DB,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // Restored into a database where the extension is installed, its worker off meanwhile.
+    let target =
+        PgCluster::new(amqp_outbox_e2e::PgConfig::default().setting("amqp_outbox.enabled", "off"));
+    let mut t = target.client();
+    t.batch_execute("CREATE EXTENSION amqp_outbox")
+        .expect("the extension");
+    target
+        .run_client(
+            "psql",
+            &[
+                "-X",
+                "-q",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-d",
+                &target.config().database,
+                "-f",
+                &path,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("restore into the extension's database: {e}"));
+    let collector = rabbit.consume_connected(&route);
+    // One statement each: ALTER SYSTEM refuses a transaction block.
+    for statement in [
+        "ALTER SYSTEM SET amqp_outbox.enabled = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        t.batch_execute(statement).expect("the worker on");
+    }
+    let mut expected: HashSet<String> = ids.keys().cloned().collect();
+    expected.insert("back-later".into());
+    let arrived = eventually(Duration::from_secs(30), "the moved messages", || {
+        let mut seen: HashMap<String, Option<String>> = HashMap::new();
+        for d in collector.deliveries() {
+            seen.insert(d.text(), d.message_id.clone());
+        }
+        let missing = expected.iter().filter(|b| !seen.contains_key(*b)).count();
+        if missing == 0 {
+            Ok(seen)
+        } else {
+            Err(format!("{missing} missing"))
+        }
+    });
+    for (body, message_id) in &ids {
+        assert_eq!(
+            arrived[body].as_deref(),
+            Some(message_id.as_str()),
+            "{body} keeps its message id"
+        );
+    }
+    wait_drained(&mut t);
+}
