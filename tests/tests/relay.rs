@@ -1698,3 +1698,40 @@ fn messages_waiting_in_the_plain_sql_install_move_to_the_extension_and_its_worke
     }
     wait_drained(&mut t);
 }
+
+#[test]
+fn two_relays_started_together_serve_the_database_one_at_a_time() {
+    let mut f = Fixture::new("relay_race");
+    let a = Relay::start(&f.cluster, "a", &[]);
+    let b = Relay::start(&f.cluster, "b", &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    eventually(
+        Duration::from_secs(20),
+        "one serving, one standing by",
+        || {
+            let (la, lb) = (a.log(), b.log());
+            let serving = [&la, &lb]
+                .iter()
+                .filter(|l| l.contains("serving this database"))
+                .count();
+            let standing = [&la, &lb]
+                .iter()
+                .filter(|l| l.contains("standing by"))
+                .count();
+            if serving == 1 && standing == 1 {
+                Ok(())
+            } else {
+                Err(format!("{serving} serving, {standing} standing by"))
+            }
+        },
+    );
+    let sent = bodies("race", 0..100);
+    for chunk in sent.chunks(10) {
+        f.publish(chunk);
+    }
+    let delivered = f.wait_delivered(&sent.iter().cloned().collect(), Duration::from_secs(30));
+    for (body, copies) in &delivered {
+        assert_eq!(copies.len(), 1, "{body} arrived {} times", copies.len());
+    }
+    f.wait_drained();
+}
