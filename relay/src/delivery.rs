@@ -12,6 +12,7 @@
 use crate::client_outbox::{ClientOutbox, Session};
 use crate::config::Config;
 use crate::connect;
+use crate::doorbell::Doorbell;
 use crate::lease::Lease;
 use crate::report::{self, RelayTelemetry, Report};
 use crate::stop;
@@ -72,8 +73,10 @@ pub struct Delivery<'a> {
     key_window: i32,
     sweep: Sweep,
     cadence: Cadence,
-    /// A commit's NOTIFY arrived since the last claim.
+    /// A commit's NOTIFY arrived since the last claim (or the doorbell asks for a claim).
     committed: bool,
+    /// Whether publishers notify now ([`crate::doorbell`]).
+    doorbell: Doorbell,
 }
 
 impl<'a> Delivery<'a> {
@@ -124,6 +127,7 @@ impl<'a> Delivery<'a> {
             sweep: Sweep::default(),
             cadence: Cadence::default(),
             committed: true,
+            doorbell: Doorbell::default(),
         })
     }
 
@@ -235,6 +239,12 @@ impl<'a> Delivery<'a> {
         }
         let claimed = self.claim()?;
         self.cadence.claimed(&claimed, &self.flight);
+        let messages: usize = claimed.commands.iter().map(|c| c.messages()).sum();
+        let busy = self.cadence.more_work() || self.cadence.gap(settings.batch_interval).is_some();
+        self.committed |= self
+            .doorbell
+            .after_claim(&mut self.client, messages, busy)
+            .map_err(|e| connect::describe(&e))?;
         for command in claimed.commands {
             if !self.handle.send(command) {
                 return Err("the AMQP thread has stopped".into());
@@ -325,6 +335,10 @@ impl<'a> Delivery<'a> {
         if self.config.settings.enabled {
             // A delayed message is moved when it is due, whatever the naptime.
             timeout = timeout.min(self.scheduled.until_due(self.scheduled_noted));
+        }
+        if let Some(poll) = self.doorbell.poll(self.config.settings.batch_interval) {
+            // Publishers do not notify meanwhile.
+            timeout = timeout.min(poll);
         }
         timeout.min(lease.expires_in()).min(report::REPORT_EVERY)
     }

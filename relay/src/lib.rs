@@ -5,7 +5,8 @@
 //! - [`config`]: the databases and settings, from a file, the environment and the command line.
 //! - [`database`]: one thread per database: its [`lease`] (the advisory lock that makes one
 //!   relay the active one, and the LISTEN for commits) and, while it is held, the [`delivery`].
-//! - [`delivery`]: the engine's claim, events and settling in the worker's order;
+//! - [`delivery`]: the engine's claim, events and settling in the worker's order; [`doorbell`]:
+//!   whether publishers notify it (only while it sleeps);
 //!   [`client_outbox`]: the engine's `Outbox` over a `postgres` connection, running the very
 //!   statements the worker runs through SPI; [`report`]: the counters and connections the
 //!   status views show.
@@ -29,6 +30,7 @@ pub mod connect;
 pub mod consume;
 pub mod database;
 pub mod delivery;
+pub mod doorbell;
 pub mod lanes;
 pub mod lease;
 pub mod log;

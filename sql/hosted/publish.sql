@@ -7,10 +7,16 @@
 -- publishers need EXECUTE on the function, no right on the tables. Every object is qualified and
 -- every operator on user data is OPERATOR(pg_catalog.x), as search_path is pg_catalog, pg_temp.
 --
--- Instead of the worker's commit wake-up, a publish that wrote a row into amqp.message runs
+-- Instead of the worker's commit wake-up, a transaction that wrote a row into amqp.message runs
 -- pg_notify('amqp_outbox', '') (a delayed one: amqp.scheduled_message's trigger notifies
--- 'scheduled'): PostgreSQL folds a transaction's identical notifications into
--- one and delivers it at commit only, to the relay that LISTENs on channel amqp_outbox.
+-- 'scheduled'), delivered at commit only to the relay that LISTENs on channel amqp_outbox, but
+-- only while the relay sleeps: PostgreSQL commits notifying transactions one at a time (a
+-- database-wide lock held until the commit is flushed), which would cap publishing at one
+-- commit per disk flush. While the relay claims without sleeping it holds the advisory lock
+-- (1634562416, 2) and a publisher that cannot take it in share mode does not notify; every
+-- publishing transaction holds (1634562416, 3) in share mode until it ends, and the relay takes
+-- that one alone after it released the first and before its last claim, so no commit can fall
+-- between that claim and its sleep (see amqp._wake_relay()).
 --
 -- What differs from the extension (nothing here can do what needs the library):
 -- * Settings are custom placeholders: amqp_outbox.max_message_size, .idempotency_window,
@@ -282,10 +288,29 @@ $$;
 
 -- ---- publishing ----
 
+-- Asks for the relay's wake-up at this transaction's commit, once per transaction (or per
+-- savepoint rolled back): a NOTIFY only while the relay sleeps (see the head of this file).
+CREATE OR REPLACE FUNCTION amqp._wake_relay() RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $wake$
+BEGIN
+    IF pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS NOT DISTINCT FROM 'on' THEN
+        RETURN;
+    END IF;
+    -- Until this transaction ends: the relay waits for it before its last claim.
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(1634562416, 3);
+    IF pg_catalog.pg_try_advisory_lock_shared(1634562416, 2) THEN
+        -- Free: the relay sleeps, or is about to.
+        PERFORM pg_catalog.pg_advisory_unlock_shared(1634562416, 2);
+        PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+    END IF;
+    PERFORM pg_catalog.set_config('amqp_outbox.wake_asked', 'on', true);
+END
+$wake$;
+
 -- NewMessage::check, Later::check and NewMessage::insert_with in one: every publish function
 -- calls this one (as the owner: the callers are SECURITY DEFINER). body_name names the body in
 -- the NULL error as the extension does ("message" for all three).
-CREATE FUNCTION amqp._publish(
+CREATE OR REPLACE FUNCTION amqp._publish(
     broker_id integer, exchange text, routing_key text, body bytea, headers jsonb,
     delivery_mode integer, content_type text, reply_to text, correlation_id text,
     business_type text, business_key text, traceparent text, deliver_after interval,
@@ -481,10 +506,10 @@ BEGIN
     -- The id for last_message_id(), with the sequence's value it was drawn as (see there).
     PERFORM pg_catalog.set_config('amqp_outbox.last_message_id',
         new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false);
-    -- The relay's wake-up: delivered at commit only, once per transaction. A delayed message
-    -- wakes it through amqp.scheduled_message's trigger ('scheduled'), as in the extension.
+    -- The relay's wake-up, at commit only. A delayed message wakes it through
+    -- amqp.scheduled_message's trigger ('scheduled'), as in the extension.
     IF NOT later THEN
-        PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+        PERFORM amqp._wake_relay();
     END IF;
     RETURN new_id;
 END

@@ -15,17 +15,20 @@ pub const OWNER: &str = "hosted_owner";
 
 /// The committed script of the extension's current version, psql's meta-commands left out.
 pub fn script() -> String {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate lives in the repository");
     // The extension's version, from its Cargo.toml (this crate has its own).
-    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
     let version = manifest
         .lines()
         .find_map(|l| l.strip_prefix("version = \""))
         .and_then(|v| v.strip_suffix('"'))
         .expect("the extension's version in Cargo.toml");
-    let path = root.join(format!("sql/hosted/amqp_outbox_hosted--{version}.sql"));
+    script_file(&format!("amqp_outbox_hosted--{version}.sql"))
+}
+
+/// A committed script of sql/hosted/ (an install of some version, an update), psql's
+/// meta-commands left out.
+pub fn script_file(name: &str) -> String {
+    let path = root().join("sql/hosted").join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     text.lines()
         .filter(|l| !l.starts_with('\\'))
@@ -33,9 +36,21 @@ pub fn script() -> String {
         .join("\n")
 }
 
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the repository")
+}
+
 /// A cluster without the library and the database [`DB`] where [`OWNER`] ran the script in one
 /// transaction.
 pub fn installed() -> PgCluster {
+    installed_from(&script())
+}
+
+/// A cluster without the library and the database [`DB`] where [`OWNER`] ran `script` in one
+/// transaction.
+pub fn installed_from(script: &str) -> PgCluster {
     let cluster = PgCluster::new(PgConfig::new().without_preload());
     let mut admin = cluster.client_db("postgres");
     // One statement each: a multi-statement string runs as one transaction block, and CREATE
@@ -49,7 +64,7 @@ pub fn installed() -> PgCluster {
         admin.batch_execute(&statement).expect("roles and database");
     }
     owner_client(&cluster)
-        .batch_execute(&format!("BEGIN; {}\nCOMMIT;", script()))
+        .batch_execute(&format!("BEGIN; {script}\nCOMMIT;"))
         .unwrap_or_else(|e| panic!("the plain-SQL install failed: {e}"));
     cluster
 }

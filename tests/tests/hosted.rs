@@ -164,3 +164,152 @@ fn worker_status_reports_the_relay_that_holds_the_database() {
         },
     );
 }
+
+/// Whether `c` may take the advisory lock (1634562416, `n`) alone now (and gives it back).
+fn alone(c: &mut Client, n: i32) -> bool {
+    let got: bool = c
+        .query_one("SELECT pg_try_advisory_lock(1634562416, $1)", &[&n])
+        .expect("try lock")
+        .get(0);
+    if got {
+        c.execute("SELECT pg_advisory_unlock(1634562416, $1)", &[&n])
+            .expect("unlock");
+    }
+    got
+}
+
+#[test]
+fn publishers_notify_only_while_the_relay_sleeps_and_hold_the_barrier_until_they_end() {
+    let cluster = installed();
+    let mut listener = cluster.client_db(DB);
+    listener
+        .batch_execute("LISTEN amqp_outbox")
+        .expect("LISTEN");
+    let mut c = cluster.client_db(DB);
+    c.batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+        .expect("broker");
+    notifications(&mut listener, Duration::from_millis(300));
+    let mut relay = cluster.client_db(DB);
+
+    // Asleep (the lock (…, 2) free): a commit notifies.
+    c.query_one("SELECT amqp.publish(1, 'ex', 'rk', 'asleep')", &[])
+        .expect("publish");
+    assert_eq!(
+        notifications(&mut listener, Duration::from_millis(500)),
+        [""]
+    );
+
+    // Awake: no NOTIFY, so publishing commits are not serialized by it.
+    relay
+        .execute("SELECT pg_advisory_lock(1634562416, 2)", &[])
+        .expect("awake");
+    c.query_one("SELECT amqp.publish(1, 'ex', 'rk', 'awake')", &[])
+        .expect("publish");
+    assert!(
+        notifications(&mut listener, Duration::from_millis(500)).is_empty(),
+        "notified while the relay was awake"
+    );
+
+    // A publishing transaction holds the barrier (…, 3) until it ends, so the relay cannot go
+    // to sleep past it.
+    assert!(alone(&mut relay, 3));
+    c.batch_execute("BEGIN").expect("BEGIN");
+    c.query_one("SELECT amqp.publish(1, 'ex', 'rk', 'open')", &[])
+        .expect("publish");
+    assert!(!alone(&mut relay, 3), "the barrier was not held");
+    relay
+        .execute("SELECT pg_advisory_unlock(1634562416, 2)", &[])
+        .expect("asleep");
+    c.batch_execute("COMMIT").expect("COMMIT");
+    assert!(
+        alone(&mut relay, 3),
+        "the barrier was kept after the commit"
+    );
+    // It saw the relay awake: no notification (the relay claims after the barrier).
+    assert!(notifications(&mut listener, Duration::from_millis(300)).is_empty());
+
+    // A savepoint rolled back takes its wake-up with it; the next publish asks again.
+    c.batch_execute(
+        "BEGIN; SAVEPOINT s; SELECT amqp.publish(1, 'ex', 'rk', 'undone'); \
+         ROLLBACK TO SAVEPOINT s; SELECT amqp.publish(1, 'ex', 'rk', 'kept'); COMMIT;",
+    )
+    .expect("savepoint");
+    assert_eq!(
+        notifications(&mut listener, Duration::from_millis(500)),
+        [""]
+    );
+}
+
+#[test]
+fn the_update_from_0_8_0_keeps_every_message_and_installs_the_doorbell() {
+    use amqp_outbox_e2e::hosted::{installed_from, owner_client, script_file};
+    let cluster = installed_from(&script_file("amqp_outbox_hosted--0.8.0.sql"));
+    let mut owner = owner_client(&cluster);
+    owner
+        .batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+        .expect("broker");
+    let mut before = Vec::new();
+    for i in 0..20 {
+        let id: i64 = owner
+            .query_one(
+                "SELECT amqp.publish_message(1, 'ex', 'rk', $1)",
+                &[&format!("before-{i}")],
+            )
+            .expect("publish with 0.8.0")
+            .get(0);
+        before.push(id);
+    }
+    let ids_before: Vec<(i64, String)> = owner
+        .query("SELECT id, message_id FROM amqp.message ORDER BY id", &[])
+        .expect("messages")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    owner
+        .batch_execute(&format!(
+            "BEGIN; {}\nCOMMIT;",
+            script_file("amqp_outbox_hosted--0.8.0--0.9.0.sql")
+        ))
+        .unwrap_or_else(|e| panic!("the update: {e}"));
+    let comment: String = owner
+        .query_one(
+            "SELECT obj_description('amqp'::regnamespace, 'pg_namespace')",
+            &[],
+        )
+        .expect("comment")
+        .get(0);
+    assert!(comment.starts_with("amqp_outbox 0.9.0"), "{comment}");
+    let ids_after: Vec<(i64, String)> = owner
+        .query("SELECT id, message_id FROM amqp.message ORDER BY id", &[])
+        .expect("messages")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(ids_before, ids_after, "every message kept with its id");
+    // Publishing goes on, with the doorbell: awake, no notification.
+    let mut listener = cluster.client_db(DB);
+    listener
+        .batch_execute("LISTEN amqp_outbox")
+        .expect("LISTEN");
+    let mut relay = cluster.client_db(DB);
+    relay
+        .execute("SELECT pg_advisory_lock(1634562416, 2)", &[])
+        .expect("awake");
+    let after: i64 = owner
+        .query_one("SELECT amqp.publish_message(1, 'ex', 'rk', 'after')", &[])
+        .expect("publish with 0.9.0")
+        .get(0);
+    assert!(after > *before.last().expect("published"));
+    assert!(notifications(&mut listener, Duration::from_millis(300)).is_empty());
+    // The update refuses to run twice.
+    let again = owner.batch_execute(&format!(
+        "BEGIN; {}\nCOMMIT;",
+        script_file("amqp_outbox_hosted--0.8.0--0.9.0.sql")
+    ));
+    let e = again.expect_err("a second run");
+    assert_eq!(
+        e.as_db_error().map(|d| d.code().code().to_string()),
+        Some("55000".to_string()),
+        "{e}"
+    );
+}
