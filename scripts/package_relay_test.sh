@@ -53,6 +53,11 @@ BIN="$UNPACKED/usr/bin/amqp-outbox-relay"
 check "--version says $VERSION" bash -c '"$1" --version | grep -qx "amqp-outbox-relay $2"' _ "$BIN" "$VERSION"
 check "the SQL script is the repository's" cmp -s "$UNPACKED/usr/share/amqp-outbox-relay/amqp_outbox_hosted--$VERSION.sql" \
     "$ROOT/sql/hosted/amqp_outbox_hosted--$VERSION.sql"
+for update in "$ROOT"/sql/hosted/amqp_outbox_hosted--*--"$VERSION".sql; do
+    [ -f "$update" ] || continue
+    check "the update script $(basename "$update") is the repository's" \
+        cmp -s "$UNPACKED/usr/share/amqp-outbox-relay/$(basename "$update")" "$update"
+done
 check "the example configuration is valid (it serves the database given)" \
     "$BIN" --config "$UNPACKED/etc/amqp-outbox-relay/relay.toml" --database postgresql://x@127.0.0.1/y --check
 if command -v systemd-analyze >/dev/null 2>&1; then
