@@ -410,24 +410,13 @@ fn refuse_what_cannot_run(sub: &mut Sub, session: &InboxSession) {
 /// Serves the consuming side of the database of `url` while the lease is held, starting again
 /// after every failure, until the relay stops.
 pub fn serve(url: &str, config: &Config, lease: &Lease, log: &Log) {
-    let mut backoff = Duration::from_millis(500);
-    while !stop::requested() {
-        let Some(generation) = lease.held() else {
-            stop::wait(&[], Duration::from_millis(200));
-            continue;
-        };
-        let ended = match Consumer::start(config, url, log.clone(), generation) {
-            Ok(consumer) => consumer.run(lease),
-            Err(e) => Ended::Failed(e),
-        };
-        match ended {
-            Ended::Stopped => break,
-            Ended::LeaseLost => backoff = Duration::from_millis(500),
-            Ended::Failed(e) => {
-                log.warning(&format!("consuming stopped, starting again: {e}"));
-                stop::wait(&[], backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(10));
-            }
-        }
-    }
+    crate::database::while_leased("consuming", lease, log, |generation| match Consumer::start(
+        config,
+        url,
+        log.clone(),
+        generation,
+    ) {
+        Ok(consumer) => consumer.run(lease),
+        Err(e) => Ended::Failed(e),
+    });
 }

@@ -76,3 +76,25 @@ fn deliver(url: &str, config: &Config, lease: &Lease, log: &Log) {
         }
     }
 }
+
+/// Runs `run` for each acquisition of the lease (its generation), until the relay stops: what
+/// the consuming side and the monitor do on their threads. A failure is logged as `what`
+/// stopped and run again after a backoff; a lost lease waits for the next acquisition.
+pub fn while_leased(what: &str, lease: &Lease, log: &Log, mut run: impl FnMut(u64) -> Ended) {
+    let mut backoff = Duration::from_millis(500);
+    while !stop::requested() {
+        let Some(generation) = lease.held() else {
+            stop::wait(&[], Duration::from_millis(200));
+            continue;
+        };
+        match run(generation) {
+            Ended::Stopped => break,
+            Ended::LeaseLost => backoff = Duration::from_millis(500),
+            Ended::Failed(e) => {
+                log.warning(&format!("{what} stopped, starting again: {e}"));
+                stop::wait(&[], backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}

@@ -230,20 +230,7 @@ fn run(config: &Config, url: &str, lease: &Lease, log: &Log, generation: u64) ->
 /// Serves the monitor of the database of `url` while the lease is held, starting again after
 /// every failure, until the relay stops.
 pub fn serve(url: &str, config: &Config, lease: &Lease, log: &Log) {
-    let mut backoff = Duration::from_millis(500);
-    while !stop::requested() {
-        let Some(generation) = lease.held() else {
-            stop::wait(&[], Duration::from_millis(200));
-            continue;
-        };
-        match run(config, url, lease, log, generation) {
-            Ended::Stopped => break,
-            Ended::LeaseLost => backoff = Duration::from_millis(500),
-            Ended::Failed(e) => {
-                log.warning(&format!("monitor stopped, starting again: {e}"));
-                stop::wait(&[], backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(10));
-            }
-        }
-    }
+    crate::database::while_leased("monitor", lease, log, |generation| {
+        run(config, url, lease, log, generation)
+    });
 }
