@@ -283,6 +283,9 @@ impl<'a> Consumer<'a> {
                 .get(&m.subscription)
                 .is_some_and(|s| s.handler.is_some() && s.has_lanes())
         });
+        // Staged in this transaction: invisible to the other lanes until it commits, so lane 0
+        // leaves them to the next step rather than taking a share before the others can.
+        let staged_now = !ordered.is_empty() && lanes::wanted(&self.subs.active) > 1;
         for mut m in ordered {
             let Some(sub) = self.subs.active.get(&m.subscription) else {
                 continue;
@@ -308,7 +311,7 @@ impl<'a> Consumer<'a> {
             work.extend(due);
             self.retry_at = if took_all { None } else { Some(Instant::now()) };
         }
-        if self.claim_waiting || waiting_due {
+        if (self.claim_waiting || waiting_due) && !staged_now {
             // As lane 0: its share of the waiting messages (the other lanes take theirs).
             self.waiting_checked = Instant::now();
             let Serving {
