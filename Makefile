@@ -110,7 +110,7 @@ installcheck-hosted:
 test-unit:
 	$(CARGO) test -p amqp_outbox --lib $(if $(PG),--no-default-features --features pg$(PG))
 	$(CARGO) test -p amqp_outbox_engine
-	$(CARGO) test -p amqp_outbox_relay --lib
+	$(CARGO) test -p amqp_outbox_relay --lib --test cli
 	$(CARGO) test -p amqp_outbox_bench
 
 test-broker:

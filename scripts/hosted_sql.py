@@ -86,16 +86,25 @@ def build():
     return ver, "".join(out)
 
 
-# The update scripts of the plain-SQL install: per (from, to), the functions of the hosted parts
-# (sql/hosted/*.sql, each defined there with CREATE OR REPLACE) that the update defines again,
-# and the statements after them. The script is made of the parts' own text: nothing is copied
-# by hand.
+# The update script to the current version of the plain-SQL install: per (from, to), the
+# functions of the hosted parts (sql/hosted/*.sql, each defined there with CREATE OR REPLACE)
+# that the update defines again, and the statements after them. The script is made of the parts'
+# own text: nothing is copied by hand. Only the newest is generated: once the parts change for
+# the next version an older script would change with them, so it stays as committed (frozen),
+# as amqp_outbox_hosted--0.8.0--0.9.0.sql does.
 UPDATES = {
-    ("0.8.0", "0.9.0"): {
-        "functions": [("publish.sql", "_wake_relay"), ("publish.sql", "_publish")],
+    ("0.9.0", "0.10.0"): {
+        # _publish_checked first: the new _publish calls it.
+        "functions": [
+            ("publish.sql", "_wake_relay"),
+            ("publish.sql", "_publish_checked"),
+            ("publish.sql", "_publish"),
+        ],
         "after": [
-            "REVOKE ALL ON FUNCTION amqp._wake_relay() FROM PUBLIC;",
-            "GRANT EXECUTE ON FUNCTION amqp._wake_relay() TO amqp_outbox_admin;",
+            "REVOKE ALL ON FUNCTION amqp._publish_checked(integer, text, text, bytea, jsonb, integer,"
+            " text, text, text, text, text, text, interval, text) FROM PUBLIC;",
+            "GRANT EXECUTE ON FUNCTION amqp._publish_checked(integer, text, text, bytea, jsonb, integer,"
+            " text, text, text, text, text, text, interval, text) TO amqp_outbox_admin;",
         ],
     },
 }

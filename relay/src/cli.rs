@@ -35,16 +35,25 @@ Settings (the extension's amqp_outbox.* names and defaults):
     )
 }
 
-fn check(config: &Config) {
-    println!("databases:");
+fn check(config: &Config) -> String {
+    let mut text = String::from("databases:\n");
     for url in &config.databases {
-        println!("  {}", connect::target(url));
+        text.push_str(&format!("  {}\n", connect::target(url)));
     }
-    println!("settings: {:?}", config.settings);
-    println!(
+    text.push_str(&format!("settings: {:?}\n", config.settings));
+    text.push_str(&format!(
         "keep production log: {}, takeover every: {:?}",
         config.keep_log, config.takeover_every
-    );
+    ));
+    text
+}
+
+/// Writes `text` and a newline to stdout. A reader that went away (`--help | head`) is not an
+/// error of ours: what it did not read is dropped (println! would panic).
+fn say(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}").and_then(|()| out.flush());
 }
 
 /// Runs the relay with the process's arguments and environment until SIGTERM or SIGINT.
@@ -58,15 +67,15 @@ pub fn run() -> u8 {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let config = match config::parse(&args, &|k| std::env::var(k).ok()) {
         Ok(Command::Help) => {
-            println!("{}", help());
+            say(&help());
             return 0;
         }
         Ok(Command::Version) => {
-            println!("amqp-outbox-relay {}", env!("CARGO_PKG_VERSION"));
+            say(&format!("amqp-outbox-relay {}", env!("CARGO_PKG_VERSION")));
             return 0;
         }
         Ok(Command::Check(config)) => {
-            check(&config);
+            say(&check(&config));
             return 0;
         }
         Ok(Command::Run(config)) => config,

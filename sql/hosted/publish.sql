@@ -291,7 +291,10 @@ $$;
 -- Asks for the relay's wake-up at this transaction's commit, once per transaction (or per
 -- savepoint rolled back): a NOTIFY only while the relay sleeps (see the head of this file).
 CREATE OR REPLACE FUNCTION amqp._wake_relay() RETURNS void
-    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $wake$
+    LANGUAGE plpgsql VOLATILE
+    -- (No SET search_path: every name is qualified, and one costs each publish a few
+    -- microseconds.)
+    AS $wake$
 BEGIN
     IF pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS NOT DISTINCT FROM 'on' THEN
         RETURN;
@@ -307,10 +310,11 @@ BEGIN
 END
 $wake$;
 
--- NewMessage::check, Later::check and NewMessage::insert_with in one: every publish function
--- calls this one (as the owner: the callers are SECURITY DEFINER). body_name names the body in
--- the NULL error as the extension does ("message" for all three).
-CREATE OR REPLACE FUNCTION amqp._publish(
+-- NewMessage::check, Later::check and NewMessage::insert_with in one, every case: every check
+-- in the extension's order with its message and SQLSTATE, a delay, an idempotency key. Called
+-- by amqp._publish() for what its one test does not cover (as the owner: the callers are
+-- SECURITY DEFINER). The NULL body is called "message", as the extension does for all three.
+CREATE OR REPLACE FUNCTION amqp._publish_checked(
     broker_id integer, exchange text, routing_key text, body bytea, headers jsonb,
     delivery_mode integer, content_type text, reply_to text, correlation_id text,
     business_type text, business_key text, traceparent text, deliver_after interval,
@@ -443,7 +447,7 @@ BEGIN
     IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off' THEN
         PERFORM pg_catalog.pg_current_xact_id();
     END IF;
-    IF NOT EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id OPERATOR(pg_catalog.=) _publish.broker_id) THEN
+    IF NOT EXISTS (SELECT FROM amqp.broker b WHERE b.broker_id OPERATOR(pg_catalog.=) _publish_checked.broker_id) THEN
         RAISE EXCEPTION 'amqp_outbox: broker % does not exist in amqp.broker', broker_id
             USING ERRCODE = 'undefined_object';
     END IF;
@@ -512,6 +516,88 @@ BEGIN
         PERFORM amqp._wake_relay();
     END IF;
     RETURN new_id;
+END
+$$;
+
+-- Every publish function calls this one. What a PL/pgSQL function costs is mostly per
+-- transaction: each of its statements is prepared again in every transaction that runs it. So
+-- the common case is one test, one INSERT and one PERFORM: a message to send now, without an
+-- idempotency key or a traceparent, with every argument and setting within the limits that
+-- amqp._publish_checked() enforces (only the headers' own checks remain). Anything else (an
+-- argument or a setting that may fail a check, a delay, a key, a read-only transaction, a
+-- broker that does not exist) goes to amqp._publish_checked(), which raises the extension's
+-- error in the extension's order or publishes.
+CREATE OR REPLACE FUNCTION amqp._publish(
+    broker_id integer, exchange text, routing_key text, body bytea, headers jsonb,
+    delivery_mode integer, content_type text, reply_to text, correlation_id text,
+    business_type text, business_key text, traceparent text, deliver_after interval,
+    idempotency_key text
+) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+    -- (No SET search_path, as amqp._publish_checked(). Not granted to publishers.)
+AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    IF broker_id IS NOT NULL AND exchange IS NOT NULL AND routing_key IS NOT NULL AND body IS NOT NULL
+       AND pg_catalog.octet_length(exchange) OPERATOR(pg_catalog.<=) 255
+       AND pg_catalog.octet_length(routing_key) OPERATOR(pg_catalog.<=) 255
+       AND (content_type IS NULL OR pg_catalog.octet_length(content_type) OPERATOR(pg_catalog.<=) 255)
+       AND (reply_to IS NULL OR pg_catalog.octet_length(reply_to) OPERATOR(pg_catalog.<=) 255)
+       AND (correlation_id IS NULL OR pg_catalog.octet_length(correlation_id) OPERATOR(pg_catalog.<=) 255)
+       AND (delivery_mode IS NULL OR delivery_mode OPERATOR(pg_catalog.=) 2 OR delivery_mode OPERATOR(pg_catalog.=) 1)
+       AND pg_catalog.octet_length(body) OPERATOR(pg_catalog.<=) 8388608
+       AND coalesce(pg_catalog.current_setting('amqp_outbox.max_message_size', true), '') OPERATOR(pg_catalog.=) ''
+       AND traceparent IS NULL
+       AND coalesce(pg_catalog.current_setting('amqp_outbox.traceparent', true), '') OPERATOR(pg_catalog.=) ''
+       AND (business_type IS NULL OR (business_type OPERATOR(pg_catalog.<>) ''
+            AND pg_catalog.octet_length(business_type) OPERATOR(pg_catalog.<=) 255))
+       AND (business_key IS NULL OR (business_key OPERATOR(pg_catalog.<>) ''
+            AND pg_catalog.octet_length(business_key) OPERATOR(pg_catalog.<=) 1000))
+       AND coalesce(pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.system_id', true))
+                    OPERATOR(pg_catalog.<=) 255, true)
+       AND coalesce(pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.host_id', true))
+                    OPERATOR(pg_catalog.<=) 255, true)
+       AND deliver_after IS NULL AND idempotency_key IS NULL
+       AND pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off'
+    THEN
+        IF headers IS NOT NULL THEN
+            -- The only check left that can fail: amqp._publish_checked() would raise its error.
+            PERFORM amqp._check_headers(headers);
+        END IF;
+        -- The broker check is the join; the transaction takes its id (the filter) before the
+        -- row draws one from the sequence (the projection), as in amqp._publish_checked().
+        -- (The arguments are qualified: amqp.broker's columns must not capture them.)
+        INSERT INTO amqp.message AS m (id, producer_pid, producer_started_at, broker_id, exchange,
+               routing_key, body, delivery_mode, content_type, reply_to, correlation_id, headers,
+               message_id, business_type, business_key, traceparent, system_id, host_id)
+        SELECT pg_catalog.nextval('amqp.message_id_seq'::pg_catalog.regclass),
+               pg_catalog.pg_backend_pid(),
+               coalesce(NULLIF(pg_catalog.current_setting('amqp_outbox.producer_started_at', true), '')::timestamptz,
+                        amqp._producer_started_at()),
+               b.broker_id, _publish.exchange, _publish.routing_key, _publish.body,
+               coalesce(_publish.delivery_mode, 2)::smallint, _publish.content_type,
+               _publish.reply_to, _publish.correlation_id, _publish.headers,
+               amqp._new_message_id(), _publish.business_type, _publish.business_key, NULL,
+               NULLIF(pg_catalog.current_setting('amqp_outbox.system_id', true), ''),
+               NULLIF(pg_catalog.current_setting('amqp_outbox.host_id', true), '')
+          FROM amqp.broker b
+         WHERE b.broker_id OPERATOR(pg_catalog.=) _publish.broker_id
+           AND pg_catalog.pg_current_xact_id() IS NOT NULL
+        RETURNING m.id INTO new_id;
+        IF new_id IS NOT NULL THEN
+            -- last_message_id() (see amqp._publish_checked()), and the relay's wake-up.
+            PERFORM pg_catalog.set_config('amqp_outbox.last_message_id',
+                        new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false),
+                    CASE WHEN pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS DISTINCT FROM 'on'
+                         THEN amqp._wake_relay() END;
+            RETURN new_id;
+        END IF;
+        -- No such broker: amqp._publish_checked() says so.
+    END IF;
+    RETURN amqp._publish_checked(broker_id, exchange, routing_key, body, headers, delivery_mode,
+                                 content_type, reply_to, correlation_id, business_type,
+                                 business_key, traceparent, deliver_after, idempotency_key);
 END
 $$;
 

@@ -313,3 +313,304 @@ fn the_update_from_0_8_0_keeps_every_message_and_installs_the_doorbell() {
         "{e}"
     );
 }
+
+/// Every function of the install: signature, definition (with its settings) and grants.
+fn function_definitions(c: &mut Client) -> Vec<(String, String, Option<String>)> {
+    c.query(
+        "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.proacl::text \
+           FROM pg_proc p WHERE p.pronamespace = 'amqp'::regnamespace AND p.prokind <> 'a' \
+          ORDER BY 1",
+        &[],
+    )
+    .expect("functions")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
+}
+
+#[test]
+fn the_update_from_0_9_0_keeps_every_message_and_ends_as_a_fresh_install() {
+    use amqp_outbox_e2e::hosted::{installed_from, owner_client, script, script_file};
+    let cluster = installed_from(&script_file("amqp_outbox_hosted--0.9.0.sql"));
+    let mut owner = owner_client(&cluster);
+    owner
+        .batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+        .expect("broker");
+    for i in 0..20 {
+        owner
+            .query_one(
+                "SELECT amqp.publish_message(1, 'ex', 'rk', $1, business_type => 'order', \
+                 idempotency_key => $1)",
+                &[&format!("before-{i}")],
+            )
+            .expect("publish with 0.9.0");
+    }
+    owner
+        .query_one(
+            "SELECT amqp.publish_message(1, 'ex', 'rk', 'later', deliver_after => '1 hour')",
+            &[],
+        )
+        .expect("a delayed message");
+    let rows = |c: &mut Client| -> Vec<String> {
+        c.query(
+            "SELECT m::text FROM amqp.message m UNION ALL \
+             SELECT s::text FROM amqp.scheduled_message s UNION ALL \
+             SELECT k::text FROM amqp.idempotency_key k ORDER BY 1",
+            &[],
+        )
+        .expect("rows")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    };
+    let before = rows(&mut owner);
+    assert_eq!(before.len(), 41);
+    owner
+        .batch_execute(&format!(
+            "BEGIN; {}\nCOMMIT;",
+            script_file("amqp_outbox_hosted--0.9.0--0.10.0.sql")
+        ))
+        .unwrap_or_else(|e| panic!("the update: {e}"));
+    assert_eq!(rows(&mut owner), before, "every row kept as it was");
+    let comment: String = owner
+        .query_one(
+            "SELECT obj_description('amqp'::regnamespace, 'pg_namespace')",
+            &[],
+        )
+        .expect("comment")
+        .get(0);
+    assert!(comment.starts_with("amqp_outbox 0.10.0"), "{comment}");
+    // The functions, their settings and grants are a fresh install's.
+    let fresh = installed_from(&script());
+    assert_eq!(
+        function_definitions(&mut owner),
+        function_definitions(&mut owner_client(&fresh))
+    );
+    // A key published before the update is still known; a new one publishes.
+    let again: i64 = owner
+        .query_one(
+            "SELECT amqp.publish_message(1, 'ex', 'rk', 'x', idempotency_key => 'before-3')",
+            &[],
+        )
+        .expect("a known key")
+        .get(0);
+    let known: i64 = owner
+        .query_one(
+            "SELECT id FROM amqp.idempotency_key WHERE key = 'before-3'",
+            &[],
+        )
+        .expect("the key")
+        .get(0);
+    assert_eq!(again, known);
+    owner
+        .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'after')", &[])
+        .expect("publish with 0.10.0");
+    // The update refuses to run twice.
+    let e = owner
+        .batch_execute(&format!(
+            "BEGIN; {}\nCOMMIT;",
+            script_file("amqp_outbox_hosted--0.9.0--0.10.0.sql")
+        ))
+        .expect_err("a second run");
+    assert_eq!(
+        e.as_db_error().map(|d| d.code().code().to_string()),
+        Some("55000".to_string()),
+        "{e}"
+    );
+}
+
+/// One call of `amqp.<function>` with `args` (as text, cast in SQL) and `settings` set for the
+/// transaction: the row it wrote (without its id, message id and times), what it left in the
+/// session's settings, or the error it raised. Rolled back.
+fn publish_outcome(
+    c: &mut Client,
+    function: &str,
+    args: &[Option<String>; 14],
+    settings: &[(&str, String)],
+    read_only: bool,
+) -> String {
+    c.batch_execute("BEGIN").expect("BEGIN");
+    for (name, value) in settings {
+        c.execute("SELECT set_config($1, $2, true)", &[name, value])
+            .expect("setting");
+    }
+    if read_only {
+        c.batch_execute("SET TRANSACTION READ ONLY")
+            .expect("read only");
+    }
+    let call = format!(
+        "SELECT amqp.{function}($1::text::integer, $2, $3, decode($4, 'hex'), $5::text::jsonb, \
+         $6::text::integer, $7, $8, $9, $10, $11, $12, $13::text::interval, $14)"
+    );
+    let params: Vec<&(dyn postgres::types::ToSql + Sync)> = args
+        .iter()
+        .map(|a| a as &(dyn postgres::types::ToSql + Sync))
+        .collect();
+    let out = match c.query_one(call.as_str(), &params) {
+        Ok(row) => {
+            let id: i64 = row.get(0);
+            let written: String = c
+                .query_one(
+                    "SELECT coalesce((SELECT row(m.producer_pid = pg_backend_pid(), m.broker_id, \
+                       m.exchange, m.routing_key, m.body, m.delivery_mode, m.content_type, \
+                       m.reply_to, m.correlation_id, m.headers, m.business_type, m.business_key, \
+                       m.traceparent, m.system_id, m.host_id, m.message_id <> '')::text \
+                       FROM amqp.message m WHERE m.id = $1), \
+                     (SELECT 'later ' || row(s.broker_id, s.exchange, s.body, s.headers, \
+                       s.deliver_at > now())::text FROM amqp.scheduled_message s WHERE s.id = $1), \
+                     'no row') \
+                     || ' last ' || replace(current_setting('amqp_outbox.last_message_id', true), \
+                                            $1::text, 'id') \
+                     || ' wake ' || coalesce(current_setting('amqp_outbox.wake_asked', true), '-')",
+                    &[&id],
+                )
+                .expect("the row written")
+                .get(0);
+            written
+        }
+        Err(e) => match e.as_db_error() {
+            Some(db) => format!("error {} {}", db.code().code(), db.message()),
+            None => panic!("{function}: {e}"),
+        },
+    };
+    c.batch_execute("ROLLBACK").expect("ROLLBACK");
+    out
+}
+
+/// `amqp._publish` answers the common case with one test and one INSERT and leaves everything
+/// else to `amqp._publish_checked`: for arguments and settings on each side of every limit, both
+/// write the same row, leave the same session values, or raise the same error.
+#[test]
+fn the_one_test_publish_answers_as_the_checked_one_at_every_limit() {
+    use amqp_outbox_e2e::hosted::owner_client;
+    let cluster = installed();
+    let mut c = owner_client(&cluster);
+    c.batch_execute("INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1')")
+        .expect("broker");
+    let s = |v: &str| Some(v.to_string());
+    let base: [Option<String>; 14] = [
+        s("1"),
+        s("ex"),
+        s("rk"),
+        s("00"),
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ];
+    let x = |n: usize| Some("x".repeat(n));
+    let trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let long_name = format!("{{\"{}\": 1}}", "k".repeat(300));
+    // (argument index, value) changes of the base call.
+    let mut cases: Vec<Vec<(usize, Option<String>)>> = vec![vec![]];
+    for (i, values) in [
+        (0, vec![None, s("2"), s("-1")]),
+        (
+            1,
+            vec![
+                None,
+                s(""),
+                x(255),
+                x(256),
+                s(&"é".repeat(128)),
+                s(&"é".repeat(127)),
+            ],
+        ),
+        (2, vec![None, x(255), x(256)]),
+        (3, vec![None, s(""), s(&"ab".repeat(600))]),
+        (
+            4,
+            vec![
+                s("{}"),
+                s("{\"a\": 1, \"b\": [true, null, \"s\"]}"),
+                s("[1]"),
+                s("\"s\""),
+                s("null"),
+                s(&long_name),
+                s("{\"n\": 123456789012345678901234567890}"),
+                s("{\"n\": 1e-400}"),
+            ],
+        ),
+        (5, vec![s("0"), s("1"), s("2"), s("3")]),
+        (6, vec![s(""), x(255), x(256)]),
+        (7, vec![x(255), x(256)]),
+        (8, vec![x(255), x(256)]),
+        (9, vec![s(""), s("order"), x(255), x(256)]),
+        (10, vec![s(""), s("42"), x(1000), x(1001)]),
+        (
+            11,
+            vec![s(trace), s("01-bad"), s(&trace.replace("00-0a", "ff-0a"))],
+        ),
+        (12, vec![s("0"), s("1 hour"), s("-1 second"), s("infinity")]),
+        (13, vec![s(""), s("key"), x(1000), x(1001)]),
+    ] {
+        for v in values {
+            cases.push(vec![(i, v)]);
+        }
+    }
+    // Tags together, as applications pass them.
+    cases.push(vec![
+        (4, s("{\"tenant\": \"acme\"}")),
+        (9, s("order")),
+        (10, s("7")),
+    ]);
+    let settings: Vec<Vec<(&str, String)>> = vec![
+        vec![],
+        vec![("amqp_outbox.max_message_size", "1".into())],
+        vec![("amqp_outbox.max_message_size", "1kB".into())],
+        vec![("amqp_outbox.max_message_size", "1 parsec".into())],
+        vec![("amqp_outbox.traceparent", trace.into())],
+        vec![("amqp_outbox.traceparent", "bad".into())],
+        vec![("amqp_outbox.system_id", "s".repeat(255))],
+        vec![("amqp_outbox.system_id", "s".repeat(256))],
+        vec![("amqp_outbox.host_id", "h".repeat(256))],
+        vec![("amqp_outbox.idempotency_window", "1 parsec".into())],
+    ];
+    let mut compared = 0;
+    for (k, setting) in settings.iter().enumerate() {
+        for (n, case) in cases.iter().enumerate() {
+            // Every case without settings; with a setting, the base call and the keyed one.
+            if k > 0 && !(case.is_empty() || case.iter().any(|(i, _)| *i == 13)) {
+                continue;
+            }
+            for read_only in [false, true] {
+                if read_only && n > 2 {
+                    continue;
+                }
+                let mut args = base.clone();
+                for (i, v) in case {
+                    args[*i] = v.clone();
+                }
+                let fast = publish_outcome(&mut c, "_publish", &args, setting, read_only);
+                let checked =
+                    publish_outcome(&mut c, "_publish_checked", &args, setting, read_only);
+                assert_eq!(
+                    fast, checked,
+                    "arguments {args:?}, settings {setting:?}, read only {read_only}"
+                );
+                compared += 1;
+            }
+        }
+    }
+    // The common case really is the one-test path: it writes the same row without calling
+    // amqp._publish_checked (made to fail here, in a transaction rolled back).
+    c.batch_execute(
+        "BEGIN; ALTER FUNCTION amqp._publish_checked(integer, text, text, bytea, jsonb, integer, \
+         text, text, text, text, text, text, interval, text) RENAME TO _publish_checked_gone",
+    )
+    .expect("rename");
+    c.query_one(
+        "SELECT amqp.publish_message(1, 'ex', 'rk', 'body', '{\"a\": 1}', \
+         business_type => 'order', business_key => '1')",
+        &[],
+    )
+    .expect("the common case without amqp._publish_checked");
+    c.batch_execute("ROLLBACK").expect("ROLLBACK");
+    assert!(compared > 80, "{compared} cases compared");
+}
