@@ -26,23 +26,48 @@ SELECT pg_catalog.current_setting('search_path'), \
        pg_catalog.set_config('lock_timeout', '10s', false), \
        pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false)";
 
-/// The handler's bound of time for the rest of the transaction ('0': none).
-const STATEMENT_TIMEOUT_SQL: &str = "SELECT pg_catalog.set_config('statement_timeout', $1, true)";
+/// Before a handler's call, for the rest of the transaction: its bound of time (`$1`), and the
+/// message's trace context (`$2`) when it has one.
+const BEFORE_HANDLER_SQL: &str = "\
+SELECT pg_catalog.set_config('statement_timeout', $1, true), \
+       CASE WHEN $2::text IS NOT NULL \
+            THEN pg_catalog.set_config('amqp_outbox.traceparent', $2, true) END";
+
+/// The subscriptions as they are after a handler's call: called in the same statement as the
+/// handler (after it, with a snapshot of its own, so it sees what the handler wrote), which
+/// saves a round trip per message for what a client cannot otherwise learn, that a handler
+/// wrote `amqp.subscription` (`amqp.unsubscribe()` on itself). Made by the relay's role in
+/// its session's temporary schema, which no other session sees and a handler's owner cannot
+/// replace (not its function).
+const SUBSCRIPTIONS_FN_SQL: &str = "\
+CREATE OR REPLACE FUNCTION pg_temp.amqp_outbox_subscriptions() RETURNS text[] \
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $names$ \
+BEGIN \
+    RETURN ARRAY(SELECT s.subscription FROM amqp.subscription s); \
+END \
+$names$";
 
 /// What a relay keeps for its consuming connection: the prepared statements, the owners'
 /// functions made on it. Made again after a reconnection.
 pub struct InboxSession {
     prepared: HashMap<String, Statement>,
     runners: Runners,
+    /// The subscriptions as the last handler's call left them, not yet asked for.
+    seen_after_handler: Option<Vec<String>>,
+    /// Taken from it when the handling asked whether they were written.
+    names_now: Option<Vec<String>>,
 }
 
 impl InboxSession {
     /// Sets the session's settings (outside a transaction block).
     pub fn new(client: &mut Client) -> Result<InboxSession, Error> {
         let row = client.query_one(SESSION_SQL, &[])?;
+        client.batch_execute(SUBSCRIPTIONS_FN_SQL)?;
         Ok(InboxSession {
             prepared: HashMap::new(),
             runners: Runners::new(row.try_get(0)?),
+            seen_after_handler: None,
+            names_now: None,
         })
     }
 
@@ -381,12 +406,18 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
         crate::stop::requested()
     }
 
-    /// A client cannot see a handler's writes to `amqp.subscription`: always looked at.
+    /// A client cannot see a handler's writes to `amqp.subscription`; the call of each handler
+    /// returns the subscriptions after it, so "written" is "a handler ran since last asked"
+    /// (its failure rolled back whatever it wrote: nothing to look at then).
     fn subscriptions_written(&mut self) -> bool {
-        true
+        self.session.names_now = self.session.seen_after_handler.take();
+        self.session.names_now.is_some()
     }
 
     fn subscription_names(&mut self) -> Result<Vec<String>, Error> {
+        if let Some(names) = self.session.names_now.take() {
+            return Ok(names);
+        }
         self.query(sql::SUBSCRIPTION_NAMES_SQL, &[], &[])?
             .iter()
             .map(|r| Ok(r.try_get::<_, Option<String>>(0)?.unwrap_or_default()))
@@ -440,16 +471,19 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
         else {
             return Ok(());
         };
-        if let Some(t) = m.traceparent() {
-            self.query(sql::SET_TRACEPARENT_SQL, &[Type::TEXT], &[&t])?;
-        }
         let bound = format!("{}ms", timeout.as_millis());
-        self.query(STATEMENT_TIMEOUT_SQL, &[Type::TEXT], &[&bound])?;
+        let trace = m.traceparent();
+        self.query(
+            BEFORE_HANDLER_SQL,
+            &[Type::TEXT, Type::TEXT],
+            &[&bound, &trace],
+        )?;
         use Type as T;
         let headers = json(&m.headers);
         let tag = m.delivery.map(|(_, tag)| tag as i64);
         let timestamp = m.timestamp.map(|t| t as f64);
-        self.query(
+        let had_trace = trace.is_some();
+        let rows = self.query(
             &call,
             &[
                 T::TEXT,
@@ -467,6 +501,7 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
                 T::INT4,
                 T::TEXT,
                 T::OID,
+                T::BOOL,
             ],
             &[
                 &m.subscription,
@@ -484,13 +519,22 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
                 &m.attempt,
                 &m.user_id,
                 &handler_oid,
+                &had_trace,
             ],
         )?;
-        // The next message's statements run without the bound and the trace.
-        self.query(STATEMENT_TIMEOUT_SQL, &[Type::TEXT], &[&"0"])?;
-        if m.traceparent().is_some() {
-            self.query(sql::SET_TRACEPARENT_SQL, &[Type::TEXT], &[&""])?;
-        }
+        // The same statement took the bound and the trace away again (the next message's
+        // statements run without them) and read the subscriptions after the handler.
+        let names: Option<Vec<Option<String>>> = match rows.first() {
+            Some(r) => r.try_get(1)?,
+            None => None,
+        };
+        self.session.seen_after_handler = Some(
+            names
+                .unwrap_or_default()
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect(),
+        );
         Ok(())
     }
 

@@ -68,7 +68,10 @@ SELECT 'pg_temp.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('amqp_outbox_as
 #[derive(Clone, Debug)]
 pub struct Calls {
     /// A subscription's handler: the message's 14 values ([`DELIVERY_ROW`]), then the handler's
-    /// oid as `$15`.
+    /// oid as `$15` and whether the message set a trace context (`$16`). After the handler, in
+    /// the same statement (in this order): the subscriptions as they are then
+    /// (`pg_temp.amqp_outbox_subscriptions()`, see `client_inbox`), the bound of time taken away,
+    /// the trace context too when there was one.
     pub handler: String,
     /// A compensation: the `amqp.produced` and `amqp.receipt` rows as text (`$1`, `$2`), and
     /// the handler's oid as `$3`.
@@ -140,7 +143,11 @@ fn make(client: &mut Client, owner: u32, search_path: &str) -> Result<Calls, Str
     );
     t.commit().map_err(describe)?;
     Ok(Calls {
-        handler: format!("SELECT {handler}($15, {DELIVERY_ROW})"),
+        handler: format!(
+            "SELECT {handler}($15, {DELIVERY_ROW}), pg_temp.amqp_outbox_subscriptions(), \
+             pg_catalog.set_config('statement_timeout', '0', true), \
+             CASE WHEN $16 THEN pg_catalog.set_config('amqp_outbox.traceparent', '', true) END"
+        ),
         compensation: format!("SELECT {compensation}($3, $1, $2)"),
     })
 }

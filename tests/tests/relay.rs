@@ -895,6 +895,113 @@ fn the_relay_runs_subscriptions_as_their_owners_once_each_across_a_kill() {
     assert!(second.is_running());
 }
 
+/// A handler that calls `amqp.unsubscribe()` on its own subscription, through the relay: its
+/// message is handled, the rest of its batch goes back to the queue (the relay learns that the
+/// handler wrote `amqp.subscription` from the handler's own call). Each handler runs with its
+/// message's trace context and the relay's bound of time, and the next message's handler
+/// without the trace.
+#[test]
+fn a_handler_that_unsubscribes_itself_through_the_relay_leaves_the_rest_of_its_batch_queued() {
+    let mut f = Fixture::new("relay_selfstop_out");
+    let rabbit = Rabbit::shared();
+    let q = rabbit.declare_queue("relay_selfstop");
+    f.owner
+        .batch_execute(
+            "CREATE SCHEMA stopper; CREATE TABLE stopper.applied (n bigserial, body text, trace text, bound text); \
+             CREATE FUNCTION stopper.selfstop(d amqp.delivery) RETURNS void LANGUAGE plpgsql AS $fn$
+             BEGIN
+                 IF amqp.body_text(d) = 'stop' THEN
+                     PERFORM amqp.unsubscribe(d.subscription);
+                 END IF;
+                 INSERT INTO stopper.applied (body, trace, bound)
+                 VALUES (amqp.body_text(d),
+                         coalesce(current_setting('amqp_outbox.traceparent', true), ''),
+                         current_setting('statement_timeout'));
+             END
+             $fn$;",
+        )
+        .expect("handler");
+    let trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let _relay = Relay::start(&f.cluster, "selfstop", &[]);
+    f.wait_for_relay(None, Duration::from_secs(20));
+    // All six in the queue before the subscription starts: they come in one batch. The first
+    // carries a trace context.
+    let mut t = f.owner.transaction().expect("BEGIN");
+    t.execute(
+        "SELECT set_config('amqp_outbox.traceparent', $1, true)",
+        &[&trace],
+    )
+    .expect("trace");
+    t.execute("SELECT amqp.publish(1, '', $1, 'a')", &[&q.queue])
+        .expect("publish");
+    t.execute(
+        "SELECT set_config('amqp_outbox.traceparent', '', true)",
+        &[],
+    )
+    .expect("no trace");
+    for b in ["b", "stop", "c", "d", "e"] {
+        t.execute("SELECT amqp.publish(1, '', $1, $2)", &[&q.queue, &b])
+            .expect("publish");
+    }
+    t.commit().expect("COMMIT");
+    eventually(
+        Duration::from_secs(20),
+        "the six messages in the queue",
+        || match rabbit.queue_counts(&q.queue)?.map(|c| c.messages) {
+            Some(6) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    f.owner
+        .execute(
+            "SELECT amqp.subscribe('selfstop', 1, $1, 'stopper.selfstop(amqp.delivery)')",
+            &[&q.queue],
+        )
+        .expect("subscribe");
+    eventually(
+        Duration::from_secs(30),
+        "the subscription gone and the rest back in the queue",
+        || {
+            let subs: i64 = f
+                .owner
+                .query_one("SELECT count(*) FROM amqp.subscription", &[])
+                .map_err(|e| e.to_string())?
+                .get(0);
+            let ready = rabbit.queue_counts(&q.queue)?.map(|c| c.messages);
+            if subs == 0 && ready == Some(3) {
+                Ok(())
+            } else {
+                Err(format!("{subs} subscription(s), {ready:?} ready"))
+            }
+        },
+    );
+    let applied: Vec<(String, String, String)> = f
+        .owner
+        .query(
+            "SELECT body, trace, bound FROM stopper.applied ORDER BY n",
+            &[],
+        )
+        .expect("applied")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let bound = "30s".to_string();
+    assert_eq!(
+        applied,
+        [
+            ("a".to_string(), trace.to_string(), bound.clone()),
+            ("b".to_string(), String::new(), bound.clone()),
+            ("stop".to_string(), String::new(), bound),
+        ]
+    );
+    let failed: i64 = f
+        .owner
+        .query_one("SELECT count(*) FROM amqp.inbox_failed", &[])
+        .expect("failed")
+        .get(0);
+    assert_eq!(failed, 0);
+}
+
 #[test]
 fn a_subscription_whose_owner_the_relay_cannot_become_waits_and_says_why() {
     let mut f = Fixture::new("relay_consume_owner");
