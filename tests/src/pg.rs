@@ -663,42 +663,47 @@ impl PgCluster {
 }
 
 impl PgCluster {
-    /// The name of this database's acknowledgement queue, if the extension is installed.
-    fn ack_queue_name(&self) -> Option<String> {
-        let mut client = self.try_client_db(&self.config.database).ok()?;
-        let name: Option<String> = client
-            .query_opt(
+    /// The names the acknowledgement queues of this cluster's databases would have.
+    fn ack_queue_names(&self) -> Vec<String> {
+        // Every database a worker or a relay may have served (with the extension or the
+        // plain-SQL install): deleting a queue nobody declared is harmless.
+        let Ok(mut client) = self.try_client_db(&self.config.database) else {
+            return Vec::new();
+        };
+        client
+            .query(
                 "SELECT 'amqp_outbox.ack.' || to_hex(s.system_identifier) || '.' || \
                         to_hex(d.oid::bigint) \
                    FROM pg_catalog.pg_control_system() s, pg_catalog.pg_database d \
-                  WHERE d.datname = pg_catalog.current_database() \
-                    AND EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'amqp_outbox')",
+                  WHERE d.datallowconn AND NOT d.datistemplate",
                 &[],
             )
-            .ok()
-            .flatten()
-            .map(|r| r.get(0));
-        name
+            .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+            .unwrap_or_default()
     }
 }
 
-/// Deletes a test database's acknowledgement queue from the shared RabbitMQ, where its worker
-/// declared it (durable): test clusters must not leave queues behind. Best effort; called
-/// after the cluster stopped, so no worker declares it again.
-fn delete_shared_ack_queue(name: &str) {
+/// Deletes a test cluster's acknowledgement queues from the shared RabbitMQ, where its worker
+/// or a relay declared them (durable): test clusters must not leave queues behind. Best
+/// effort; called after the cluster stopped, so no worker declares one again (a relay still
+/// running is the test's to stop first).
+fn delete_shared_ack_queues(names: &[String]) {
+    if names.is_empty() {
+        return;
+    }
     if let Ok(rabbit) = crate::rabbit::Rabbit::connect(crate::rabbit::AmqpEndpoint::shared()) {
-        let _ = rabbit.delete_queue(name);
+        for name in names {
+            let _ = rabbit.delete_queue(name);
+        }
     }
 }
 
 impl Drop for PgCluster {
     fn drop(&mut self) {
         if self.running {
-            let ack_queue = self.ack_queue_name();
+            let ack_queues = self.ack_queue_names();
             let _ = self.try_stop(StopMode::Immediate);
-            if let Some(name) = ack_queue {
-                delete_shared_ack_queue(&name);
-            }
+            delete_shared_ack_queues(&ack_queues);
         }
         if let Some(dir) = self.dir.take() {
             if std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some() {
