@@ -14,9 +14,9 @@ use crate::client_inbox::{ClientInbox, InboxSession};
 use crate::client_outbox::{ClientOutbox, Session};
 use crate::config::Config;
 use crate::connect;
-use crate::delivery::Ended;
 use crate::lanes::Lanes;
 use crate::lease::Lease;
+use crate::leased::Ended;
 use crate::log::Log;
 use crate::report::RelayTelemetry;
 use crate::stop;
@@ -413,7 +413,7 @@ fn refuse_what_cannot_run(sub: &mut Sub, session: &InboxSession) {
 /// Serves the consuming side of the database of `url` while the lease is held, starting again
 /// after every failure, until the relay stops.
 pub fn serve(url: &str, config: &Config, lease: &Lease, log: &Log) {
-    crate::database::while_leased("consuming", lease, log, |generation| match Consumer::start(
+    crate::leased::while_leased("consuming", lease, log, |generation| match Consumer::start(
         config,
         url,
         log.clone(),

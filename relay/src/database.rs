@@ -4,8 +4,9 @@
 
 use crate::config::Config;
 use crate::connect;
-use crate::delivery::{Delivery, Ended};
+use crate::delivery::Delivery;
 use crate::lease::Lease;
+use crate::leased::Ended;
 use crate::log::Log;
 use crate::report::RelayTelemetry;
 use crate::stop;
@@ -70,28 +71,6 @@ fn deliver(url: &str, config: &Config, lease: &Lease, log: &Log) {
             }
             Ended::Failed(e) => {
                 log.warning(&format!("delivery stopped, starting again: {e}"));
-                stop::wait(&[], backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(10));
-            }
-        }
-    }
-}
-
-/// Runs `run` for each acquisition of the lease (its generation), until the relay stops: what
-/// the consuming side and the monitor do on their threads. A failure is logged as `what`
-/// stopped and run again after a backoff; a lost lease waits for the next acquisition.
-pub fn while_leased(what: &str, lease: &Lease, log: &Log, mut run: impl FnMut(u64) -> Ended) {
-    let mut backoff = Duration::from_millis(500);
-    while !stop::requested() {
-        let Some(generation) = lease.held() else {
-            stop::wait(&[], Duration::from_millis(200));
-            continue;
-        };
-        match run(generation) {
-            Ended::Stopped => break,
-            Ended::LeaseLost => backoff = Duration::from_millis(500),
-            Ended::Failed(e) => {
-                log.warning(&format!("{what} stopped, starting again: {e}"));
                 stop::wait(&[], backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(10));
             }

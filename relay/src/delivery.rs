@@ -14,6 +14,7 @@ use crate::config::Config;
 use crate::connect;
 use crate::doorbell::Doorbell;
 use crate::lease::Lease;
+use crate::leased::Ended;
 use crate::report::{self, RelayTelemetry, Report};
 use crate::stop;
 use amqp_outbox_broker::{BrokerConfig, BrokerHandle};
@@ -43,16 +44,6 @@ SELECT CASE WHEN w IS NULL OR w OPERATOR(pg_catalog.=) '' THEN 1440 \
 /// The key window when the database's setting cannot be read (a bad value: the publishing
 /// sessions refuse it too), as the extension's default.
 const KEY_WINDOW_DEFAULT: i32 = 1440;
-
-/// Why the delivery ended.
-pub enum Ended {
-    /// SIGTERM or SIGINT: delivered rows were deleted.
-    Stopped,
-    /// The lease ran out or was taken again: another relay may serve the database now.
-    LeaseLost,
-    /// The database or the AMQP thread failed.
-    Failed(String),
-}
 
 pub struct Delivery<'a> {
     config: &'a Config,

@@ -33,6 +33,7 @@ pub mod delivery;
 pub mod doorbell;
 pub mod lanes;
 pub mod lease;
+pub mod leased;
 pub mod log;
 pub mod monitor;
 pub mod report;

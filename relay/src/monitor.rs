@@ -5,8 +5,8 @@
 
 use crate::config::Config;
 use crate::connect;
-use crate::delivery::Ended;
 use crate::lease::Lease;
+use crate::leased::Ended;
 use crate::log::Log;
 use crate::runners::Runners;
 use crate::savepoint;
@@ -230,7 +230,7 @@ fn run(config: &Config, url: &str, lease: &Lease, log: &Log, generation: u64) ->
 /// Serves the monitor of the database of `url` while the lease is held, starting again after
 /// every failure, until the relay stops.
 pub fn serve(url: &str, config: &Config, lease: &Lease, log: &Log) {
-    crate::database::while_leased("monitor", lease, log, |generation| {
+    crate::leased::while_leased("monitor", lease, log, |generation| {
         run(config, url, lease, log, generation)
     });
 }
