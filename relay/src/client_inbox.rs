@@ -56,6 +56,10 @@ pub struct InboxSession {
     seen_after_handler: Option<Vec<String>>,
     /// Taken from it when the handling asked whether they were written.
     names_now: Option<Vec<String>>,
+    /// No reading of the subscriptions in this transaction yet: the first message of each
+    /// batch reads them (the previous batch may have removed one, and the relay learns of it
+    /// from a notification that can come after this batch began).
+    names_unread: bool,
 }
 
 impl InboxSession {
@@ -68,6 +72,7 @@ impl InboxSession {
             runners: Runners::new(row.try_get(0)?),
             seen_after_handler: None,
             names_now: None,
+            names_unread: true,
         })
     }
 
@@ -101,6 +106,10 @@ pub struct ClientInbox<'a, C: GenericClient> {
 
 impl<'a, C: GenericClient> ClientInbox<'a, C> {
     pub fn new(client: &'a mut C, session: &'a mut InboxSession, log: &'a crate::log::Log) -> Self {
+        // A new transaction: what earlier ones saw of the subscriptions may be out of date.
+        session.seen_after_handler = None;
+        session.names_now = None;
+        session.names_unread = true;
         ClientInbox {
             client,
             session,
@@ -407,9 +416,13 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
     }
 
     /// A client cannot see a handler's writes to `amqp.subscription`; the call of each handler
-    /// returns the subscriptions after it, so "written" is "a handler ran since last asked"
-    /// (its failure rolled back whatever it wrote: nothing to look at then).
+    /// returns the subscriptions after it, so "written" is "not read yet in this transaction,
+    /// or a handler ran since last asked" (a handler's failure rolled back whatever it wrote:
+    /// nothing to look at then).
     fn subscriptions_written(&mut self) -> bool {
+        if self.session.names_unread {
+            return true;
+        }
         self.session.names_now = self.session.seen_after_handler.take();
         self.session.names_now.is_some()
     }
@@ -418,10 +431,14 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
         if let Some(names) = self.session.names_now.take() {
             return Ok(names);
         }
-        self.query(sql::SUBSCRIPTION_NAMES_SQL, &[], &[])?
+        let names = self
+            .query(sql::SUBSCRIPTION_NAMES_SQL, &[], &[])?
             .iter()
             .map(|r| Ok(r.try_get::<_, Option<String>>(0)?.unwrap_or_default()))
-            .collect()
+            .collect::<Result<Vec<String>, Error>>()?;
+        self.session.names_unread = false;
+        self.session.seen_after_handler = None;
+        Ok(names)
     }
 
     fn derived_message_id(&mut self, content: Vec<u8>) -> Result<String, Error> {
