@@ -54,8 +54,6 @@ pub struct InboxSession {
     runners: Runners,
     /// The subscriptions as the last handler's call left them, not yet asked for.
     seen_after_handler: Option<Vec<String>>,
-    /// Taken from it when the handling asked whether they were written.
-    names_now: Option<Vec<String>>,
     /// No reading of the subscriptions in this transaction yet: the first message of each
     /// batch reads them (the previous batch may have removed one, and the relay learns of it
     /// from a notification that can come after this batch began).
@@ -71,7 +69,6 @@ impl InboxSession {
             prepared: HashMap::new(),
             runners: Runners::new(row.try_get(0)?),
             seen_after_handler: None,
-            names_now: None,
             names_unread: true,
         })
     }
@@ -108,7 +105,6 @@ impl<'a, C: GenericClient> ClientInbox<'a, C> {
     pub fn new(client: &'a mut C, session: &'a mut InboxSession, log: &'a crate::log::Log) -> Self {
         // A new transaction: what earlier ones saw of the subscriptions may be out of date.
         session.seen_after_handler = None;
-        session.names_now = None;
         session.names_unread = true;
         ClientInbox {
             client,
@@ -417,19 +413,17 @@ impl<C: GenericClient> InboxHost for ClientInbox<'_, C> {
 
     /// A client cannot see a handler's writes to `amqp.subscription`; the call of each handler
     /// returns the subscriptions after it, so "written" is "not read yet in this transaction,
-    /// or a handler ran since last asked" (a handler's failure rolled back whatever it wrote:
+    /// or a handler ran since they were last read" (a handler's failure rolled back what it wrote:
     /// nothing to look at then).
     fn subscriptions_written(&mut self) -> bool {
-        if self.session.names_unread {
-            return true;
-        }
-        self.session.names_now = self.session.seen_after_handler.take();
-        self.session.names_now.is_some()
+        self.session.names_unread || self.session.seen_after_handler.is_some()
     }
 
     fn subscription_names(&mut self) -> Result<Vec<String>, Error> {
-        if let Some(names) = self.session.names_now.take() {
-            return Ok(names);
+        if !self.session.names_unread {
+            if let Some(names) = self.session.seen_after_handler.take() {
+                return Ok(names);
+            }
         }
         let names = self
             .query(sql::SUBSCRIPTION_NAMES_SQL, &[], &[])?
