@@ -240,6 +240,32 @@ fn publishers_notify_only_while_the_relay_sleeps_and_hold_the_barrier_until_they
     );
 }
 
+/// Runs the committed update script `name` in one transaction.
+fn run_update(c: &mut Client, name: &str) -> Result<(), postgres::Error> {
+    use amqp_outbox_e2e::hosted::script_file;
+    c.batch_execute(&format!("BEGIN; {}\nCOMMIT;", script_file(name)))
+}
+
+/// The installed version, as the schema's comment says it.
+fn schema_comment(c: &mut Client) -> String {
+    c.query_one(
+        "SELECT obj_description('amqp'::regnamespace, 'pg_namespace')",
+        &[],
+    )
+    .expect("comment")
+    .get(0)
+}
+
+/// A second run of the update script `name` is refused (55000).
+fn assert_refused_twice(c: &mut Client, name: &str) {
+    let e = run_update(c, name).expect_err("a second run");
+    assert_eq!(
+        e.as_db_error().map(|d| d.code().code().to_string()),
+        Some("55000".to_string()),
+        "{e}"
+    );
+}
+
 #[test]
 fn the_update_from_0_8_0_keeps_every_message_and_installs_the_doorbell() {
     use amqp_outbox_e2e::hosted::{installed_from, owner_client, script_file};
@@ -265,19 +291,9 @@ fn the_update_from_0_8_0_keeps_every_message_and_installs_the_doorbell() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    owner
-        .batch_execute(&format!(
-            "BEGIN; {}\nCOMMIT;",
-            script_file("amqp_outbox_hosted--0.8.0--0.9.0.sql")
-        ))
+    run_update(&mut owner, "amqp_outbox_hosted--0.8.0--0.9.0.sql")
         .unwrap_or_else(|e| panic!("the update: {e}"));
-    let comment: String = owner
-        .query_one(
-            "SELECT obj_description('amqp'::regnamespace, 'pg_namespace')",
-            &[],
-        )
-        .expect("comment")
-        .get(0);
+    let comment = schema_comment(&mut owner);
     assert!(comment.starts_with("amqp_outbox 0.9.0"), "{comment}");
     let ids_after: Vec<(i64, String)> = owner
         .query("SELECT id, message_id FROM amqp.message ORDER BY id", &[])
@@ -302,16 +318,7 @@ fn the_update_from_0_8_0_keeps_every_message_and_installs_the_doorbell() {
     assert!(after > *before.last().expect("published"));
     assert!(notifications(&mut listener, Duration::from_millis(300)).is_empty());
     // The update refuses to run twice.
-    let again = owner.batch_execute(&format!(
-        "BEGIN; {}\nCOMMIT;",
-        script_file("amqp_outbox_hosted--0.8.0--0.9.0.sql")
-    ));
-    let e = again.expect_err("a second run");
-    assert_eq!(
-        e.as_db_error().map(|d| d.code().code().to_string()),
-        Some("55000".to_string()),
-        "{e}"
-    );
+    assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.8.0--0.9.0.sql");
 }
 
 /// Every function of the install: signature, definition (with its settings) and grants.
@@ -365,20 +372,10 @@ fn the_update_from_0_9_0_keeps_every_message_and_ends_as_a_fresh_install() {
     };
     let before = rows(&mut owner);
     assert_eq!(before.len(), 41);
-    owner
-        .batch_execute(&format!(
-            "BEGIN; {}\nCOMMIT;",
-            script_file("amqp_outbox_hosted--0.9.0--0.10.0.sql")
-        ))
+    run_update(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql")
         .unwrap_or_else(|e| panic!("the update: {e}"));
     assert_eq!(rows(&mut owner), before, "every row kept as it was");
-    let comment: String = owner
-        .query_one(
-            "SELECT obj_description('amqp'::regnamespace, 'pg_namespace')",
-            &[],
-        )
-        .expect("comment")
-        .get(0);
+    let comment = schema_comment(&mut owner);
     assert!(comment.starts_with("amqp_outbox 0.10.0"), "{comment}");
     // The functions, their settings and grants are a fresh install's.
     let fresh = installed_from(&script());
@@ -406,17 +403,7 @@ fn the_update_from_0_9_0_keeps_every_message_and_ends_as_a_fresh_install() {
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'after')", &[])
         .expect("publish with 0.10.0");
     // The update refuses to run twice.
-    let e = owner
-        .batch_execute(&format!(
-            "BEGIN; {}\nCOMMIT;",
-            script_file("amqp_outbox_hosted--0.9.0--0.10.0.sql")
-        ))
-        .expect_err("a second run");
-    assert_eq!(
-        e.as_db_error().map(|d| d.code().code().to_string()),
-        Some("55000".to_string()),
-        "{e}"
-    );
+    assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql");
 }
 
 /// One call of `amqp.<function>` with `args` (as text, cast in SQL) and `settings` set for the
