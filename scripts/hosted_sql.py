@@ -87,25 +87,17 @@ def build():
 
 
 # The update script to the current version of the plain-SQL install: per (from, to), the
-# functions of the hosted parts (sql/hosted/*.sql, each defined there with CREATE OR REPLACE)
-# that the update defines again, and the statements after them. The script is made of the parts'
-# own text: nothing is copied by hand. Only the newest is generated: once the parts change for
-# the next version an older script would change with them, so it stays as committed (frozen),
-# as amqp_outbox_hosted--0.8.0--0.9.0.sql does.
+# extension's own update scripts whose changes the plain-SQL install shares (sql/*.sql, taken
+# whole but their \echo guard), the functions of the hosted parts (sql/hosted/*.sql, each
+# defined there with CREATE OR REPLACE) that the update defines again, and the statements after
+# them. The script is made of the files' own text: nothing is copied by hand. Only the newest is
+# generated: once the parts change for the next version an older script would change with them,
+# so it stays as committed (frozen), as amqp_outbox_hosted--0.9.0--0.10.0.sql does.
 UPDATES = {
-    ("0.9.0", "0.10.0"): {
-        # _publish_checked first: the new _publish calls it.
-        "functions": [
-            ("publish.sql", "_wake_relay"),
-            ("publish.sql", "_publish_checked"),
-            ("publish.sql", "_publish"),
-        ],
-        "after": [
-            "REVOKE ALL ON FUNCTION amqp._publish_checked(integer, text, text, bytea, jsonb, integer,"
-            " text, text, text, text, text, text, interval, text) FROM PUBLIC;",
-            "GRANT EXECUTE ON FUNCTION amqp._publish_checked(integer, text, text, bytea, jsonb, integer,"
-            " text, text, text, text, text, text, interval, text) TO amqp_outbox_admin;",
-        ],
+    ("0.10.0", "0.11.0"): {
+        "shared": ["amqp_outbox--0.10.0--0.11.0.sql"],
+        "functions": [],
+        "after": [],
     },
 }
 
@@ -139,6 +131,10 @@ def build_update(old, new, spec):
         f"    END IF;\n"
         f"END $check$;\n\n",
     ]
+    for file in spec["shared"]:
+        text = (ROOT / "sql" / file).read_text().replace("@extschema@", SCHEMA)
+        text = re.sub(r"^\\echo .*\\quit\n", "", text, flags=re.M)
+        out.append(f"-- ---- from sql/{file} ----\n{text.strip()}\n\n")
     for file, name in spec["functions"]:
         text = (ROOT / "sql" / "hosted" / file).read_text().replace("@extschema@", SCHEMA)
         out.append(f"-- ---- {name}, from sql/hosted/{file} ----\n")

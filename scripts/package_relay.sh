@@ -50,8 +50,8 @@ strip --remove-section=.comment --remove-section=.note --strip-unneeded "$STAGE/
 install -m 644 "$RELAY_SRC/amqp-outbox-relay.service" "$STAGE/lib/systemd/system/"
 install -m 644 "$RELAY_SRC/relay.toml" "$STAGE/etc/amqp-outbox-relay/"
 install -m 644 "$SQL" "$STAGE/usr/share/$PKG/"
-# The update scripts to this version, for installs made with an earlier one.
-for update in "$ROOT"/sql/hosted/amqp_outbox_hosted--*--"$VERSION".sql; do
+# Every update script, for installs made with an earlier version (run in order up to this one).
+for update in "$ROOT"/sql/hosted/amqp_outbox_hosted--*--*.sql; do
     [ -f "$update" ] && install -m 644 "$update" "$STAGE/usr/share/$PKG/"
 done
 for f in relay.md install.md reference.md guarantees.md; do

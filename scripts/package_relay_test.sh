@@ -53,7 +53,7 @@ BIN="$UNPACKED/usr/bin/amqp-outbox-relay"
 check "--version says $VERSION" bash -c '"$1" --version | grep -qx "amqp-outbox-relay $2"' _ "$BIN" "$VERSION"
 check "the SQL script is the repository's" cmp -s "$UNPACKED/usr/share/amqp-outbox-relay/amqp_outbox_hosted--$VERSION.sql" \
     "$ROOT/sql/hosted/amqp_outbox_hosted--$VERSION.sql"
-for update in "$ROOT"/sql/hosted/amqp_outbox_hosted--*--"$VERSION".sql; do
+for update in "$ROOT"/sql/hosted/amqp_outbox_hosted--*--*.sql; do
     [ -f "$update" ] || continue
     check "the update script $(basename "$update") is the repository's" \
         cmp -s "$UNPACKED/usr/share/amqp-outbox-relay/$(basename "$update")" "$update"

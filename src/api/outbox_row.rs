@@ -3,17 +3,18 @@
 //!
 //! Why: a publish is one statement that calls a function; through SPI that function planned
 //! nothing but still started a whole executor for its INSERT (plan revalidation, a snapshot,
-//! memory contexts, a projection evaluating the column defaults, and the table's eight CHECK
+//! memory contexts, a projection evaluating the column defaults, and the table's CHECK
 //! constraints read back from their stored form), which made `publish()` 10–25 % slower than
 //! the same INSERT typed by hand. Here the row is built in Rust and stored as
 //! [`super::table_write::insert_slot`] says.
 //!
-//! The table's CHECK constraints are not evaluated again: [`super::publish::NewMessage::check`]
-//! enforces each of them before the row is built. That only holds for the table as the
+//! The table's CHECK constraint is not evaluated again: [`super::publish::NewMessage::check`]
+//! enforces each of its rules before the row is built. That only holds for the table as the
 //! extension made it, so the direct path is taken only while the table is exactly that shape
-//! (known columns, NOT NULL only where the row always has a value, the extension's eight CHECK
-//! constraints, no trigger, a plain table). Anything else a DBA adds (a trigger, a constraint,
-//! a column) sends every publish through the ordinary INSERT, which honours it. The shape is
+//! (known columns, NOT NULL only where the row always has a value, the extension's CHECK
+//! constraint or the eight of versions before 0.11.0, no trigger, a plain table). Anything else
+//! a DBA adds (a trigger, a constraint, a column) sends every publish through the ordinary
+//! INSERT, which honours it. The shape is
 //! cached per session and dropped on the table's relcache invalidation, which any `ALTER
 //! TABLE`, `CREATE TRIGGER` or `DROP` sends. Row security applies to neither path: the row is
 //! written for the extension's owner, a superuser.
@@ -90,9 +91,12 @@ impl Col {
     }
 }
 
-/// The CHECK constraints the extension puts on `amqp.message`, each enforced by
+/// The CHECK constraint the extension puts on `amqp.message` (0.11.0): its rules are enforced by
 /// `NewMessage::check` (or, for `message_id`, by how the id is made).
-const KNOWN_CHECKS: [&str; 8] = [
+const KNOWN_CHECKS: [&str; 1] = ["message_valid"];
+
+/// The eight it had before 0.11.0 (the same rules), until `ALTER EXTENSION … UPDATE`.
+const KNOWN_CHECKS_BEFORE_0_11: [&str; 8] = [
     "message_exchange_length",
     "message_routing_key_length",
     "message_content_type_length",
@@ -209,11 +213,14 @@ unsafe fn shape_of(rel: pg_sys::Relation) -> Shape {
             return general("it has a generated column");
         }
         let checks = usize::from(constr.num_check);
-        let known = |i: usize| {
-            let name = CStr::from_ptr((*constr.check.add(i)).ccname);
-            KNOWN_CHECKS.iter().any(|k| k.as_bytes() == name.to_bytes())
+        let all_known = |known: &[&str]| {
+            checks == known.len()
+                && (0..checks).all(|i| {
+                    let name = CStr::from_ptr((*constr.check.add(i)).ccname);
+                    known.iter().any(|k| k.as_bytes() == name.to_bytes())
+                })
         };
-        if checks != KNOWN_CHECKS.len() || !(0..checks).all(known) {
+        if !all_known(&KNOWN_CHECKS) && !all_known(&KNOWN_CHECKS_BEFORE_0_11) {
             return general("its CHECK constraints are not the extension's");
         }
         let mut index = [None; COLS];

@@ -259,6 +259,7 @@ fn schema_comment(c: &mut Client) -> String {
 /// A second run of the update script `name` is refused (55000).
 fn assert_refused_twice(c: &mut Client, name: &str) {
     let e = run_update(c, name).expect_err("a second run");
+    c.batch_execute("ROLLBACK").expect("ROLLBACK");
     assert_eq!(
         e.as_db_error().map(|d| d.code().code().to_string()),
         Some("55000".to_string()),
@@ -335,8 +336,21 @@ fn function_definitions(c: &mut Client) -> Vec<(String, String, Option<String>)>
     .collect()
 }
 
+/// Every constraint of the install's tables: table, name and definition.
+fn constraint_definitions(c: &mut Client) -> Vec<(String, String, String)> {
+    c.query(
+        "SELECT conrelid::regclass::text, conname::text, pg_get_constraintdef(oid) \
+           FROM pg_constraint WHERE connamespace = 'amqp'::regnamespace ORDER BY 1, 2",
+        &[],
+    )
+    .expect("constraints")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
+}
+
 #[test]
-fn the_update_from_0_9_0_keeps_every_message_and_ends_as_a_fresh_install() {
+fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     use amqp_outbox_e2e::hosted::{installed_from, owner_client, script, script_file};
     let cluster = installed_from(&script_file("amqp_outbox_hosted--0.9.0.sql"));
     let mut owner = owner_client(&cluster);
@@ -373,15 +387,28 @@ fn the_update_from_0_9_0_keeps_every_message_and_ends_as_a_fresh_install() {
     let before = rows(&mut owner);
     assert_eq!(before.len(), 41);
     run_update(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql")
-        .unwrap_or_else(|e| panic!("the update: {e}"));
+        .unwrap_or_else(|e| panic!("the update to 0.10.0: {e}"));
+    assert_eq!(rows(&mut owner), before, "every row kept as it was");
+    assert!(schema_comment(&mut owner).starts_with("amqp_outbox 0.10.0"));
+    owner
+        .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'with 0.10.0')", &[])
+        .expect("publish with 0.10.0");
+    let before = rows(&mut owner);
+    run_update(&mut owner, "amqp_outbox_hosted--0.10.0--0.11.0.sql")
+        .unwrap_or_else(|e| panic!("the update to 0.11.0: {e}"));
     assert_eq!(rows(&mut owner), before, "every row kept as it was");
     let comment = schema_comment(&mut owner);
-    assert!(comment.starts_with("amqp_outbox 0.10.0"), "{comment}");
-    // The functions, their settings and grants are a fresh install's.
+    assert!(comment.starts_with("amqp_outbox 0.11.0"), "{comment}");
+    // The functions (their settings and grants) and the constraints are a fresh install's.
     let fresh = installed_from(&script());
+    let mut fresh = owner_client(&fresh);
     assert_eq!(
         function_definitions(&mut owner),
-        function_definitions(&mut owner_client(&fresh))
+        function_definitions(&mut fresh)
+    );
+    assert_eq!(
+        constraint_definitions(&mut owner),
+        constraint_definitions(&mut fresh)
     );
     // A key published before the update is still known; a new one publishes.
     let again: i64 = owner
@@ -401,9 +428,31 @@ fn the_update_from_0_9_0_keeps_every_message_and_ends_as_a_fresh_install() {
     assert_eq!(again, known);
     owner
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'after')", &[])
-        .expect("publish with 0.10.0");
-    // The update refuses to run twice.
+        .expect("publish with 0.11.0");
+    // A row the table's rules refuse is refused as before, naming the rule.
+    let e = owner
+        .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'x', 3)", &[])
+        .expect_err("delivery_mode 3");
+    assert_eq!(
+        e.as_db_error().map(|d| d.code().code()),
+        Some("22023"),
+        "{e}"
+    );
+    let e = owner
+        .execute(
+            "UPDATE amqp.message SET routing_key = repeat('k', 256)",
+            &[],
+        )
+        .expect_err("a routing key of 256 bytes");
+    let db = e.as_db_error().expect("a database error");
+    assert_eq!(
+        (db.code().code(), db.constraint()),
+        ("23514", Some("message_routing_key_length")),
+        "{e}"
+    );
+    // Each update refuses to run twice.
     assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql");
+    assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.10.0--0.11.0.sql");
 }
 
 /// One call of `amqp.<function>` with `args` (as text, cast in SQL) and `settings` set for the
