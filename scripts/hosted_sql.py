@@ -88,7 +88,7 @@ def build():
 
 # The update script to the current version of the plain-SQL install: per (from, to), the
 # extension's own update scripts whose changes the plain-SQL install shares (sql/*.sql, taken
-# whole but their \echo guard), the functions of the hosted parts (sql/hosted/*.sql, each
+# whole but their \echo guard), statements before the functions, the functions of the hosted parts (sql/hosted/*.sql, each
 # defined there with CREATE OR REPLACE) that the update defines again, and the statements after
 # them. The script is made of the files' own text: nothing is copied by hand. Only the newest is
 # generated: once the parts change for the next version an older script would change with them,
@@ -96,8 +96,17 @@ def build():
 UPDATES = {
     ("0.10.0", "0.11.0"): {
         "shared": ["amqp_outbox--0.10.0--0.11.0.sql"],
-        "functions": [],
-        "after": [],
+        # _wake_relay returns boolean now: CREATE OR REPLACE cannot change a result type.
+        "before": ["DROP FUNCTION amqp._wake_relay();"],
+        "functions": [
+            ("publish.sql", "_wake_relay"),
+            ("publish.sql", "_publish"),
+            ("publish.sql", "publish"),
+        ],
+        "after": [
+            "REVOKE ALL ON FUNCTION amqp._wake_relay() FROM PUBLIC;",
+            "GRANT EXECUTE ON FUNCTION amqp._wake_relay() TO amqp_outbox_admin;",
+        ],
     },
 }
 
@@ -135,6 +144,8 @@ def build_update(old, new, spec):
         text = (ROOT / "sql" / file).read_text().replace("@extschema@", SCHEMA)
         text = re.sub(r"^\\echo .*\\quit\n", "", text, flags=re.M)
         out.append(f"-- ---- from sql/{file} ----\n{text.strip()}\n\n")
+    for statement in spec["before"]:
+        out.append(statement + "\n")
     for file, name in spec["functions"]:
         text = (ROOT / "sql" / "hosted" / file).read_text().replace("@extschema@", SCHEMA)
         out.append(f"-- ---- {name}, from sql/hosted/{file} ----\n")

@@ -106,4 +106,141 @@ ALTER TABLE amqp.scheduled_message
     amqp._message_valid(exchange, routing_key, content_type, reply_to, correlation_id,
                                delivery_mode, headers, message_id));
 
+DROP FUNCTION amqp._wake_relay();
+-- ---- _wake_relay, from sql/hosted/publish.sql ----
+-- Asks for the relay's wake-up at this transaction's commit, once per transaction (or per
+-- savepoint rolled back): a NOTIFY only while the relay sleeps (see the head of this file).
+-- True when it notified. Each step is an expression, not a PERFORM: PL/pgSQL runs a PERFORM as
+-- a query, with an executor (and a snapshot) of its own, in every transaction that publishes.
+CREATE OR REPLACE FUNCTION amqp._wake_relay() RETURNS boolean
+    LANGUAGE plpgsql VOLATILE
+    -- (No SET search_path: every name is qualified, and one costs each publish a few
+    -- microseconds.)
+    AS $wake$
+DECLARE
+    done boolean;
+BEGIN
+    IF pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS NOT DISTINCT FROM 'on' THEN
+        RETURN false;
+    END IF;
+    -- Until this transaction ends: the relay waits for it before its last claim. (A void
+    -- result is never NULL.)
+    done := pg_catalog.pg_advisory_xact_lock_shared(1634562416, 3) IS NOT NULL;
+    done := pg_catalog.set_config('amqp_outbox.wake_asked', 'on', true) IS NOT NULL;
+    IF pg_catalog.pg_try_advisory_lock_shared(1634562416, 2) THEN
+        -- Free: the relay sleeps, or is about to.
+        done := pg_catalog.pg_advisory_unlock_shared(1634562416, 2);
+        PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+        RETURN true;
+    END IF;
+    RETURN false;
+END
+$wake$;
+
+-- ---- _publish, from sql/hosted/publish.sql ----
+-- Every publish function calls this one. What a PL/pgSQL function costs is mostly per
+-- transaction: each of its statements is prepared again in every transaction that runs it. So
+-- the common case is one test, one INSERT and two assignments: a message to send now, without an
+-- idempotency key or a traceparent, with every argument and setting within the limits that
+-- amqp._publish_checked() enforces (only the headers' own checks remain). Anything else (an
+-- argument or a setting that may fail a check, a delay, a key, a read-only transaction, a
+-- broker that does not exist) goes to amqp._publish_checked(), which raises the extension's
+-- error in the extension's order or publishes.
+CREATE OR REPLACE FUNCTION amqp._publish(
+    broker_id integer, exchange text, routing_key text, body bytea, headers jsonb,
+    delivery_mode integer, content_type text, reply_to text, correlation_id text,
+    business_type text, business_key text, traceparent text, deliver_after interval,
+    idempotency_key text
+) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+    -- (No SET search_path, as amqp._publish_checked(). Not granted to publishers.)
+AS $$
+DECLARE
+    new_id bigint;
+    last_id text;
+    woke boolean;
+BEGIN
+    IF broker_id IS NOT NULL AND exchange IS NOT NULL AND routing_key IS NOT NULL AND body IS NOT NULL
+       AND pg_catalog.octet_length(exchange) OPERATOR(pg_catalog.<=) 255
+       AND pg_catalog.octet_length(routing_key) OPERATOR(pg_catalog.<=) 255
+       AND (content_type IS NULL OR pg_catalog.octet_length(content_type) OPERATOR(pg_catalog.<=) 255)
+       AND (reply_to IS NULL OR pg_catalog.octet_length(reply_to) OPERATOR(pg_catalog.<=) 255)
+       AND (correlation_id IS NULL OR pg_catalog.octet_length(correlation_id) OPERATOR(pg_catalog.<=) 255)
+       AND (delivery_mode IS NULL OR delivery_mode OPERATOR(pg_catalog.=) 2 OR delivery_mode OPERATOR(pg_catalog.=) 1)
+       AND pg_catalog.octet_length(body) OPERATOR(pg_catalog.<=) 8388608
+       AND coalesce(pg_catalog.current_setting('amqp_outbox.max_message_size', true), '') OPERATOR(pg_catalog.=) ''
+       AND traceparent IS NULL
+       AND coalesce(pg_catalog.current_setting('amqp_outbox.traceparent', true), '') OPERATOR(pg_catalog.=) ''
+       AND (business_type IS NULL OR (business_type OPERATOR(pg_catalog.<>) ''
+            AND pg_catalog.octet_length(business_type) OPERATOR(pg_catalog.<=) 255))
+       AND (business_key IS NULL OR (business_key OPERATOR(pg_catalog.<>) ''
+            AND pg_catalog.octet_length(business_key) OPERATOR(pg_catalog.<=) 1000))
+       AND coalesce(pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.system_id', true))
+                    OPERATOR(pg_catalog.<=) 255, true)
+       AND coalesce(pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.host_id', true))
+                    OPERATOR(pg_catalog.<=) 255, true)
+       AND deliver_after IS NULL AND idempotency_key IS NULL
+       AND pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off'
+    THEN
+        IF headers IS NOT NULL THEN
+            -- The only check left that can fail: amqp._publish_checked() would raise its error.
+            PERFORM amqp._check_headers(headers);
+        END IF;
+        -- The broker check is the join; the transaction takes its id (the filter) before the
+        -- row draws one from the sequence (the projection), as in amqp._publish_checked().
+        -- (The arguments are qualified: amqp.broker's columns must not capture them.)
+        INSERT INTO amqp.message AS m (id, producer_pid, producer_started_at, broker_id, exchange,
+               routing_key, body, delivery_mode, content_type, reply_to, correlation_id, headers,
+               message_id, business_type, business_key, traceparent, system_id, host_id)
+        SELECT pg_catalog.nextval('amqp.message_id_seq'::pg_catalog.regclass),
+               pg_catalog.pg_backend_pid(),
+               coalesce(NULLIF(pg_catalog.current_setting('amqp_outbox.producer_started_at', true), '')::timestamptz,
+                        amqp._producer_started_at()),
+               b.broker_id, _publish.exchange, _publish.routing_key, _publish.body,
+               coalesce(_publish.delivery_mode, 2)::smallint, _publish.content_type,
+               _publish.reply_to, _publish.correlation_id, _publish.headers,
+               amqp._new_message_id(), _publish.business_type, _publish.business_key, NULL,
+               NULLIF(pg_catalog.current_setting('amqp_outbox.system_id', true), ''),
+               NULLIF(pg_catalog.current_setting('amqp_outbox.host_id', true), '')
+          FROM amqp.broker b
+         WHERE b.broker_id OPERATOR(pg_catalog.=) _publish.broker_id
+           AND pg_catalog.pg_current_xact_id() IS NOT NULL
+        RETURNING m.id INTO new_id;
+        IF new_id IS NOT NULL THEN
+            -- last_message_id() (see amqp._publish_checked()), and the relay's wake-up: two
+            -- expressions (see amqp._wake_relay()).
+            last_id := pg_catalog.set_config('amqp_outbox.last_message_id',
+                           new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false);
+            woke := CASE WHEN pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS DISTINCT FROM 'on'
+                         THEN amqp._wake_relay() END;
+            RETURN new_id;
+        END IF;
+        -- No such broker: amqp._publish_checked() says so.
+    END IF;
+    RETURN amqp._publish_checked(broker_id, exchange, routing_key, body, headers, delivery_mode,
+                                 content_type, reply_to, correlation_id, business_type,
+                                 business_key, traceparent, deliver_after, idempotency_key);
+END
+$$;
+
+-- ---- publish, from sql/hosted/publish.sql ----
+-- pg_amqp's signature: existing callers work unchanged.
+CREATE OR REPLACE FUNCTION amqp.publish(
+    broker_id integer, exchange text, routing_key text, message text,
+    delivery_mode integer DEFAULT NULL, content_type text DEFAULT NULL,
+    reply_to text DEFAULT NULL, correlation_id text DEFAULT NULL
+) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER PARALLEL UNSAFE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- An expression, not a PERFORM (see amqp._wake_relay()); the id is never NULL.
+    RETURN amqp._publish(broker_id, exchange, routing_key, pg_catalog.convert_to(message, 'UTF8'),
+                         NULL, delivery_mode, content_type, reply_to, correlation_id,
+                         NULL, NULL, NULL, NULL, NULL) IS NOT NULL;
+END
+$$;
+
+REVOKE ALL ON FUNCTION amqp._wake_relay() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION amqp._wake_relay() TO amqp_outbox_admin;
 COMMENT ON SCHEMA amqp IS 'amqp_outbox 0.11.0, installed without the extension (plain SQL)';

@@ -290,23 +290,30 @@ $$;
 
 -- Asks for the relay's wake-up at this transaction's commit, once per transaction (or per
 -- savepoint rolled back): a NOTIFY only while the relay sleeps (see the head of this file).
-CREATE OR REPLACE FUNCTION amqp._wake_relay() RETURNS void
+-- True when it notified. Each step is an expression, not a PERFORM: PL/pgSQL runs a PERFORM as
+-- a query, with an executor (and a snapshot) of its own, in every transaction that publishes.
+CREATE OR REPLACE FUNCTION amqp._wake_relay() RETURNS boolean
     LANGUAGE plpgsql VOLATILE
     -- (No SET search_path: every name is qualified, and one costs each publish a few
     -- microseconds.)
     AS $wake$
+DECLARE
+    done boolean;
 BEGIN
     IF pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS NOT DISTINCT FROM 'on' THEN
-        RETURN;
+        RETURN false;
     END IF;
-    -- Until this transaction ends: the relay waits for it before its last claim.
-    PERFORM pg_catalog.pg_advisory_xact_lock_shared(1634562416, 3);
+    -- Until this transaction ends: the relay waits for it before its last claim. (A void
+    -- result is never NULL.)
+    done := pg_catalog.pg_advisory_xact_lock_shared(1634562416, 3) IS NOT NULL;
+    done := pg_catalog.set_config('amqp_outbox.wake_asked', 'on', true) IS NOT NULL;
     IF pg_catalog.pg_try_advisory_lock_shared(1634562416, 2) THEN
         -- Free: the relay sleeps, or is about to.
-        PERFORM pg_catalog.pg_advisory_unlock_shared(1634562416, 2);
+        done := pg_catalog.pg_advisory_unlock_shared(1634562416, 2);
         PERFORM pg_catalog.pg_notify('amqp_outbox', '');
+        RETURN true;
     END IF;
-    PERFORM pg_catalog.set_config('amqp_outbox.wake_asked', 'on', true);
+    RETURN false;
 END
 $wake$;
 
@@ -521,7 +528,7 @@ $$;
 
 -- Every publish function calls this one. What a PL/pgSQL function costs is mostly per
 -- transaction: each of its statements is prepared again in every transaction that runs it. So
--- the common case is one test, one INSERT and one PERFORM: a message to send now, without an
+-- the common case is one test, one INSERT and two assignments: a message to send now, without an
 -- idempotency key or a traceparent, with every argument and setting within the limits that
 -- amqp._publish_checked() enforces (only the headers' own checks remain). Anything else (an
 -- argument or a setting that may fail a check, a delay, a key, a read-only transaction, a
@@ -538,6 +545,8 @@ CREATE OR REPLACE FUNCTION amqp._publish(
 AS $$
 DECLARE
     new_id bigint;
+    last_id text;
+    woke boolean;
 BEGIN
     IF broker_id IS NOT NULL AND exchange IS NOT NULL AND routing_key IS NOT NULL AND body IS NOT NULL
        AND pg_catalog.octet_length(exchange) OPERATOR(pg_catalog.<=) 255
@@ -586,10 +595,11 @@ BEGIN
            AND pg_catalog.pg_current_xact_id() IS NOT NULL
         RETURNING m.id INTO new_id;
         IF new_id IS NOT NULL THEN
-            -- last_message_id() (see amqp._publish_checked()), and the relay's wake-up.
-            PERFORM pg_catalog.set_config('amqp_outbox.last_message_id',
-                        new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false),
-                    CASE WHEN pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS DISTINCT FROM 'on'
+            -- last_message_id() (see amqp._publish_checked()), and the relay's wake-up: two
+            -- expressions (see amqp._wake_relay()).
+            last_id := pg_catalog.set_config('amqp_outbox.last_message_id',
+                           new_id::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) new_id::text, false);
+            woke := CASE WHEN pg_catalog.current_setting('amqp_outbox.wake_asked', true) IS DISTINCT FROM 'on'
                          THEN amqp._wake_relay() END;
             RETURN new_id;
         END IF;
@@ -602,7 +612,7 @@ END
 $$;
 
 -- pg_amqp's signature: existing callers work unchanged.
-CREATE FUNCTION amqp.publish(
+CREATE OR REPLACE FUNCTION amqp.publish(
     broker_id integer, exchange text, routing_key text, message text,
     delivery_mode integer DEFAULT NULL, content_type text DEFAULT NULL,
     reply_to text DEFAULT NULL, correlation_id text DEFAULT NULL
@@ -611,10 +621,10 @@ CREATE FUNCTION amqp.publish(
     SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM amqp._publish(broker_id, exchange, routing_key, pg_catalog.convert_to(message, 'UTF8'),
-                          NULL, delivery_mode, content_type, reply_to, correlation_id,
-                          NULL, NULL, NULL, NULL, NULL);
-    RETURN true;
+    -- An expression, not a PERFORM (see amqp._wake_relay()); the id is never NULL.
+    RETURN amqp._publish(broker_id, exchange, routing_key, pg_catalog.convert_to(message, 'UTF8'),
+                         NULL, delivery_mode, content_type, reply_to, correlation_id,
+                         NULL, NULL, NULL, NULL, NULL) IS NOT NULL;
 END
 $$;
 
