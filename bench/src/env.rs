@@ -588,16 +588,56 @@ pub fn broker_pid(port: u16) -> Option<i32> {
     })
 }
 
-fn stat_cpu_secs(path: &str) -> Option<f64> {
+/// CPU seconds (user + system) of a whole PostgreSQL cluster so far: its postmaster, every
+/// process it runs now, and those that ended and were reaped (their time is in the postmaster's
+/// children's counts), so the backends of clients that disconnected still count.
+pub fn cluster_cpu_secs(data_dir: &std::path::Path) -> Option<f64> {
+    let pid_file = fs::read_to_string(data_dir.join("postmaster.pid")).ok()?;
+    let postmaster: i32 = pid_file.lines().next()?.trim().parse().ok()?;
+    let mut total = stat_cpu_fields(&format!("/proc/{postmaster}/stat"), true)?;
+    for e in fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let path = format!("/proc/{pid}/stat");
+        let Ok(s) = fs::read_to_string(&path) else {
+            continue;
+        };
+        let ppid = s
+            .rfind(')')
+            .and_then(|i| s[i + 2..].split_whitespace().nth(1))
+            .and_then(|p| p.parse::<i32>().ok());
+        if ppid == Some(postmaster) {
+            total += stat_cpu_fields(&path, true).unwrap_or(0.0);
+        }
+    }
+    Some(total)
+}
+
+/// CPU seconds (user + system) of this process's children that ended and were reaped (pgbench).
+pub fn reaped_children_cpu_secs() -> Option<f64> {
+    stat_cpu_fields("/proc/self/stat", true)
+        .zip(stat_cpu_secs("/proc/self/stat"))
+        .map(|(all, own)| all - own)
+}
+
+/// utime + stime (and, with `children`, cutime + cstime) of a `/proc/.../stat` file, in seconds.
+fn stat_cpu_fields(path: &str, children: bool) -> Option<f64> {
     let s = fs::read_to_string(path).ok()?;
-    // Fields after the command (which is in parentheses and may contain spaces).
     let rest = &s[s.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = f.get(11)?.parse().ok()?;
-    let stime: f64 = f.get(12)?.parse().ok()?;
+    let n = if children { 4 } else { 2 };
+    let mut ticks = 0.0;
+    for i in 11..11 + n {
+        ticks += f.get(i)?.parse::<f64>().ok()?;
+    }
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Some((utime + stime) / hz)
+    Some(ticks / hz)
+}
+
+fn stat_cpu_secs(path: &str) -> Option<f64> {
+    stat_cpu_fields(path, false)
 }
 
 /// `BENCH_SETTINGS="name=value,name=value"`: settings added to the cluster's configuration

@@ -314,10 +314,11 @@ pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             .baseline("worker", pick(&got.0, |p| p.p99))
             .target(Target::AtMost(5.0)),
     );
-    // Publish cost and capacity.
+    // Publish cost and capacity; at 8 clients, where each system's CPU goes.
     let body = payload(100);
     let mut publish: [(Vec<f64>, Vec<f64>); 2] = Default::default();
     let mut capacity = (Vec::new(), Vec::new());
+    let mut split: (Vec<[f64; 4]>, Vec<[f64; 4]>) = Default::default();
     for (k, clients) in [1u32, 8].into_iter().enumerate() {
         let load = Load {
             clients,
@@ -327,11 +328,47 @@ pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         };
         for rep in 0..opts.reps.max(2) {
             for who in rotated(&[Who::Worker, Who::Relay], rep) {
-                let (port, mut watch) = match who {
-                    Who::Worker => (env.cluster.port(), env.cluster.try_client()?),
-                    Who::Relay => (hosted_cluster.port(), hosted_cluster.try_client()?),
+                let (port, mut watch, data_dir) = match who {
+                    Who::Worker => (
+                        env.cluster.port(),
+                        env.cluster.try_client()?,
+                        env.cluster.data_dir(),
+                    ),
+                    Who::Relay => (
+                        hosted_cluster.port(),
+                        hosted_cluster.try_client()?,
+                        hosted_cluster.data_dir(),
+                    ),
                 };
+                let delivery = match who {
+                    Who::Worker => Delivery {
+                        own: None,
+                        sessions: env.worker_pid()?.into_iter().collect(),
+                    },
+                    Who::Relay => Delivery {
+                        own: Some(relay_pid),
+                        sessions: relay_processes(&mut hosted, relay_pid)?
+                            .into_iter()
+                            .filter(|p| *p != relay_pid)
+                            .collect(),
+                    },
+                };
+                let cpu0 = cpu_split(env, &data_dir, &delivery);
                 let (rows, cap) = publish_once(env, port, &mut watch, &load, &body)?;
+                if clients == 8 {
+                    let messages = rows * f64::from(load.secs);
+                    let cpu = cpu_split(env, &data_dir, &delivery);
+                    let us: [f64; 4] =
+                        std::array::from_fn(|i| (cpu[i] - cpu0[i]) * 1e6 / messages.max(1.0));
+                    log(format!(
+                        "    CPU per message ({who:?}): PostgreSQL but the delivery {:.0} µs, the delivery {:.0}, RabbitMQ {:.0}, pgbench {:.0}",
+                        us[0], us[1], us[2], us[3]
+                    ));
+                    match who {
+                        Who::Worker => split.0.push(us),
+                        Who::Relay => split.1.push(us),
+                    }
+                }
                 log(format!(
                     "  publish, {clients} client(s) ({who:?} delivering): {rows:.0} rows/s, {cap:.0} committed and delivered/s"
                 ));
@@ -364,6 +401,25 @@ pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
             .baseline("worker", worker),
         );
     }
+    let parts = [
+        "PostgreSQL but the delivery (the publishing sessions, WAL, checkpoints)",
+        "the delivery (the worker; the relay and its sessions)",
+        "RabbitMQ",
+        "pgbench",
+    ];
+    for (i, part) in parts.iter().enumerate() {
+        let pick = |v: &[[f64; 4]]| v.iter().map(|u| u[i]).collect::<Vec<f64>>();
+        run.fig(
+            Figure::new(
+                sec,
+                &format!("CPU per message at 8 clients, {part}, relay / worker"),
+                "8 clients, 1 msg/txn, 100 B, from the start of the run until the outbox is empty",
+                "µs",
+            )
+            .samples(pick(&split.1))
+            .baseline("worker", pick(&split.0)),
+        );
+    }
     run.fig(
         Figure::new(
             sec,
@@ -379,6 +435,34 @@ pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
     drop(hosted);
     drop(hosted_cluster);
     Ok(())
+}
+
+/// The processes that deliver: `own` outside the cluster (the relay), `sessions` among the
+/// cluster's processes (the worker; the relay's sessions' backends).
+struct Delivery {
+    own: Option<i32>,
+    sessions: Vec<i32>,
+}
+
+/// CPU seconds so far of: the cluster but the delivery's processes in it, the delivery, the
+/// RabbitMQ node, and this program's reaped children (pgbench). NaN where unreadable.
+fn cpu_split(env: &Env, data_dir: &std::path::Path, delivery: &Delivery) -> [f64; 4] {
+    let nan = f64::NAN;
+    let sessions: f64 = delivery
+        .sessions
+        .iter()
+        .map(|p| env::proc_cpu_secs(*p).unwrap_or(nan))
+        .sum();
+    let own = delivery
+        .own
+        .map_or(Some(0.0), env::proc_cpu_secs)
+        .unwrap_or(nan);
+    [
+        env::cluster_cpu_secs(data_dir).unwrap_or(nan) - sessions,
+        sessions + own,
+        broker_cpu(env).unwrap_or(nan),
+        env::reaped_children_cpu_secs().unwrap_or(nan),
+    ]
 }
 
 /// One pgbench run of `amqp.publish()` against the server at `port`, whose outbox `watch`
