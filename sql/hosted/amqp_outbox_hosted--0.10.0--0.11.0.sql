@@ -160,25 +160,24 @@ DECLARE
     last_id text;
     woke boolean;
 BEGIN
+    -- (Each function or operator here is looked up and its right to run checked again in
+    -- every transaction: GREATEST, which skips NULLs, tests the 255-byte limits with one
+    -- comparison.)
     IF broker_id IS NOT NULL AND exchange IS NOT NULL AND routing_key IS NOT NULL AND body IS NOT NULL
-       AND pg_catalog.octet_length(exchange) OPERATOR(pg_catalog.<=) 255
-       AND pg_catalog.octet_length(routing_key) OPERATOR(pg_catalog.<=) 255
-       AND (content_type IS NULL OR pg_catalog.octet_length(content_type) OPERATOR(pg_catalog.<=) 255)
-       AND (reply_to IS NULL OR pg_catalog.octet_length(reply_to) OPERATOR(pg_catalog.<=) 255)
-       AND (correlation_id IS NULL OR pg_catalog.octet_length(correlation_id) OPERATOR(pg_catalog.<=) 255)
+       AND GREATEST(pg_catalog.octet_length(exchange), pg_catalog.octet_length(routing_key),
+                    pg_catalog.octet_length(content_type), pg_catalog.octet_length(reply_to),
+                    pg_catalog.octet_length(correlation_id), pg_catalog.octet_length(business_type),
+                    pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.system_id', true)),
+                    pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.host_id', true)))
+           OPERATOR(pg_catalog.<=) 255
        AND (delivery_mode IS NULL OR delivery_mode OPERATOR(pg_catalog.=) 2 OR delivery_mode OPERATOR(pg_catalog.=) 1)
        AND pg_catalog.octet_length(body) OPERATOR(pg_catalog.<=) 8388608
        AND coalesce(pg_catalog.current_setting('amqp_outbox.max_message_size', true), '') OPERATOR(pg_catalog.=) ''
        AND traceparent IS NULL
        AND coalesce(pg_catalog.current_setting('amqp_outbox.traceparent', true), '') OPERATOR(pg_catalog.=) ''
-       AND (business_type IS NULL OR (business_type OPERATOR(pg_catalog.<>) ''
-            AND pg_catalog.octet_length(business_type) OPERATOR(pg_catalog.<=) 255))
+       AND business_type IS DISTINCT FROM ''
        AND (business_key IS NULL OR (business_key OPERATOR(pg_catalog.<>) ''
             AND pg_catalog.octet_length(business_key) OPERATOR(pg_catalog.<=) 1000))
-       AND coalesce(pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.system_id', true))
-                    OPERATOR(pg_catalog.<=) 255, true)
-       AND coalesce(pg_catalog.octet_length(pg_catalog.current_setting('amqp_outbox.host_id', true))
-                    OPERATOR(pg_catalog.<=) 255, true)
        AND deliver_after IS NULL AND idempotency_key IS NULL
        AND pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off'
     THEN

@@ -10,7 +10,7 @@ use std::time::Duration;
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
 use amqp_outbox_e2e::pg::wait_for_lock_wait;
 use amqp_outbox_e2e::{
-    eventually, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, StopMode,
+    eventually, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, Route, StopMode,
 };
 use postgres::{Client, GenericClient};
 
@@ -335,6 +335,14 @@ fn dump_and_restore_keep_every_message_its_id_and_the_configuration() {
     let rabbit = Rabbit::shared();
     let route = rabbit.declare_route("dump");
     let names = unique_name("dump.decl");
+    // The restored databases' workers declare these in the shared broker: deleted at the end.
+    let _declared = Route {
+        endpoint: rabbit.endpoint().clone(),
+        exchange: format!("{names}.x"),
+        queue: format!("{names}.q"),
+        routing_key: "#".to_string(),
+        delete_on_drop: true,
+    };
 
     // The producer's database: worker off, so everything stays in the outbox.
     let source = PgCluster::new(disabled());
