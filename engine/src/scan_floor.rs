@@ -89,9 +89,9 @@ pub struct ScanFloor {
     full: Pacer,
     /// [`super::flight::Flight::released`] when last looked at.
     released_seen: u64,
-    /// The highest floor before the last periodic reset (0 after a reset for a known cause):
-    /// rows the read from the lowest id finds at or below it were announced by nothing the
-    /// worker saw (see [`ScanFloor::passed`]).
+    /// The highest floor before a periodic reset in this claim's probe (0 otherwise, or after a
+    /// reset for a known cause): rows the read from the lowest id finds at or below it were
+    /// announced by nothing the worker saw (see [`ScanFloor::passed`]).
     before_reset: i64,
 }
 
@@ -130,6 +130,9 @@ impl ScanFloor {
     /// Takes the probe run just before a claim, in the claim's snapshot; returns whether the
     /// floors were reset.
     pub fn observe(&mut self, probe: &Probe, now: Instant) -> bool {
+        // What the last periodic read passed over was for that read's claim only: a writer that
+        // ended since lowers the floors too, and its rows are expected there.
+        self.before_reset = 0;
         if probe.last_value < self.settled {
             // The sequence went back: a new table, or a restore. Start over.
             *self = ScanFloor {
@@ -413,6 +416,28 @@ mod tests {
             1000,
             "a row found now below 1000 was passed over"
         );
+    }
+
+    #[test]
+    fn rows_of_a_writer_that_ended_after_a_periodic_read_are_not_called_passed_over() {
+        let now = Instant::now();
+        let mut f = ScanFloor::default();
+        quiet(&mut f, 50, now);
+        cover(&mut f, &[1], 0, Reach::End);
+        // Transaction 7 begins and writes while the floor follows the newest rows.
+        f.observe(&snap(&[7], 8, 60, 8), now);
+        f.observe(&snap(&[7], 9, 3000, 9), now);
+        cover(&mut f, &[1], 50, Reach::End);
+        // The periodic read from the lowest id comes while 7 is still open: it sees none of 7's
+        // rows (what it finds below 3000 would have been passed over).
+        let later = now + FULL_SCAN_EVERY * 2;
+        assert!(f.observe(&snap(&[7], 10, 3000, 10), later));
+        assert_eq!(f.passed(), 60);
+        f.covered(&[1], 0, Reach::End, later, Duration::ZERO);
+        // 7 commits: its rows lie above 50, and finding them is expected.
+        f.observe(&snap(&[], 11, 3000, 11), later + Duration::from_millis(10));
+        assert_eq!(f.from(&[1]), 50);
+        assert_eq!(f.passed(), 0, "the claim that reads them reports nothing");
     }
 
     #[test]
