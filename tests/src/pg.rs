@@ -186,6 +186,9 @@ pub struct PgCluster {
     dir: Option<tempfile::TempDir>,
     port: u16,
     running: bool,
+    /// Acknowledgement queue names read before each stop: a cluster stopped by its test is
+    /// not running at the drop, when they are deleted.
+    ack_queues: Vec<String>,
 }
 
 impl PgCluster {
@@ -330,6 +333,7 @@ impl PgCluster {
             dir: Some(dir),
             port: 0,
             running: false,
+            ack_queues: Vec::new(),
         })
     }
 
@@ -468,6 +472,9 @@ impl PgCluster {
     }
 
     pub fn try_stop(&mut self, mode: StopMode) -> Result<(), String> {
+        if self.running {
+            self.remember_ack_queues();
+        }
         let out = self.pg_ctl_waiting("stop", ["-m".as_ref(), mode.as_arg().as_ref()])?;
         if !out.status.success() {
             return Err(failure(&format!("pg_ctl stop -m {}", mode.as_arg()), &out));
@@ -664,6 +671,15 @@ impl PgCluster {
 
 impl PgCluster {
     /// The names the acknowledgement queues of this cluster's databases would have.
+    /// Adds the names [`PgCluster::ack_queue_names`] gives now to those remembered.
+    fn remember_ack_queues(&mut self) {
+        for name in self.ack_queue_names() {
+            if !self.ack_queues.contains(&name) {
+                self.ack_queues.push(name);
+            }
+        }
+    }
+
     fn ack_queue_names(&self) -> Vec<String> {
         // Every database a worker or a relay may have served (with the extension or the
         // plain-SQL install): deleting a queue nobody declared is harmless.
@@ -701,10 +717,9 @@ fn delete_shared_ack_queues(names: &[String]) {
 impl Drop for PgCluster {
     fn drop(&mut self) {
         if self.running {
-            let ack_queues = self.ack_queue_names();
             let _ = self.try_stop(StopMode::Immediate);
-            delete_shared_ack_queues(&ack_queues);
         }
+        delete_shared_ack_queues(&self.ack_queues);
         if let Some(dir) = self.dir.take() {
             if std::env::var_os("AMQP_OUTBOX_E2E_KEEP").is_some() {
                 let kept = dir.keep();
