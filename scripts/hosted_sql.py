@@ -88,11 +88,12 @@ def build():
 
 # The update script to the current version of the plain-SQL install: per (from, to), the
 # extension's own update scripts whose changes the plain-SQL install shares (sql/*.sql, taken
-# whole but their \echo guard), statements before the functions, the functions of the hosted parts (sql/hosted/*.sql, each
-# defined there with CREATE OR REPLACE) that the update defines again, and the statements after
-# them. The script is made of the files' own text: nothing is copied by hand. Only the newest is
-# generated: once the parts change for the next version an older script would change with them,
-# so it stays as committed (frozen), as amqp_outbox_hosted--0.9.0--0.10.0.sql does.
+# whole but their \echo guard), statements before the functions, the functions of the hosted
+# parts (sql/hosted/*.sql, each defined there with CREATE OR REPLACE) that the update defines
+# again, and the statements after them. The script is made of the files' own text: nothing is
+# copied by hand. Only the newest is generated: once the parts change for the next version an
+# older script would change with them, so it stays as committed (frozen), as
+# amqp_outbox_hosted--0.9.0--0.10.0.sql does.
 UPDATES = {
     ("0.10.0", "0.11.0"): {
         "shared": ["amqp_outbox--0.10.0--0.11.0.sql"],

@@ -594,21 +594,19 @@ pub fn broker_pid(port: u16) -> Option<i32> {
 pub fn cluster_cpu_secs(data_dir: &std::path::Path) -> Option<f64> {
     let pid_file = fs::read_to_string(data_dir.join("postmaster.pid")).ok()?;
     let postmaster: i32 = pid_file.lines().next()?.trim().parse().ok()?;
-    let mut total = stat_cpu_fields(&format!("/proc/{postmaster}/stat"), true)?;
+    let mut total = stat_cpu(&format!("/proc/{postmaster}/stat"), WITH_CHILDREN)?;
     for e in fs::read_dir("/proc").ok()?.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
             continue;
         };
-        let path = format!("/proc/{pid}/stat");
-        let Ok(s) = fs::read_to_string(&path) else {
+        let Ok(s) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let ppid = s
-            .rfind(')')
-            .and_then(|i| s[i + 2..].split_whitespace().nth(1))
-            .and_then(|p| p.parse::<i32>().ok());
-        if ppid == Some(postmaster) {
-            total += stat_cpu_fields(&path, true).unwrap_or(0.0);
+        let Some(f) = stat_fields(&s) else {
+            continue;
+        };
+        if f.get(PPID).and_then(|p| p.parse::<i32>().ok()) == Some(postmaster) {
+            total += ticks_secs(&f, WITH_CHILDREN).unwrap_or(0.0);
         }
     }
     Some(total)
@@ -616,19 +614,25 @@ pub fn cluster_cpu_secs(data_dir: &std::path::Path) -> Option<f64> {
 
 /// CPU seconds (user + system) of this process's children that ended and were reaped (pgbench).
 pub fn reaped_children_cpu_secs() -> Option<f64> {
-    stat_cpu_fields("/proc/self/stat", true)
-        .zip(stat_cpu_secs("/proc/self/stat"))
-        .map(|(all, own)| all - own)
+    stat_cpu("/proc/self/stat", CHILDREN)
 }
 
-/// utime + stime (and, with `children`, cutime + cstime) of a `/proc/.../stat` file, in seconds.
-fn stat_cpu_fields(path: &str, children: bool) -> Option<f64> {
-    let s = fs::read_to_string(path).ok()?;
-    let rest = &s[s.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let n = if children { 4 } else { 2 };
+/// Fields of a `/proc/<pid>/stat` line (0-based after the command, which is in parentheses
+/// and may contain spaces): the parent's pid, then utime, stime, cutime, cstime in clock ticks.
+const PPID: usize = 1;
+const OWN: std::ops::Range<usize> = 11..13;
+const CHILDREN: std::ops::Range<usize> = 13..15;
+const WITH_CHILDREN: std::ops::Range<usize> = 11..15;
+
+/// The fields after the command of a `/proc/.../stat` text.
+fn stat_fields(s: &str) -> Option<Vec<&str>> {
+    Some(s[s.rfind(')')? + 2..].split_whitespace().collect())
+}
+
+/// The sum of `fields` (clock ticks), in seconds.
+fn ticks_secs(f: &[&str], fields: std::ops::Range<usize>) -> Option<f64> {
     let mut ticks = 0.0;
-    for i in 11..11 + n {
+    for i in fields {
         ticks += f.get(i)?.parse::<f64>().ok()?;
     }
     // SAFETY: sysconf has no preconditions.
@@ -636,8 +640,14 @@ fn stat_cpu_fields(path: &str, children: bool) -> Option<f64> {
     Some(ticks / hz)
 }
 
+/// The CPU seconds `fields` of a `/proc/.../stat` file say.
+fn stat_cpu(path: &str, fields: std::ops::Range<usize>) -> Option<f64> {
+    let s = fs::read_to_string(path).ok()?;
+    ticks_secs(&stat_fields(&s)?, fields)
+}
+
 fn stat_cpu_secs(path: &str) -> Option<f64> {
-    stat_cpu_fields(path, false)
+    stat_cpu(path, OWN)
 }
 
 /// `BENCH_SETTINGS="name=value,name=value"`: settings added to the cluster's configuration

@@ -328,36 +328,32 @@ pub fn relay(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> {
         };
         for rep in 0..opts.reps.max(2) {
             for who in rotated(&[Who::Worker, Who::Relay], rep) {
-                let (port, mut watch, data_dir) = match who {
-                    Who::Worker => (
-                        env.cluster.port(),
-                        env.cluster.try_client()?,
-                        env.cluster.data_dir(),
-                    ),
-                    Who::Relay => (
-                        hosted_cluster.port(),
-                        hosted_cluster.try_client()?,
-                        hosted_cluster.data_dir(),
-                    ),
+                let (cluster, port) = match who {
+                    Who::Worker => (&env.cluster, env.cluster.port()),
+                    Who::Relay => (&hosted_cluster, hosted_cluster.port()),
                 };
+                let mut watch = cluster.try_client()?;
+                let data_dir = cluster.data_dir();
+                // Where the CPU goes, at 8 clients only.
                 let delivery = match who {
-                    Who::Worker => Delivery {
+                    _ if clients != 8 => None,
+                    Who::Worker => Some(Delivery {
                         own: None,
                         sessions: env.worker_pid()?.into_iter().collect(),
-                    },
-                    Who::Relay => Delivery {
+                    }),
+                    Who::Relay => Some(Delivery {
                         own: Some(relay_pid),
                         sessions: relay_processes(&mut hosted, relay_pid)?
                             .into_iter()
                             .filter(|p| *p != relay_pid)
                             .collect(),
-                    },
+                    }),
                 };
-                let cpu0 = cpu_split(env, &data_dir, &delivery);
+                let cpu0 = delivery.as_ref().map(|d| cpu_split(env, &data_dir, d));
                 let (rows, cap) = publish_once(env, port, &mut watch, &load, &body)?;
-                if clients == 8 {
+                if let (Some(d), Some(cpu0)) = (&delivery, cpu0) {
                     let messages = rows * f64::from(load.secs);
-                    let cpu = cpu_split(env, &data_dir, &delivery);
+                    let cpu = cpu_split(env, &data_dir, d);
                     let us: [f64; 4] =
                         std::array::from_fn(|i| (cpu[i] - cpu0[i]) * 1e6 / messages.max(1.0));
                     log(format!(

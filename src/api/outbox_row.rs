@@ -14,10 +14,9 @@
 //! (known columns, NOT NULL only where the row always has a value, the extension's CHECK
 //! constraint or the eight of versions before 0.11.0, no trigger, a plain table). Anything else
 //! a DBA adds (a trigger, a constraint, a column) sends every publish through the ordinary
-//! INSERT, which honours it. The shape is
-//! cached per session and dropped on the table's relcache invalidation, which any `ALTER
-//! TABLE`, `CREATE TRIGGER` or `DROP` sends. Row security applies to neither path: the row is
-//! written for the extension's owner, a superuser.
+//! INSERT, which honours it. The shape is cached per session and dropped on the table's
+//! relcache invalidation, which any `ALTER TABLE`, `CREATE TRIGGER` or `DROP` sends. Row
+//! security applies to neither path: the row is written for the extension's owner, a superuser.
 
 use super::table_write::{ShapeCache, Shaped};
 use pgrx::prelude::*;

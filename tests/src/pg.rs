@@ -670,7 +670,6 @@ impl PgCluster {
 }
 
 impl PgCluster {
-    /// The names the acknowledgement queues of this cluster's databases would have.
     /// Adds the names [`PgCluster::ack_queue_names`] gives now to those remembered.
     fn remember_ack_queues(&mut self) {
         for name in self.ack_queue_names() {
@@ -680,6 +679,7 @@ impl PgCluster {
         }
     }
 
+    /// The names the acknowledgement queues of this cluster's databases would have.
     fn ack_queue_names(&self) -> Vec<String> {
         // Every database a worker or a relay may have served (with the extension or the
         // plain-SQL install): deleting a queue nobody declared is harmless.

@@ -400,8 +400,8 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     let comment = schema_comment(&mut owner);
     assert!(comment.starts_with("amqp_outbox 0.11.0"), "{comment}");
     // The functions (their settings and grants) and the constraints are a fresh install's.
-    let fresh = installed_from(&script());
-    let mut fresh = owner_client(&fresh);
+    let fresh_cluster = installed_from(&script());
+    let mut fresh = owner_client(&fresh_cluster);
     assert_eq!(
         function_definitions(&mut owner),
         function_definitions(&mut fresh)
