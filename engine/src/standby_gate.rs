@@ -80,6 +80,35 @@ impl Standbys {
     }
 }
 
+/// The sizes that place WAL pages and their headers, as the server was built and initialized.
+#[derive(Clone, Copy, Debug)]
+pub struct WalLayout {
+    pub page_size: u64,
+    pub segment_size: u64,
+    /// The header of a page (`SizeOfXLogShortPHD`)...
+    pub short_header: u64,
+    /// ...and of a segment's first page (`SizeOfXLogLongPHD`).
+    pub long_header: u64,
+}
+
+impl WalLayout {
+    /// The WAL insert position as the end of the last record. PostgreSQL's insert position
+    /// points past the page header when it sits at the start of a page, a place no WAL reaches
+    /// until the next record: flushing to it fails ("xlog flush request … is not satisfied"),
+    /// and a standby may report the page's start for a long time.
+    pub fn record_end(&self, insert: u64) -> u64 {
+        let in_segment = insert % self.segment_size.max(1);
+        let in_page = insert % self.page_size.max(1);
+        if in_segment == self.long_header {
+            insert - self.long_header
+        } else if in_page == self.short_header && in_segment >= self.page_size {
+            insert - self.short_header
+        } else {
+            insert
+        }
+    }
+}
+
 /// Claimed batches waiting for the standbys, oldest first.
 #[derive(Debug)]
 pub struct Held<T> {
@@ -115,6 +144,11 @@ impl<T> Held<T> {
             }
         }
         out
+    }
+
+    /// The position the last held batch waits for.
+    pub fn newest(&self) -> Option<u64> {
+        self.batches.back().map(|(lsn, _)| *lsn)
     }
 
     /// Everything held, whatever the standbys (the setting was cleared).
@@ -187,6 +221,29 @@ mod tests {
     }
 
     #[test]
+    fn the_insert_position_at_a_page_start_is_the_previous_page_end() {
+        let wal = WalLayout {
+            page_size: 8192,
+            segment_size: 16 << 20,
+            short_header: 24,
+            long_header: 40,
+        };
+        let segment = 3 * (16u64 << 20);
+        // Inside a page, and right after a record in the middle of a segment: as it is.
+        assert_eq!(wal.record_end(segment + 8192 + 512), segment + 8192 + 512);
+        assert_eq!(
+            wal.record_end(segment + 40),
+            segment,
+            "a segment's first page"
+        );
+        assert_eq!(wal.record_end(segment + 5 * 8192 + 24), segment + 5 * 8192);
+        // 24 bytes into a segment's first page is inside its long header: no record ends
+        // there, and it is not taken for a short header.
+        assert_eq!(wal.record_end(segment + 24), segment + 24);
+        assert_eq!(wal.record_end(segment + 8192 + 40), segment + 8192 + 40);
+    }
+
+    #[test]
     fn batches_leave_in_order_once_flushed() {
         let mut h = Held::default();
         h.hold(10, vec!['a']);
@@ -194,6 +251,7 @@ mod tests {
         h.hold(30, vec!['d']);
         h.hold(40, Vec::new());
         assert_eq!(h.len(), 4);
+        assert_eq!(h.newest(), Some(30), "an empty batch is not held");
         assert!(
             h.release(None).is_empty(),
             "a standby missing holds everything"

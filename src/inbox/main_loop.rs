@@ -339,7 +339,7 @@ impl Inbox {
         // amqp_outbox.standby_names names some).
         let acks = acks.commands();
         let ready = if self.standbys.active() {
-            self.standbys.hold(acks)
+            self.standbys.hold(acks, standbys::insert_position())
         } else {
             acks
         };

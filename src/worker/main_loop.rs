@@ -46,6 +46,9 @@ pub struct Worker {
     cadence: Cadence,
     /// Claimed batches waiting for `amqp_outbox.standby_names`.
     standbys: StandbyWait<Command>,
+    /// The WAL insert position read right after the last claim's snapshot: every commit that
+    /// claim saw ends at or before it.
+    pub(super) claim_wal: u64,
 }
 
 impl Worker {
@@ -67,6 +70,7 @@ impl Worker {
             sweep: Sweep::default(),
             cadence: Cadence::default(),
             standbys: StandbyWait::new(standbys::MESSAGES),
+            claim_wal: 0,
         }
     }
 
@@ -170,8 +174,12 @@ impl Worker {
                 && self.flight.is_empty()
                 && self.settings.enabled
                 && self.presence.present();
-            let ready =
-                standbys::hold_claimed(&mut self.standbys, claimed.commands, &mut self.flight);
+            let ready = standbys::hold_claimed(
+                &mut self.standbys,
+                claimed.commands,
+                self.claim_wal,
+                &mut self.flight,
+            );
             self.send_all(ready);
             // After the claimed messages are on their way: in front of the claim, the DELETE
             // would delay them (the claim skips the delivered rows until then).

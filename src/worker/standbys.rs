@@ -6,7 +6,7 @@
 
 use super::flight::Flight;
 use super::pg;
-use super::standby_gate::{Held, Standbys};
+use super::standby_gate::{Held, Standbys, WalLayout};
 use amqp_outbox_broker::Command;
 use pgrx::prelude::*;
 use std::collections::HashMap;
@@ -14,7 +14,11 @@ use std::time::{Duration, Instant};
 
 /// How often the standbys' positions are read while a batch waits: a local standby flushes
 /// within a millisecond, and a look reads shared memory (the walsenders' slots).
-pub const LOOK_EVERY: Duration = Duration::from_micros(200);
+pub const LOOK_EVERY: Duration = Duration::from_micros(100);
+/// How long a batch waits for its WAL to be flushed by the commits of others before the worker
+/// flushes it ([`flush_wal_to`]): longer than a commit's flush at a steady rate, shorter than
+/// a standby's round trip.
+const FLUSH_AFTER: Duration = Duration::from_millis(1);
 /// A batch waiting this long is logged as a WARNING (then once a minute while it lasts).
 const WARN_AFTER: Duration = Duration::from_secs(10);
 const WARN_EVERY: Duration = Duration::from_secs(60);
@@ -64,14 +68,12 @@ impl<T> StandbyWait<T> {
         !self.standbys.is_off()
     }
 
-    /// Holds `items` until the standbys have flushed the WAL insert position now (taken after
+    /// Holds `items` until the standbys have flushed `lsn` (an [`insert_position`] read after
     /// whatever the items depend on committed); returns what may go at once.
-    pub fn hold(&mut self, items: Vec<T>) -> Vec<T> {
+    pub fn hold(&mut self, items: Vec<T>, lsn: u64) -> Vec<T> {
         if items.is_empty() {
             return items;
         }
-        // SAFETY: the main thread; reads the shared insert position under its spinlock.
-        let lsn = unsafe { pg_sys::GetXLogInsertRecPtr() };
         if self.held.is_empty() {
             self.waiting_since = Some(Instant::now());
         }
@@ -112,10 +114,25 @@ impl<T> StandbyWait<T> {
         } else if !released.is_empty() {
             self.waiting_since = Some(Instant::now());
         } else {
+            self.flush_if_stalled();
             self.warn_if_long(&connected);
         }
         self.show();
         released
+    }
+
+    /// The WAL the held batches wait for, flushed here once they have waited [`FLUSH_AFTER`]
+    /// and it is still not on disk: nothing may flush it soon (asynchronous commits, a session
+    /// between its INSERT and its COMMIT, a quiet server).
+    fn flush_if_stalled(&self) {
+        if self
+            .waiting_since
+            .is_some_and(|t| t.elapsed() >= FLUSH_AFTER)
+        {
+            if let Some(lsn) = self.held.newest() {
+                flush_wal_to(lsn);
+            }
+        }
     }
 
     /// The outbox worker's wait, for `amqp.worker_status.state`.
@@ -166,13 +183,14 @@ pub const ACKNOWLEDGEMENTS: &str = "acknowledgement(s) of handled deliveries";
 pub fn hold_claimed(
     wait: &mut StandbyWait<Command>,
     commands: Vec<Command>,
+    lsn: u64,
     flight: &mut Flight,
 ) -> Vec<Command> {
     if !wait.active() || commands.is_empty() {
         return commands;
     }
     flight.hold(ids(&commands));
-    let ready = wait.hold(commands);
+    let ready = wait.hold(commands, lsn);
     sent(flight, ready)
 }
 
@@ -190,6 +208,43 @@ fn ids(commands: &[Command]) -> Vec<i64> {
             _ => Vec::new(),
         })
         .collect()
+}
+
+/// Where WAL pages and their headers lie on this server.
+fn wal_layout() -> WalLayout {
+    let header = |size: usize| {
+        let align = pg_sys::MAXIMUM_ALIGNOF as usize;
+        size.div_ceil(align) * align
+    };
+    WalLayout {
+        page_size: u64::from(pg_sys::XLOG_BLCKSZ),
+        // SAFETY: set once at startup from the control file, read-only afterwards.
+        segment_size: u64::try_from(unsafe { pg_sys::wal_segment_size }).unwrap_or(16 << 20),
+        short_header: header(std::mem::size_of::<pg_sys::XLogPageHeaderData>()) as u64,
+        long_header: header(std::mem::size_of::<pg_sys::XLogLongPageHeaderData>()) as u64,
+    }
+}
+
+/// The WAL insert position now, as the end of the last record ([`WalLayout::record_end`]).
+pub fn insert_position() -> u64 {
+    // SAFETY: reads the shared insert position under its spinlock.
+    wal_layout().record_end(unsafe { pg_sys::GetXLogInsertRecPtr() })
+}
+
+/// Writes and flushes the WAL up to `lsn` unless it is on disk already. A walsender sends only
+/// flushed WAL; left alone, WAL no synchronous commit follows reaches the disk at the WAL
+/// writer's next round (`wal_writer_delay`, 200 ms by default).
+fn flush_wal_to(lsn: pg_sys::XLogRecPtr) {
+    // SAFETY: the main thread, outside any critical section; both read the shared positions
+    // under their locks, and XLogFlush returns at once when `lsn` is flushed already.
+    unsafe {
+        if pg_sys::RecoveryInProgress() {
+            return;
+        }
+        if pg_sys::GetFlushRecPtr(std::ptr::null_mut()) < lsn {
+            pg_sys::XLogFlush(lsn);
+        }
+    }
 }
 
 /// This server's `cluster_name` (empty when unset).

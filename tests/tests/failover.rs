@@ -247,6 +247,28 @@ fn without_standby_names_a_failover_leaves_phantoms() {
     );
 }
 
+/// A commit that nothing flushes (`synchronous_commit = off`, and no synchronous commit after
+/// it) still goes out once the standby has it: the worker flushes the WAL its batch waits for.
+/// Left to the WAL writer (`wal_writer_delay` at its 10 s maximum here), each message would wait
+/// for its next round, and at most one of the three could arrive in time.
+#[test]
+fn an_asynchronous_commit_goes_out_without_waiting_for_the_wal_writer() {
+    let rabbit = Rabbit::shared();
+    let config = config(Some(STANDBY)).setting("wal_writer_delay", "'10s'");
+    let mut w = World::new("failover_async_commit", config, &rabbit);
+    let (_standby, _sc) = standby_of(&mut w);
+    w.client
+        .batch_execute("SET synchronous_commit = off")
+        .expect("SET synchronous_commit");
+    for i in 0..3 {
+        let body = format!("async:{i}");
+        let published = Instant::now();
+        w.publish(&body);
+        w.collector.wait_for_body(&body, Duration::from_secs(4));
+        eprintln!("{body} arrived after {:?}", published.elapsed());
+    }
+}
+
 /// A named standby that does not exist holds every message back (none dropped); clearing the
 /// setting with a reload lets them all go.
 #[test]
