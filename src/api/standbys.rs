@@ -37,6 +37,9 @@ fn wait_for_standbys(timeout: default!(Option<Interval>, "'10 seconds'")) -> boo
     if standbys.is_off() || target == 0 {
         return true;
     }
+    // A commit with `synchronous_commit = off` is not on disk yet, and a walsender sends only
+    // flushed WAL: flushed here rather than at the WAL writer's next round.
+    standbys::flush_wal_to(target);
     // Its wait's name in pg_stat_activity (PostgreSQL 17 and later), once per session.
     crate::wait_event::register(&[WaitEvent::WaitForStandbys]);
     let started = Instant::now();

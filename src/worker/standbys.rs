@@ -234,7 +234,7 @@ pub fn insert_position() -> u64 {
 /// Writes and flushes the WAL up to `lsn` unless it is on disk already. A walsender sends only
 /// flushed WAL; left alone, WAL no synchronous commit follows reaches the disk at the WAL
 /// writer's next round (`wal_writer_delay`, 200 ms by default).
-fn flush_wal_to(lsn: pg_sys::XLogRecPtr) {
+pub(crate) fn flush_wal_to(lsn: pg_sys::XLogRecPtr) {
     // SAFETY: the main thread, outside any critical section; both read the shared positions
     // under their locks, and XLogFlush returns at once when `lsn` is flushed already.
     unsafe {

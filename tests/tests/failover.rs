@@ -248,11 +248,12 @@ fn without_standby_names_a_failover_leaves_phantoms() {
 }
 
 /// A commit that nothing flushes (`synchronous_commit = off`, and no synchronous commit after
-/// it) still goes out once the standby has it: the worker flushes the WAL its batch waits for.
-/// Left to the WAL writer (`wal_writer_delay` at its 10 s maximum here), each message would wait
-/// for its next round, and at most one of the three could arrive in time.
+/// it) still goes out once the standby has it: the worker flushes the WAL its batch waits for;
+/// and `amqp.wait_for_standbys()` after such a commit returns true once the standby has it.
+/// Left to the WAL writer (`wal_writer_delay` at its 10 s maximum here), each would wait for its
+/// next round, and at most one of three could be in time.
 #[test]
-fn an_asynchronous_commit_goes_out_without_waiting_for_the_wal_writer() {
+fn an_asynchronous_commit_reaches_the_standby_without_waiting_for_the_wal_writer() {
     let rabbit = Rabbit::shared();
     let config = config(Some(STANDBY)).setting("wal_writer_delay", "'10s'");
     let mut w = World::new("failover_async_commit", config, &rabbit);
@@ -266,6 +267,20 @@ fn an_asynchronous_commit_goes_out_without_waiting_for_the_wal_writer() {
         w.publish(&body);
         w.collector.wait_for_body(&body, Duration::from_secs(4));
         eprintln!("{body} arrived after {:?}", published.elapsed());
+    }
+    w.client
+        .batch_execute("CREATE TABLE effects (n int)")
+        .expect("CREATE TABLE effects");
+    for n in 0..3i32 {
+        w.client
+            .execute("INSERT INTO effects VALUES ($1)", &[&n])
+            .expect("INSERT INTO effects");
+        let had: bool = w
+            .client
+            .query_one("SELECT amqp.wait_for_standbys('3 seconds')", &[])
+            .expect("amqp.wait_for_standbys()")
+            .get(0);
+        assert!(had, "the standby did not have commit {n} within 3 s");
     }
 }
 
