@@ -20,16 +20,42 @@ SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, 
  WHERE id = ANY ($1) AND parked_at IS NULL \
  ORDER BY id";
 
+/// The text of [`PROBE_SQL`], for the statements made from it.
+macro_rules! probe {
+    () => {
+        "\
+SELECT pg_snapshot_xmin(c.snap)::text::int8 AS xmin, \
+       pg_snapshot_xmax(c.snap)::text::int8 AS xmax, \
+       ARRAY(SELECT x::text::int8 FROM pg_snapshot_xip(c.snap) AS x ORDER BY 1) AS running, \
+       coalesce(pg_sequence_last_value(s.seqrelid), 0) AS last_value \
+  FROM pg_sequence s, pg_current_snapshot() AS c (snap) \
+ WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle"
+    };
+}
+
 /// The claim's snapshot (its xmin, its xmax and the transaction ids it sees running) and the
 /// sequence's last value, for the scan floor; the next transaction id is read once the
 /// statement has returned, so after the last value. `None` when the floor cannot be trusted:
 /// the sequence caches values per session (they are drawn out of order), or cycles, or is gone.
-pub const PROBE_SQL: &str = "\
-SELECT pg_snapshot_xmin(c.snap)::text::int8, pg_snapshot_xmax(c.snap)::text::int8, \
-       ARRAY(SELECT x::text::int8 FROM pg_snapshot_xip(c.snap) AS x ORDER BY 1), \
-       coalesce(pg_sequence_last_value(s.seqrelid), 0) \
-  FROM pg_sequence s, pg_current_snapshot() AS c (snap) \
- WHERE s.seqrelid = $1 AND s.seqcache = 1 AND NOT s.seqcycle";
+pub const PROBE_SQL: &str = probe!();
+
+/// [`PROBE_SQL`] for a client, whose next transaction id is a transaction id of its own (see
+/// the relay's `ClientOutbox::probe`), taken in the same statement once the probe's row is
+/// made: the materialized CTE makes the row, last value included, before the outer projection
+/// runs. The id is NULL when the transaction had one before (assigned before the probe, it may
+/// be below others') or does not keep its snapshot (READ COMMITTED: the claim would not see the
+/// probe's). One round trip instead of two.
+pub const PROBE_WITH_XID_SQL: &str = concat!(
+    "WITH p AS MATERIALIZED (",
+    probe!(),
+    ") \
+SELECT p.xmin, p.xmax, p.running, p.last_value, \
+       CASE WHEN current_setting('transaction_isolation') \
+                 IN ('repeatable read', 'serializable') \
+             AND pg_current_xact_id_if_assigned() IS NULL \
+            THEN pg_current_xact_id()::text::int8 END \
+  FROM p"
+);
 
 /// Deletes rows whose delivery is proven, in one statement that also keeps their record in
 /// the production log (`$5`: `amqp_outbox.reconcile_window` is not 0) and counts them in the

@@ -32,14 +32,6 @@ SELECT (SELECT pg_catalog.count(pg_catalog.set_config(n, v, false)) \
                AS s (n, v)), \
        pg_catalog.current_database()::text";
 
-/// The next transaction id, read after the probe (see [`ClientOutbox::probe`]); NULL when the
-/// transaction already has one or does not keep its snapshot.
-const NEXT_XID_SQL: &str = "\
-SELECT CASE WHEN pg_catalog.current_setting('transaction_isolation') \
-                 IN ('repeatable read', 'serializable') \
-             AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL \
-            THEN pg_catalog.pg_current_xact_id()::text::int8 END";
-
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
@@ -220,18 +212,19 @@ impl<C: GenericClient> Outbox for ClientOutbox<'_, C> {
         rows_from(rows)
     }
 
-    /// The probe, then the next transaction id. The worker reads `ReadNextFullTransactionId()`
+    /// The probe and the next transaction id, in one statement
+    /// ([`statements::PROBE_WITH_XID_SQL`]). The worker reads `ReadNextFullTransactionId()`
     /// once the probe has returned; a client cannot read that counter, and a later snapshot's
     /// xmax is no substitute: it is one past the highest *completed* transaction id, below a
     /// running publisher that took the newest id (the floor would then pass over its rows).
-    /// So the transaction takes an id of its own, `pg_current_xact_id()`, after the probe:
-    /// ids are assigned in increasing order, so it is above every id assigned when the probe
-    /// returned, i.e. at least the worker's reading, and a transaction with a higher id began
-    /// after the last value was read and draws above it (this one draws none). It costs an id
-    /// and a commit record; a claim that writes nothing else commits without waiting for a WAL
-    /// flush (PostgreSQL flushes only for transactions that wrote WAL). `None` when the
-    /// transaction had an id before (assigned before the probe, it may be below others') or
-    /// runs in READ COMMITTED (the claim would not see the probe's snapshot, see the module).
+    /// So the transaction takes an id of its own, `pg_current_xact_id()`, after the probe's
+    /// row is made: ids are assigned in increasing order, so it is above every id assigned when
+    /// the last value was read, i.e. at least the worker's reading, and a transaction with a
+    /// higher id began after the last value was read and draws above it (this one draws none).
+    /// It costs an id and a commit record; a claim that writes nothing else commits without
+    /// waiting for a WAL flush (PostgreSQL flushes only for transactions that wrote WAL).
+    /// `None` when the transaction had an id before or runs in READ COMMITTED (see the
+    /// statement).
     fn probe(&mut self) -> Result<Option<Probe>, Error> {
         let seq = match self.session.id_sequence {
             Some(oid) => oid,
@@ -248,26 +241,22 @@ impl<C: GenericClient> Outbox for ClientOutbox<'_, C> {
                 oid
             }
         };
-        let found = self.query(statements::PROBE_SQL, &[Type::OID], &[&seq])?;
-        let read = match found.first() {
-            Some(r) => (
-                r.try_get::<_, Option<i64>>(0)?,
-                r.try_get::<_, Option<i64>>(1)?,
-                r.try_get::<_, Option<Vec<i64>>>(2)?,
-                r.try_get::<_, Option<i64>>(3)?,
-            ),
-            None => (None, None, None, None),
-        };
-        let (Some(xmin), Some(xmax), Some(running), Some(last_value)) = read else {
+        let found = self.query(statements::PROBE_WITH_XID_SQL, &[Type::OID], &[&seq])?;
+        let Some(r) = found.first() else {
+            // The sequence caches, cycles or is gone.
             self.session.id_sequence = None;
             return Ok(None);
         };
-        let next = self.query(NEXT_XID_SQL, &[], &[])?;
-        let next_xid = match next.first() {
-            Some(r) => r.try_get::<_, Option<i64>>(0)?,
-            None => None,
+        let (Some(xmin), Some(xmax), Some(running), Some(last_value)) = (
+            r.try_get::<_, Option<i64>>(0)?,
+            r.try_get::<_, Option<i64>>(1)?,
+            r.try_get::<_, Option<Vec<i64>>>(2)?,
+            r.try_get::<_, Option<i64>>(3)?,
+        ) else {
+            self.session.id_sequence = None;
+            return Ok(None);
         };
-        let Some(next_xid) = next_xid else {
+        let Some(next_xid) = r.try_get::<_, Option<i64>>(4)? else {
             return Ok(None);
         };
         Ok(Some(Probe {
