@@ -45,7 +45,7 @@ pub struct Worker {
     sweep: Sweep,
     cadence: Cadence,
     /// Claimed batches waiting for `amqp_outbox.standby_names`.
-    standbys: StandbyWait<Command>,
+    pub(super) standbys: StandbyWait<Command>,
     /// The WAL insert position read right after the last claim's snapshot: every commit that
     /// claim saw ends at or before it.
     pub(super) claim_wal: u64,

@@ -30,7 +30,9 @@ impl Worker {
         super::pg::transaction("amqp_outbox: claim", || {
             // After the snapshot (taken as the transaction began), before the claim's own WAL
             // (a read prunes pages): what a batch waits for the standbys to have.
-            self.claim_wal = super::standbys::insert_position();
+            if self.standbys.active() {
+                self.claim_wal = super::standbys::insert_position();
+            }
             // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
             // between leaves the claim for the next step, which finds it gone).
             if !self.presence.still_installed() {
