@@ -25,7 +25,7 @@ use crate::phases::{
     config_label, paced_pad, pcts, pgbench_once, rotated, PacedOutbox, Pcts, BODY_SIZE,
 };
 use crate::raw::LatencyConsumer;
-use crate::report::{median, Figure};
+use crate::report::{median, Figure, Target};
 use crate::{log, Opts, Run};
 
 const NAME: &str = "bench_standby";
@@ -109,6 +109,27 @@ pub fn standby(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String> 
             .samples(vec![lag_p50])
             .note(format!("p99 {lag_p99:.2} ms, {} samples", lag_ms.len())),
         );
+        // #38's target: the setting adds no more than the standby's own lag, percentile by
+        // percentile (each repetition's set run less the unset run beside it).
+        for (what, f, lag) in [
+            ("p50", (|p: &Pcts| p.p50) as fn(&Pcts) -> f64, lag_p50),
+            ("p99", |p: &Pcts| p.p99, lag_p99),
+        ] {
+            let added: Vec<f64> = on.iter().zip(&off).map(|(a, b)| f(a) - f(b)).collect();
+            run.fig(
+                Figure::new(
+                    sec,
+                    &format!("commit→consumer {what} added by standby_names (set − not set)"),
+                    &cfg,
+                    "ms",
+                )
+                .samples(added)
+                .target(Target::AtMost(lag))
+                .note(format!(
+                    "target: the standby's flush lag {what}, {lag:.2} ms"
+                )),
+            );
+        }
         details.push(json!({
             "rate": rate,
             "standby_names_set": on.iter().map(|p| json!({"p50_ms": p.p50, "p99_ms": p.p99})).collect::<Vec<_>>(),
