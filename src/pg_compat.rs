@@ -199,3 +199,20 @@ pub unsafe fn index_beginscan(
         return pg_sys::index_beginscan(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0);
     }
 }
+
+/// The oldest transaction id whose status CLOG still holds (`oldestClogXid`), from
+/// `ShmemVariableCache` up to 16 and `TransamVariables` from 17.
+///
+/// # Safety
+/// In a process attached to shared memory, holding `XactTruncationLock` (the value moves with
+/// CLOG's truncation).
+pub unsafe fn oldest_clog_xid() -> pg_sys::TransactionId {
+    // SAFETY: the caller's contract; the struct is set up before any backend runs.
+    unsafe {
+        #[cfg(not(any(feature = "pg17", feature = "pg18")))]
+        let vars = pg_sys::ShmemVariableCache;
+        #[cfg(any(feature = "pg17", feature = "pg18"))]
+        let vars = pg_sys::TransamVariables;
+        (*vars).oldestClogXid
+    }
+}

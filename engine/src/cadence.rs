@@ -145,6 +145,7 @@ mod tests {
             commands: Vec::new(),
             more,
             complete: !more,
+            writers: Vec::new(),
         }
     }
 

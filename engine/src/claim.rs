@@ -24,6 +24,9 @@ pub struct Claimed {
     /// change or a message leaving flight without proof, another claim would find nothing (a
     /// confirm or an acknowledgement alone does not need one).
     pub complete: bool,
+    /// The transactions that wrote the claimed rows (`xmin`; 0 when unknown), for
+    /// `amqp_outbox.standby_names`.
+    pub writers: Vec<u32>,
 }
 
 impl Claimed {
@@ -33,6 +36,7 @@ impl Claimed {
             commands: Vec::new(),
             more: false,
             complete: false,
+            writers: Vec::new(),
         }
     }
 }
@@ -46,6 +50,7 @@ pub fn claim<O: Outbox>(
     faults: &mut Faults,
 ) -> Result<Claimed, O::Error> {
     let mut commands = Vec::new();
+    let mut writers = Vec::new();
     // Rows to park are written last: a statement that writes would give the statements after
     // it a newer snapshot than the probe's (see the worker's step, src/worker/step.rs).
     let mut parks = Vec::new();
@@ -59,7 +64,7 @@ pub fn claim<O: Outbox>(
             .broker(broker_id)
             .suspects
             .retain(|id| found.contains(id));
-        let messages = prepare(rows, &*outbox, settings, faults, &mut parks);
+        let messages = prepare(rows, &*outbox, settings, faults, &mut parks, &mut writers);
         for m in &messages {
             flight.mark_sent(broker_id, m.id, m.body.len(), message_at(m));
         }
@@ -80,6 +85,7 @@ pub fn claim<O: Outbox>(
             commands,
             more: false,
             complete: false,
+            writers,
         });
     }
     let mut room: BTreeMap<i32, Room> = open.into_iter().map(|r| (r.broker_id, r)).collect();
@@ -146,7 +152,7 @@ pub fn claim<O: Outbox>(
         more = false;
     }
     for (broker_id, rows) in batches {
-        let messages = prepare(rows, &*outbox, settings, faults, &mut parks);
+        let messages = prepare(rows, &*outbox, settings, faults, &mut parks, &mut writers);
         if messages.is_empty() {
             continue;
         }
@@ -165,6 +171,7 @@ pub fn claim<O: Outbox>(
         commands,
         more,
         complete: every_broker_open && !more && reach == Reach::End,
+        writers,
     })
 }
 
@@ -201,13 +208,15 @@ fn say_what_was_passed(telemetry: &impl Telemetry, passed: i64, rows: &[Row]) {
     }
 }
 
-/// Turns rows into messages; rows that can never be published as they are go to `parks`.
+/// Turns rows into messages; rows that can never be published as they are go to `parks`, the
+/// transactions that wrote the others to `writers`.
 fn prepare(
     rows: Vec<Row>,
     outbox: &impl Outbox,
     settings: &WorkerSettings,
     faults: &mut Faults,
     parks: &mut Vec<(i64, String)>,
+    writers: &mut Vec<u32>,
 ) -> Vec<OutboundMessage> {
     let max_size = settings.max_message_size;
     let mut out = Vec::with_capacity(rows.len());
@@ -228,6 +237,7 @@ fn prepare(
                 continue;
             }
         };
+        writers.push(row.writer);
         let first_attempt = row.attempts == 0;
         let origin = outbox.origin();
         let mut message = to_message(row, headers, &origin);

@@ -142,6 +142,7 @@ mod tests {
             created_at: 1_700_000_100_999_999,
             attempts: 0,
             tags: Default::default(),
+            writer: 0,
         }
     }
 

@@ -22,6 +22,9 @@ pub struct Row {
     pub created_at: i64,
     pub attempts: i32,
     pub tags: RowTags,
+    /// The transaction that wrote the row as it was read (its `xmin`; 0 when unknown): what a
+    /// message waits for when `amqp_outbox.standby_names` is set.
+    pub writer: u32,
 }
 
 /// A row's reconciliation tags as stored (`None`: the default applies).

@@ -15,7 +15,8 @@ pub const CLAIM_SQL: &str = include_str!("statements/claim.sql");
 pub const CLAIM_BY_ID_SQL: &str = "\
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to, \
        correlation_id, headers::text, producer_pid, producer_started_at, created_at, \
-       attempts, message_id, business_type, business_key, traceparent, system_id, host_id \
+       attempts, message_id, business_type, business_key, traceparent, system_id, host_id, \
+       xmin::text::int8 AS writer \
   FROM amqp.message \
  WHERE id = ANY ($1) AND parked_at IS NULL \
  ORDER BY id";

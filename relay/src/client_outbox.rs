@@ -166,6 +166,10 @@ fn rows_from(rows: Vec<postgres::Row>) -> Result<Vec<Row>, Error> {
                     system_id: r.try_get(18)?,
                     host_id: r.try_get(19)?,
                 },
+                writer: r
+                    .try_get::<_, Option<i64>>(20)?
+                    .and_then(|x| u32::try_from(x).ok())
+                    .unwrap_or(0),
             })
         })
         .collect()

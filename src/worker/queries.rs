@@ -128,6 +128,10 @@ fn rows_from(table: pgrx::spi::SpiTupleTable<'_>) -> SpiResult<Vec<Row>> {
                 system_id: r.get::<String>(19)?,
                 host_id: r.get::<String>(20)?,
             },
+            writer: r
+                .get::<i64>(21)?
+                .and_then(|x| u32::try_from(x).ok())
+                .unwrap_or(0),
         });
     }
     Ok(rows)

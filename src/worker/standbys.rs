@@ -225,6 +225,57 @@ fn wal_layout() -> WalLayout {
     }
 }
 
+/// `XactTruncationLock`'s place in `MainLWLockArray` (`storage/lwlocknames.h`, the same in 15
+/// to 18).
+const XACT_TRUNCATION_LOCK: usize = 44;
+
+/// A WAL position by which every commit of `writers` is flushed: the larger of the flush
+/// position and what CLOG keeps for each asynchronous commit among them (the latest commit end
+/// of its group of transactions). A synchronous commit is flushed before it becomes visible, so
+/// the flush position read after the claim's snapshot covers it; an asynchronous one is not. Read
+/// after CLOG, since a CLOG page forgets its positions only once written out, after the WAL up to
+/// them was flushed. `fallback` (the insert position at the snapshot) when a writer is too old
+/// for CLOG to hold.
+pub fn commit_position(writers: &[u32], fallback: u64) -> u64 {
+    let mut xids = writers.to_vec();
+    xids.sort_unstable();
+    xids.dedup();
+    let mut lsn = 0;
+    for xid in xids {
+        match async_commit_position(xid) {
+            Some(l) => lsn = lsn.max(l),
+            None => return fallback,
+        }
+    }
+    // SAFETY: reads the shared flush position under its spinlock; the caller checked that the
+    // server is not in recovery (a claim runs only on a primary).
+    lsn.max(unsafe { pg_sys::GetFlushRecPtr(std::ptr::null_mut()) })
+}
+
+/// The commit position CLOG keeps for `xid`'s group (0: none kept, the commits were flushed);
+/// `None` for an id CLOG may no longer hold (special or truncated).
+fn async_commit_position(xid: u32) -> Option<u64> {
+    if xid < pg_sys::FirstNormalTransactionId.into_inner() {
+        return None;
+    }
+    // SAFETY: MainLWLockArray lives in shared memory for the server's life; under
+    // XactTruncationLock (shared), as pg_xact_status() looks, CLOG cannot be truncated past
+    // `xid` between the check and the read. An ERROR in between releases the lock at abort.
+    unsafe {
+        let lock =
+            std::ptr::addr_of_mut!((*pg_sys::MainLWLockArray.add(XACT_TRUNCATION_LOCK)).lock);
+        pg_sys::LWLockAcquire(lock, pg_sys::LWLockMode::LW_SHARED);
+        let xid = pg_sys::TransactionId::from(xid);
+        let held = !pg_sys::TransactionIdPrecedes(xid, crate::pg_compat::oldest_clog_xid());
+        let mut lsn: pg_sys::XLogRecPtr = 0;
+        if held {
+            pg_sys::TransactionIdGetStatus(xid, &mut lsn);
+        }
+        pg_sys::LWLockRelease(lock);
+        held.then_some(lsn)
+    }
+}
+
 /// The WAL insert position now, as the end of the last record ([`WalLayout::record_end`]).
 pub fn insert_position() -> u64 {
     // SAFETY: reads the shared insert position under its spinlock.

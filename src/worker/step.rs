@@ -29,10 +29,11 @@ impl Worker {
         }
         super::pg::transaction("amqp_outbox: claim", || {
             // After the snapshot (taken as the transaction began), before the claim's own WAL
-            // (a read prunes pages): what a batch waits for the standbys to have.
-            if self.standbys.active() {
-                self.claim_wal = super::standbys::insert_position();
-            }
+            // (a read prunes pages): every commit the claim sees ends before it.
+            let at_snapshot = self
+                .standbys
+                .active()
+                .then(super::standbys::insert_position);
             // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
             // between leaves the claim for the next step, which finds it gone).
             if !self.presence.still_installed() {
@@ -48,10 +49,17 @@ impl Worker {
                     &mut self.faults,
                 )
             });
-            match result {
+            let claimed = match result {
                 Ok(claimed) => claimed,
                 Err(e) => error!("amqp_outbox: worker query failed: {e}"),
+            };
+            if let Some(fallback) = at_snapshot {
+                // What the batch waits for the standbys to have: the commits of the rows it
+                // holds, often well before the insert position (a publisher between its INSERT
+                // and its COMMIT).
+                self.claim_wal = super::standbys::commit_position(&claimed.writers, fallback);
             }
+            claimed
         })
     }
 

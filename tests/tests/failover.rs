@@ -284,6 +284,53 @@ fn an_asynchronous_commit_reaches_the_standby_without_waiting_for_the_wal_writer
     }
 }
 
+/// The position a batch waits for covers asynchronous commits: messages committed with
+/// `synchronous_commit = off` while the standby's WAL receiver is stopped stay held (their
+/// commits are past anything the primary had flushed when they were claimed, so waiting only for
+/// the flush position would publish them) and go once it runs again. Interleaved with
+/// synchronous ones, which are held as well.
+#[test]
+fn asynchronous_commits_are_held_for_a_standby_that_is_behind() {
+    let rabbit = Rabbit::shared();
+    let config = kill_config(STANDBY).setting("wal_writer_delay", "'10s'");
+    let mut w = World::new("failover_async_held", config, &rabbit);
+    let (_standby, mut sc) = standby_of(&mut w);
+    w.publish("before");
+    w.collector.wait_for_body("before", ARRIVAL);
+    Outbox::wait_drained(&mut w.client, ARRIVAL);
+
+    let paused = Paused::new(&mut sc);
+    for i in 0..6 {
+        let sync = if i % 2 == 0 { "off" } else { "on" };
+        w.client
+            .batch_execute(&format!("SET synchronous_commit = {sync}"))
+            .expect("SET synchronous_commit");
+        w.publish(&format!("held:{i}"));
+    }
+    let collector = &w.collector;
+    holds_for(
+        WATCH,
+        "nothing goes out while the standby is behind",
+        || {
+            let leaked: Vec<String> = collector
+                .bodies()
+                .into_iter()
+                .filter(|b| b.starts_with("held:"))
+                .collect();
+            if leaked.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("published: {leaked:?}"))
+            }
+        },
+    )
+    .unwrap();
+    paused.resume();
+    for i in 0..6 {
+        w.collector.wait_for_body(&format!("held:{i}"), ARRIVAL);
+    }
+}
+
 /// A named standby that does not exist holds every message back (none dropped); clearing the
 /// setting with a reload lets them all go.
 #[test]

@@ -1,10 +1,11 @@
 SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type, reply_to,
        correlation_id, headers::text, producer_pid, producer_started_at, created_at,
-       attempts, message_id, business_type, business_key, traceparent, system_id, host_id
+       attempts, message_id, business_type, business_key, traceparent, system_id, host_id,
+       xmin::text::int8 AS writer
   FROM (SELECT id, broker_id, exchange, routing_key, body, delivery_mode, content_type,
                reply_to, correlation_id, headers, producer_pid, producer_started_at, created_at,
                attempts, message_id, business_type, business_key, traceparent, system_id,
-               host_id, octet_length(body) AS size,
+               host_id, xmin, octet_length(body) AS size,
                sum(octet_length(body)) OVER (ORDER BY id) AS upto
           FROM amqp.message
          WHERE id > $5
