@@ -46,8 +46,8 @@ pub struct Worker {
     cadence: Cadence,
     /// Claimed batches waiting for `amqp_outbox.standby_names`.
     pub(super) standbys: StandbyWait<Command>,
-    /// The WAL insert position read right after the last claim's snapshot: every commit that
-    /// claim saw ends at or before it.
+    /// The WAL position the last claim's batch waits for the standbys to have: by it, the
+    /// commits of the claimed rows are flushed ([`standbys::commit_position`]).
     pub(super) claim_wal: u64,
 }
 
