@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::chaos::{holds_for, send_signal, ResultRow, Standby};
 use amqp_outbox_e2e::{
-    eventually, Outbox, PgCluster, PgConfig, PrivateRabbit, Rabbit, StopMode, World,
+    eventually, Collector, Outbox, PgCluster, PgConfig, PrivateRabbit, Rabbit, StopMode, World,
 };
 use postgres::Client;
 
@@ -87,6 +87,23 @@ fn wait_walsenders(client: &mut Client, what: &str, n: i64) {
     });
 }
 
+/// For [`WATCH`], no delivery whose body starts with `prefix` arrives at `collector`.
+fn none_goes_out(collector: &Collector, prefix: &str, what: &str) {
+    holds_for(WATCH, what, || {
+        let leaked: Vec<String> = collector
+            .bodies()
+            .into_iter()
+            .filter(|b| b.starts_with(prefix))
+            .collect();
+        if leaked.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("published before the standby had them: {leaked:?}"))
+        }
+    })
+    .unwrap();
+}
+
 /// An order and its message, in one transaction.
 fn order(client: &mut Client, broker_id: i32, w_route: (&str, &str), body: &str) {
     let mut tx = client.transaction().expect("BEGIN");
@@ -138,24 +155,7 @@ fn failover(standby_names: Option<&str>, name: &str) -> (Vec<String>, Duration) 
         );
     }
     if standby_names.is_some() {
-        let collector = &w.collector;
-        holds_for(
-            Duration::from_secs(3),
-            "nothing of the cut commits goes out",
-            || {
-                let leaked: Vec<String> = collector
-                    .bodies()
-                    .into_iter()
-                    .filter(|b| b.starts_with("cut:"))
-                    .collect();
-                if leaked.is_empty() {
-                    Ok(())
-                } else {
-                    Err(format!("published before the standby had them: {leaked:?}"))
-                }
-            },
-        )
-        .unwrap();
+        none_goes_out(&w.collector, "cut:", "nothing of the cut commits goes out");
     } else {
         // The trade-off without the setting: they go out at once.
         for i in 0..30 {
@@ -307,24 +307,11 @@ fn asynchronous_commits_are_held_for_a_standby_that_is_behind() {
             .expect("SET synchronous_commit");
         w.publish(&format!("held:{i}"));
     }
-    let collector = &w.collector;
-    holds_for(
-        WATCH,
+    none_goes_out(
+        &w.collector,
+        "held:",
         "nothing goes out while the standby is behind",
-        || {
-            let leaked: Vec<String> = collector
-                .bodies()
-                .into_iter()
-                .filter(|b| b.starts_with("held:"))
-                .collect();
-            if leaked.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("published: {leaked:?}"))
-            }
-        },
-    )
-    .unwrap();
+    );
     paused.resume();
     for i in 0..6 {
         w.collector.wait_for_body(&format!("held:{i}"), ARRIVAL);
