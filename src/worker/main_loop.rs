@@ -46,9 +46,6 @@ pub struct Worker {
     cadence: Cadence,
     /// Claimed batches waiting for `amqp_outbox.standby_names`.
     pub(super) standbys: StandbyWait<Command>,
-    /// The WAL position the last claim's batch waits for the standbys to have: by it, the
-    /// commits of the claimed rows are flushed ([`standbys::commit_position`]).
-    pub(super) claim_wal: u64,
 }
 
 impl Worker {
@@ -70,7 +67,6 @@ impl Worker {
             sweep: Sweep::default(),
             cadence: Cadence::default(),
             standbys: StandbyWait::new(standbys::MESSAGES),
-            claim_wal: 0,
         }
     }
 
@@ -152,7 +148,7 @@ impl Worker {
             shmem::arm_commit_wake(self.settings.enabled);
             self.cadence.stepping();
             shmem::count(|c| &c.steps, 1);
-            let claimed = self.step(settlement);
+            let (claimed, claim_wal) = self.step(settlement);
             if self.presence.missing() {
                 // A probe finding nothing is routine (every database is looked at once).
                 if shmem::launch::probe_only() {
@@ -177,7 +173,7 @@ impl Worker {
             let ready = standbys::hold_claimed(
                 &mut self.standbys,
                 claimed.commands,
-                self.claim_wal,
+                claim_wal,
                 &mut self.flight,
             );
             self.send_all(ready);

@@ -68,8 +68,9 @@ impl<T> StandbyWait<T> {
         !self.standbys.is_off()
     }
 
-    /// Holds `items` until the standbys have flushed `lsn` (an [`insert_position`] read after
-    /// whatever the items depend on committed); returns what may go at once.
+    /// Holds `items` until the standbys have flushed `lsn`, a position by which what the items
+    /// depend on is flushed ([`commit_position`], or an [`insert_position`] read after it
+    /// committed); returns what may go at once.
     pub fn hold(&mut self, items: Vec<T>, lsn: u64) -> Vec<T> {
         if items.is_empty() {
             return items;

@@ -19,12 +19,15 @@ use crate::shmem;
 use pgrx::prelude::*;
 
 impl Worker {
-    pub(super) fn step(&mut self, settlement: Settlement) -> Claimed {
+    /// The claim, and the WAL position its batch waits for the standbys to have (by it, the
+    /// commits of the claimed rows are flushed: [`super::standbys::commit_position`]; 0 while
+    /// `amqp_outbox.standby_names` names none).
+    pub(super) fn step(&mut self, settlement: Settlement) -> (Claimed, u64) {
         if self.settle_needed(&settlement) {
             let claim_now =
                 super::pg::transaction("amqp_outbox: settle", || self.settle(settlement));
             if !claim_now {
-                return Claimed::nothing();
+                return (Claimed::nothing(), 0);
             }
         }
         super::pg::transaction("amqp_outbox: claim", || {
@@ -37,7 +40,7 @@ impl Worker {
             // Under the extension's share lock, as the first transaction (a DROP EXTENSION in
             // between leaves the claim for the next step, which finds it gone).
             if !self.presence.still_installed() {
-                return Claimed::nothing();
+                return (Claimed::nothing(), 0);
             }
             let result = Spi::connect_mut(|client| {
                 claim::claim(
@@ -53,13 +56,12 @@ impl Worker {
                 Ok(claimed) => claimed,
                 Err(e) => error!("amqp_outbox: worker query failed: {e}"),
             };
-            if let Some(fallback) = at_snapshot {
-                // What the batch waits for the standbys to have: the commits of the rows it
-                // holds, often well before the insert position (a publisher between its INSERT
-                // and its COMMIT).
-                self.claim_wal = super::standbys::commit_position(&claimed.writers, fallback);
-            }
-            claimed
+            // The commits of the rows the batch holds, often well before the insert position
+            // (a publisher between its INSERT and its COMMIT).
+            let wal = at_snapshot.map_or(0, |fallback| {
+                super::standbys::commit_position(&claimed.writers, fallback)
+            });
+            (claimed, wal)
         })
     }
 
