@@ -58,7 +58,7 @@ where
     })??;
     drop(listener);
     let (mut from_broker, mut to_broker) = real.split();
-    let (mut from_lapin, mut to_lapin) = accepted.into_split();
+    let (mut from_lapin, mut to_lapin) = towards_lapin(accepted)?.into_split();
     tokio::spawn(async move {
         let mut buf = vec![0u8; BUFFER];
         while let Ok(n) = from_lapin.read(&mut buf).await {
@@ -86,4 +86,33 @@ where
         let _ = to_lapin.shutdown().await;
     });
     Ok(ours)
+}
+
+/// lapin's end of the pair, which the copying task writes the broker's bytes to: each write
+/// leaves at once. With Nagle's algorithm on, a delivery written right after a frame lapin does
+/// not answer (the `queue.declare-ok` of the depth report, every 3 s) waited for that frame's
+/// delayed ACK, 40 ms, and every subscription's handler with it.
+fn towards_lapin(accepted: tokio::net::TcpStream) -> io::Result<tokio::net::TcpStream> {
+    accepted.set_nodelay(true)?;
+    Ok(accepted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::towards_lapin;
+
+    #[tokio::test]
+    async fn the_end_towards_lapin_sends_each_write_at_once() {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+            .await
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let _client = client.unwrap();
+        let (accepted, _) = accepted.unwrap();
+        // An accepted socket starts with Nagle's algorithm on.
+        assert!(!accepted.nodelay().unwrap());
+        assert!(towards_lapin(accepted).unwrap().nodelay().unwrap());
+    }
 }
