@@ -175,6 +175,11 @@ impl MonitorHost for ClientMonitor {
     fn log(&mut self, level: Level, text: &str) {
         self.log.line(level, text);
     }
+
+    fn pause(&mut self, pause: Duration) -> bool {
+        stop::wait(&[], pause);
+        !stop::requested()
+    }
 }
 
 /// One connection's monitor until the relay stops, the lease is lost or the connection fails.

@@ -109,6 +109,11 @@ impl MonitorHost for SpiMonitor {
             Level::Warning => warning!("amqp_outbox: {text}"),
         }
     }
+
+    fn pause(&mut self, pause: Duration) -> bool {
+        pg::wait(None, pause, pg::WaitEvent::MonitorMain);
+        !pg::shutdown_requested()
+    }
 }
 
 fn presence() -> Presence {

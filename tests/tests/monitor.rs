@@ -15,6 +15,7 @@ use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
 use postgres::Client;
 
 const UP: Duration = Duration::from_secs(60);
+const MONITOR: &str = "amqp_outbox monitor";
 
 /// A database `shop` whose monitor runs, with a broker and (`receipts`: exchange, queue) the
 /// receipts collected by its own subscription.
@@ -722,9 +723,66 @@ fn a_compensation_that_never_returns_does_not_keep_the_monitor() {
     assert_eq!(monitor(&mut c), second, "the monitor ended again");
     if let Ok(admin) = AmqpAdmin::connect(&rabbit.endpoint().uri()) {
         admin.delete_all(
-            &[receipts_queue],
+            &[receipts_queue, queue],
             &[exchange, receipts],
             Duration::from_secs(10),
         );
     }
+}
+
+/// A process's niceness, from `/proc/<pid>/stat` (its 19th field, the 17th after the name).
+fn niceness(pid: i32) -> Result<i32, String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
+    let after_name = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    after_name
+        .split_whitespace()
+        .nth(16)
+        .and_then(|f| f.parse().ok())
+        .ok_or_else(|| format!("no niceness in {stat:?}"))
+}
+
+/// The database's processes of the given kind (`backend_type`), by pid.
+fn pids_of(c: &mut Client, backend_type: &str) -> Vec<i32> {
+    c.query(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = $1",
+        &[&backend_type],
+    )
+    .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+    .unwrap_or_default()
+}
+
+/// The monitor is background work: it runs at niceness 10, so that where the CPU is short the
+/// delivery and the subscriptions' handlers beside it come first; they keep the server's. A
+/// monitor that was terminated comes back at niceness 10 too.
+#[test]
+fn the_monitor_gives_way_to_the_delivery_and_the_handlers() {
+    let rabbit = Rabbit::shared();
+    let (_cluster, mut c, _broker) = shop(rabbit.endpoint(), None, &[]);
+    let first = eventually(UP, "the monitor at niceness 10", || {
+        match pids_of(&mut c, MONITOR).as_slice() {
+            [pid] => match niceness(*pid)? {
+                10 => Ok(*pid),
+                n => Err(format!("monitor {pid} at niceness {n}")),
+            },
+            other => Err(format!("monitors: {other:?}")),
+        }
+    });
+    for kind in ["amqp_outbox", "amqp_outbox subscriptions"] {
+        let pid = eventually(UP, kind, || match pids_of(&mut c, kind).as_slice() {
+            [pid] => Ok(*pid),
+            other => Err(format!("{other:?}")),
+        });
+        assert_eq!(niceness(pid), Ok(0), "{kind} keeps the server's niceness");
+    }
+    c.query_one("SELECT pg_terminate_backend($1)", &[&first])
+        .expect("pg_terminate_backend");
+    eventually(UP, "a new monitor at niceness 10", || {
+        match pids_of(&mut c, MONITOR).as_slice() {
+            [pid] if *pid != first => match niceness(*pid)? {
+                10 => Ok(()),
+                n => Err(format!("monitor {pid} at niceness {n}")),
+            },
+            other => Err(format!("monitors: {other:?}")),
+        }
+    });
 }
