@@ -25,8 +25,14 @@ pub const ROUND_EVERY: Duration = Duration::from_secs(1);
 /// delivery beside it wait for no long burst (with 5,000, an unrelated subscription's handler
 /// p99 was three times what it was with the same traffic unmonitored).
 const PASS_BATCH: i64 = 250;
-/// One pass: how many messages it looked at.
-pub const PASS_SQL: &str = "SELECT amqp._monitor(250)::text";
+/// One pass: how many messages it looked at. Its commit does not wait for its WAL to be
+/// flushed (the handlers' commits waited behind that flush): what a crash could take of it
+/// (states, counts, resent copies, queued compensations) goes with everything after it, and
+/// the next pass decides the same again; a copy already published carries the same
+/// `message_id`, a duplicate consumers drop. A compensation's own commit is synchronous and
+/// makes every pass before it durable.
+pub const PASS_SQL: &str =
+    "SELECT amqp._monitor(250)::text FROM pg_catalog.set_config('synchronous_commit', 'off', true)";
 /// Passes follow one another while a whole batch was due, until this much of a round is used:
 /// a backlog (after an upgrade or a long stop) is worked off without giving up the schedule.
 const PASS_BUDGET: Duration = Duration::from_millis(500);
