@@ -26,9 +26,9 @@ pub const ROUND_EVERY: Duration = Duration::from_secs(1);
 /// p99 was three times what it was with the same traffic unmonitored).
 const PASS_BATCH: i64 = 250;
 /// One pass: how many messages it looked at. Its commit does not wait for its WAL to be
-/// flushed (the handlers' commits waited behind that flush): what a crash could take of it
-/// (states, counts, resent copies, queued compensations) goes with everything after it, and
-/// the next pass decides the same again; a copy already published carries the same
+/// flushed (the handlers' commits waited behind that flush). A crash that loses a pass (its
+/// states, counts, resent copies, queued compensations) loses no durable commit made after it,
+/// and the next pass decides the same again; a copy already published carries the same
 /// `message_id`, a duplicate consumers drop. A compensation's own commit is synchronous and
 /// makes every pass before it durable.
 pub const PASS_SQL: &str =
@@ -321,7 +321,7 @@ fn compensate_one<H: MonitorHost>(
 mod tests {
     use super::*;
 
-    /// A host whose passes each find `due` messages more, `PASS_BATCH` at a time.
+    /// A host with `due` messages due, a pass looking at up to `PASS_BATCH` of them.
     struct Fake {
         due: i64,
         passes: usize,
