@@ -144,6 +144,19 @@ pub fn proc_status_kb(pid: i32, field: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Field `n` of `/proc/<pid>/stat` (1-based, as proc(5) numbers them: 14 utime, 19 nice),
+/// counted after the command name, which may hold spaces and parentheses.
+pub fn proc_stat_field(pid: i32, n: usize) -> Option<i64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, after_name) = stat.rsplit_once(')')?;
+    // Field 3 (the state) is the first after the name.
+    after_name
+        .split_whitespace()
+        .nth(n.checked_sub(3)?)?
+        .parse()
+        .ok()
+}
+
 /// Watches the worker's memory: every 200 ms it looks the worker up in `pg_stat_activity`
 /// (through its own connection, re-opened after a restart of the cluster) and reads its
 /// `VmHWM`. Keeps the largest value over every worker process it saw.

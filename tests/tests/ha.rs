@@ -33,6 +33,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use amqp_outbox_e2e::chaos::proc_stat_field;
 use amqp_outbox_e2e::outbox::create_extension;
 use amqp_outbox_e2e::{
     eventually, try_eventually, unique_name, Collector, Ledger, MessageKey, Outbox, PgCluster,
@@ -132,12 +133,8 @@ fn port_of_host(host: &str) -> Option<u16> {
 
 /// utime + stime of a process, in seconds.
 fn cpu_seconds(pid: i32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command (which may contain spaces) in parentheses.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = f.get(11)?.parse().ok()?;
-    let stime: f64 = f.get(12)?.parse().ok()?;
+    let utime = proc_stat_field(pid, 14)? as f64;
+    let stime = proc_stat_field(pid, 15)? as f64;
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Some((utime + stime) / hz)

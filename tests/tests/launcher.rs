@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use amqp_outbox_e2e::chaos::proc_stat_field;
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
 use amqp_outbox_e2e::{eventually, Collector, PgCluster, PgConfig, Rabbit, Route};
 use postgres::Client;
@@ -295,14 +296,9 @@ fn databases_beyond_max_workers_are_listed_with_a_warning_and_served_when_room_f
 /// CPU time (utime + stime, in clock ticks) of these processes so far.
 fn cpu_ticks(pids: &[i32]) -> u64 {
     pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
-        .map(|stat| {
-            // Fields after the command name (which may hold spaces) start after its ')'.
-            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
-            f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
-                + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+        .map(|&p| {
+            let ticks = |n| proc_stat_field(p, n).and_then(|v| u64::try_from(v).ok());
+            ticks(14).unwrap_or(0) + ticks(15).unwrap_or(0)
         })
         .sum()
 }

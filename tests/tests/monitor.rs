@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+use amqp_outbox_e2e::chaos::proc_stat_field;
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
 use amqp_outbox_e2e::{eventually, AmqpEndpoint, PgCluster, PgConfig, PrivateRabbit, Rabbit};
 use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
@@ -730,15 +731,9 @@ fn a_compensation_that_never_returns_does_not_keep_the_monitor() {
     }
 }
 
-/// A process's niceness, from `/proc/<pid>/stat` (its 19th field, the 17th after the name).
-fn niceness(pid: i32) -> Result<i32, String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
-    let after_name = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
-    after_name
-        .split_whitespace()
-        .nth(16)
-        .and_then(|f| f.parse().ok())
-        .ok_or_else(|| format!("no niceness in {stat:?}"))
+/// A process's niceness (field 19 of `/proc/<pid>/stat`).
+fn niceness(pid: i32) -> Result<i64, String> {
+    proc_stat_field(pid, 19).ok_or_else(|| format!("no niceness for process {pid}"))
 }
 
 /// The database's processes of the given kind (`backend_type`), by pid.

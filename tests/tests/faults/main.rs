@@ -30,7 +30,7 @@ mod privileges;
 mod rollback;
 mod standby;
 
-use amqp_outbox_e2e::chaos::{pg_program, proc_status_kb, TcpProxy};
+use amqp_outbox_e2e::chaos::{pg_program, proc_stat_field, proc_status_kb, TcpProxy};
 
 /// Not a FAULTS.md case: the harness's own tools (proxy, memory, results file) work.
 #[test]
@@ -56,5 +56,9 @@ fn chaos_support_tools_work() {
     echo.join().unwrap();
     assert_eq!(proxy.accepted(), 1);
     assert!(proc_status_kb(std::process::id() as i32, "VmHWM").unwrap() > 0);
+    // Field 4 is the parent's pid, counted past a name that may hold spaces.
+    // SAFETY: getppid has no preconditions.
+    let parent = i64::from(unsafe { libc::getppid() });
+    assert_eq!(proc_stat_field(std::process::id() as i32, 4), Some(parent));
     let _ = pg_program::<&str>;
 }
