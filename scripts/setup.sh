@@ -21,7 +21,8 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 MIN_RUST="1.88"
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang rabbitmq-server make gcc pkg-config dpkg-dev openssl python3)
+# gdb: only for a test that holds a private postmaster at one point (tests/tests/launcher.rs).
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang rabbitmq-server make gcc pkg-config dpkg-dev openssl python3 gdb)
 
 # --- 1. system packages -----------------------------------------------------------------------
 say "System packages"

@@ -26,11 +26,13 @@ pub enum WaitEvent {
     MonitorMain,
     /// The launcher waits for a database to serve or a worker to end.
     LauncherMain,
+    /// The launcher's watch waits for a stopped launcher to be back.
+    LauncherWatch,
     /// A session in `amqp.wait_for_standbys()` waits for the standbys.
     WaitForStandbys,
 }
 
-const COUNT: usize = 7;
+const COUNT: usize = 8;
 
 /// The `wait_event_info` each event was registered with in this process (0: not registered).
 static REGISTERED: [AtomicU32; COUNT] = [const { AtomicU32::new(0) }; COUNT];
@@ -44,6 +46,7 @@ impl WaitEvent {
         WaitEvent::LaneMain,
         WaitEvent::MonitorMain,
         WaitEvent::LauncherMain,
+        WaitEvent::LauncherWatch,
         WaitEvent::WaitForStandbys,
     ];
 
@@ -56,6 +59,7 @@ impl WaitEvent {
             WaitEvent::LaneMain => c"AmqpOutboxLaneMain",
             WaitEvent::MonitorMain => c"AmqpOutboxMonitorMain",
             WaitEvent::LauncherMain => c"AmqpOutboxLauncherMain",
+            WaitEvent::LauncherWatch => c"AmqpOutboxLauncherWatch",
             WaitEvent::WaitForStandbys => c"AmqpOutboxWaitForStandbys",
         }
     }

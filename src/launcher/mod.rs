@@ -10,10 +10,12 @@
 //! `CREATE EXTENSION` commits (or `ABSENT_FOR` passes).
 //!
 //! - [`catalog`]: the connectable databases; [`workers`]: start and stop one worker;
-//!   [`slots`]: which slot a database gets.
+//!   [`slots`]: which slot a database gets; [`watch`]: what makes sure a stopped launcher
+//!   comes back.
 
 mod catalog;
 mod slots;
+mod watch;
 mod workers;
 
 use crate::gucs;
@@ -189,46 +191,57 @@ pub extern "C-unwind" fn amqp_outbox_launcher_main(_arg: pg_sys::Datum) {
     };
     crate::wait_event::register(&[WaitEvent::LauncherMain]);
     launcher.adopt();
-    loop {
+    let stop = loop {
         let timeout = launcher.round();
-        if !wait(timeout) {
-            break;
+        if let Err(stop) = wait(timeout, WaitEvent::LauncherMain) {
+            break stop;
         }
         if BackgroundWorker::sighup_received() {
             // SAFETY: the launcher's main thread, between transactions.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
-    }
+    };
     // A SIGTERM is either the server shutting down (the postmaster then restarts nothing) or
     // pg_terminate_backend(): exit code 1 has the postmaster start the launcher again, as
     // PostgreSQL's own logical replication launcher, while code 0 would unregister it for good
     // and leave every database's stopped worker stopped until the server restarts.
     log!("amqp_outbox: launcher stopping (terminated); the postmaster starts it again unless the server is shutting down");
+    if stop == Stop::Terminated {
+        watch::start();
+    }
     // SAFETY: the launcher's main thread, between transactions; proc_exit runs the exit
     // callbacks (ours included) and never returns.
     unsafe { crate::pg_compat::proc_exit(1) };
 }
 
-/// Waits on the latch for at most `timeout`, showing [`WaitEvent::LauncherMain`] (as pgrx's
-/// `BackgroundWorker::wait_latch`, which always shows `Extension`). False when the launcher must
-/// stop: SIGTERM, or the postmaster died.
-fn wait(timeout: Duration) -> bool {
+/// Why a launcher (or its watch) stops.
+#[derive(Debug, PartialEq, Eq)]
+enum Stop {
+    /// SIGTERM: `pg_terminate_backend()`, or the server shutting down.
+    Terminated,
+    PostmasterDied,
+}
+
+/// Waits on the latch for at most `timeout`, showing `event` (as pgrx's
+/// `BackgroundWorker::wait_latch`, which always shows `Extension`); `Err` when the process must
+/// stop.
+fn wait(timeout: Duration, event: WaitEvent) -> Result<(), Stop> {
     let events = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH;
     let timeout_ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
     // SAFETY: the launcher's main thread, which owns MyLatch; only its owner resets it.
     let woken = unsafe {
-        let woken = pg_sys::WaitLatch(
-            pg_sys::MyLatch,
-            events as i32,
-            timeout_ms,
-            WaitEvent::LauncherMain.info(),
-        );
+        let woken = pg_sys::WaitLatch(pg_sys::MyLatch, events as i32, timeout_ms, event.info());
         pg_sys::ResetLatch(pg_sys::MyLatch);
         woken
     };
     pg_sys::check_for_interrupts!();
-    let postmaster_died = woken & pg_sys::WL_POSTMASTER_DEATH as i32 != 0;
-    !BackgroundWorker::sigterm_received() && !postmaster_died
+    if woken & pg_sys::WL_POSTMASTER_DEATH as i32 != 0 {
+        Err(Stop::PostmasterDied)
+    } else if BackgroundWorker::sigterm_received() {
+        Err(Stop::Terminated)
+    } else {
+        Ok(())
+    }
 }
 
 /// Whether a `CREATE EXTENSION` committed in `database` between the counts `since` and `now`

@@ -157,6 +157,107 @@ pub fn proc_stat_field(pid: i32, n: usize) -> Option<i64> {
         .ok()
 }
 
+/// Runs `during` while the postmaster of `cluster` (a private one) is held, under gdb, just
+/// after its server loop blocked signals, then lets it go: what `during` makes happen (a child
+/// that exits, a signal) is then seen by a PostgreSQL 15 postmaster only after it chose how
+/// long to sleep, as when it was busy at that moment. Up to 15 the loop blocks and unblocks
+/// signals around its `select()`; 16 and later wait on a latch and never stop here, so this is
+/// an error there, as it is without gdb or without the right to attach to the process.
+pub fn with_postmaster_signals_blocked<T>(
+    cluster: &PgCluster,
+    during: impl FnOnce() -> T,
+) -> Result<T, String> {
+    let pid_file = fs::read_to_string(cluster.data_dir().join("postmaster.pid"))
+        .map_err(|e| format!("postmaster.pid: {e}"))?;
+    let postmaster: i32 = pid_file
+        .lines()
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+        .ok_or("postmaster.pid without a pid")?;
+    let held = cluster.dir().join("postmaster-held");
+    let go = cluster.dir().join("postmaster-go");
+    let _ = fs::remove_file(&held);
+    let _ = fs::remove_file(&go);
+    let shell = format!(
+        "shell touch {held}; while [ ! -e {go} ]; do sleep 0.01; done",
+        held = held.display(),
+        go = go.display()
+    );
+    let mut gdb = Command::new("gdb")
+        .args(["-p", &postmaster.to_string(), "-batch", "-nx"])
+        .args(["-ex", "handle SIGUSR1 nostop noprint pass"])
+        .args(["-ex", "handle SIGCHLD nostop noprint pass"])
+        // The first call after select() returned blocks signals; `finish` lets it take effect.
+        .args([
+            "-ex",
+            "break pthread_sigmask",
+            "-ex",
+            "continue",
+            "-ex",
+            "finish",
+        ])
+        .args(["-ex", &shell, "-ex", "delete", "-ex", "detach"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("gdb: {e} (install gdb)"))?;
+    // Attached and running again (not in a tracing stop): then a signal wakes its select().
+    let attached = || -> bool {
+        let status = fs::read_to_string(format!("/proc/{postmaster}/status")).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .map(|l| l[name.len()..].trim().to_string())
+                .unwrap_or_default()
+        };
+        field("TracerPid:") != "0" && !field("State:").starts_with('t')
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut woken_at: Option<Instant> = None;
+    while !held.exists() {
+        if let Ok(Some(exit)) = gdb.try_wait() {
+            let out = gdb
+                .wait_with_output()
+                .map(|o| tail(&String::from_utf8_lossy(&o.stderr), 5));
+            return Err(format!(
+                "gdb ended ({exit}) before holding the postmaster: {out:?}"
+            ));
+        }
+        if Instant::now() > until {
+            let _ = fs::write(&go, b"");
+            let _ = gdb.kill();
+            return Err("the postmaster was not held within 20 s (PostgreSQL 16 or later?)".into());
+        }
+        if attached() && woken_at.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
+            // SAFETY: a plain kill(2) of the test's own private postmaster; a SIGUSR1 with no
+            // request flagged only ends its sleep.
+            unsafe { libc::kill(postmaster, libc::SIGUSR1) };
+            woken_at = Some(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = during();
+    fs::write(&go, b"").map_err(|e| format!("{}: {e}", go.display()))?;
+    let status = gdb.wait().map_err(|e| format!("gdb: {e}"))?;
+    if !status.success() {
+        return Err(format!("gdb ended with {status}"));
+    }
+    Ok(out)
+}
+
+/// The state letter of a process (`/proc/<pid>/stat` field 3: `Z` a zombie), `None` once it is
+/// gone.
+pub fn proc_state(pid: i32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .next()?
+        .chars()
+        .next()
+}
+
 /// Watches the worker's memory: every 200 ms it looks the worker up in `pg_stat_activity`
 /// (through its own connection, re-opened after a restart of the cluster) and reads its
 /// `VmHWM`. Keeps the largest value over every worker process it saw.

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use amqp_outbox_e2e::chaos::proc_stat_field;
+use amqp_outbox_e2e::chaos::{proc_stat_field, proc_state, with_postmaster_signals_blocked};
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
 use amqp_outbox_e2e::{eventually, Collector, PgCluster, PgConfig, Rabbit, Route};
 use postgres::Client;
@@ -464,6 +464,100 @@ fn wait_launcher(cluster: &PgCluster, not: Option<i32>) -> i32 {
             other => Err(format!("launcher {other:?}\n{}", cluster.log_tail(5))),
         }
     })
+}
+
+/// The launcher's pid over `client`'s connection, once one runs that is not `not`: a new
+/// connection would wake the postmaster, which a test of its sleep must not do.
+fn launcher_over(client: &mut Client, not: i32, within: Duration) -> i32 {
+    eventually(within, "a new launcher in pg_stat_activity", || {
+        client
+            .batch_execute("SELECT pg_stat_clear_snapshot()")
+            .map_err(|e| e.to_string())?;
+        let pid: Option<i32> = client
+            .query_one(
+                "SELECT min(pid) FROM pg_stat_activity WHERE backend_type = 'amqp_outbox launcher'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        match pid {
+            Some(p) if p != not => Ok(p),
+            other => Err(format!("launcher {other:?}")),
+        }
+    })
+}
+
+/// A launcher whose exit PostgreSQL 15's postmaster sees only after it chose to sleep (it was
+/// busy then: its signals were blocked) is back within seconds all the same: the launcher's
+/// watch ends that sleep. Before, the postmaster slept on for up to a minute, or until a
+/// connection came, and every database's stopped worker waited with it (a CI run waited 40 s
+/// for the launcher). The postmaster is held there under gdb while the launcher is terminated;
+/// nothing else wakes it (no autovacuum, no new connection). PostgreSQL 16 and later do not miss
+/// the exit; `a_terminated_launcher_comes_back_…` covers them.
+#[test]
+fn a_launcher_exit_the_postmaster_sees_late_is_restarted_within_seconds() {
+    let rabbit = Rabbit::shared();
+    let cluster = PgCluster::new(every_database(&[("autovacuum", "off")]));
+    let mut e2e = Db::with_extension(&cluster, &rabbit, "e2e");
+    wait_running(&mut e2e.client, "e2e");
+    let version: i32 = e2e
+        .client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    if version >= 160_000 {
+        eprintln!("PostgreSQL {version}: its postmaster waits on a latch and sees every exit");
+        return;
+    }
+    let launcher = wait_launcher(&cluster, None);
+    let mut client = cluster.client_db("postgres");
+    let log_from = cluster.log().len();
+    with_postmaster_signals_blocked(&cluster, || {
+        let killed: bool = client
+            .query_one("SELECT pg_terminate_backend($1)", &[&launcher])
+            .map(|r| r.get(0))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(killed);
+        // Exited: a zombie until the held postmaster reaps it.
+        eventually(UP, "the launcher exited", || match proc_state(launcher) {
+            Some('Z') | None => Ok(()),
+            other => Err(format!("launcher state {other:?}")),
+        });
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let let_go = Instant::now();
+    let new = launcher_over(&mut client, launcher, ARRIVAL);
+    let took = let_go.elapsed();
+    let log = cluster.log()[log_from..].to_string();
+    eprintln!("launcher {launcher} -> {new} {took:?} after the postmaster was let go");
+    assert!(
+        log.contains("asking the postmaster again"),
+        "the watch did not have to wake the postmaster: the race was not reproduced\n{log}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "the launcher came back only after {took:?}\n{log}"
+    );
+    // The watch ends once the launcher is back.
+    eventually(UP, "no launcher watch left", || {
+        client
+            .batch_execute("SELECT pg_stat_clear_snapshot()")
+            .map_err(|e| e.to_string())?;
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE backend_type = 'amqp_outbox launcher watch'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if n == 0 {
+            Ok(())
+        } else {
+            Err(format!("{n} watches"))
+        }
+    });
+    assert!(health_of(&mut e2e.client, "launcher").starts_with("ok"));
 }
 
 /// amqp.health()'s status of `component`.

@@ -30,7 +30,9 @@ mod privileges;
 mod rollback;
 mod standby;
 
-use amqp_outbox_e2e::chaos::{pg_program, proc_stat_field, proc_status_kb, TcpProxy};
+use amqp_outbox_e2e::chaos::{pg_program, proc_stat_field, proc_state, proc_status_kb, TcpProxy};
+use amqp_outbox_e2e::eventually;
+use std::time::Duration;
 
 /// Not a FAULTS.md case: the harness's own tools (proxy, memory, results file) work.
 #[test]
@@ -60,5 +62,28 @@ fn chaos_support_tools_work() {
     // SAFETY: getppid has no preconditions.
     let parent = i64::from(unsafe { libc::getppid() });
     assert_eq!(proc_stat_field(std::process::id() as i32, 4), Some(parent));
+    // A child that exited is a zombie until it is waited for, then gone.
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    eventually(
+        Duration::from_secs(5),
+        "a sleeping child",
+        || match proc_state(pid) {
+            Some('S') => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    child.kill().unwrap();
+    eventually(Duration::from_secs(5), "a zombie", || {
+        match proc_state(pid) {
+            Some('Z') => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    child.wait().unwrap();
+    assert_eq!(proc_state(pid), None);
     let _ = pg_program::<&str>;
 }
