@@ -186,9 +186,9 @@ GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean,
 GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) TO amqp_outbox_admin;
 
 REVOKE ALL ON @extschema@._monitor_summary FROM PUBLIC;
-REVOKE ALL ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer, boolean),
+REVOKE ALL ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer),
     @extschema@._summarize() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer, boolean),
+GRANT EXECUTE ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer),
     @extschema@._summarize() TO amqp_outbox_admin;
 GRANT SELECT ON @extschema@.daily_stats, @extschema@.reconciliation,
     @extschema@.reconciliation_summary, @extschema@._open, @extschema@._monitor_summary TO pg_monitor;

@@ -17,32 +17,14 @@
 -- as lost. Failures are compensated unless the rule says report (with a handler). Finished:
 -- complete (every consumer answered ok), compensated, lost or failed; nothing changes a finished
 -- message but its trace, and a compensation never runs for a consumer that answered ok.
---
--- continuing: this pass follows one of the same session that looked at a whole batch, and
--- starts where that one stopped (from the latest look time it took, kept in the session setting
--- amqp._monitor_after) instead of at the start of the check_at index, whose first entries are
--- the messages looked at since the last VACUUM, dead. Whatever becomes due meanwhile is due at
--- or after that time (a look time set by a receipt, a delivery or a pass is never in the past),
--- and the next pass that is not continuing (the monitor's next round) reads from the start.
-CREATE OR REPLACE FUNCTION @extschema@._monitor(max_messages integer DEFAULT 5000,
-                                               continuing boolean DEFAULT false) RETURNS integer
+CREATE OR REPLACE FUNCTION @extschema@._monitor(max_messages integer DEFAULT 5000) RETURNS integer
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $monitor$
 DECLARE
     receipts_until timestamptz;
     looked integer;
-    -- Microseconds since the epoch, as amqp._monitor_after keeps them.
-    after_text text;
-    after timestamptz := '-infinity';
-    last_look timestamptz;
 BEGIN
     IF max_messages IS NULL OR max_messages < 1 THEN
         RAISE EXCEPTION 'amqp_outbox: max_messages must be at least 1' USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF continuing THEN
-        after_text := current_setting('amqp._monitor_after', true);
-        IF after_text ~ '^-?[0-9]{1,18}$' THEN
-            after := timestamptz 'epoch' + after_text::bigint * interval '1 microsecond';
-        END IF;
     END IF;
     -- (1) Receipts of this database's messages, counted once per (message, consumer, status):
     -- a consumer answers a duplicate again. One that came before its message's record (the
@@ -88,7 +70,7 @@ BEGIN
     -- (2) The due messages, oldest look first.
     WITH due AS (
         SELECT p.message_id, p.message_at, p.business_type, p.resends, p.late_at, p.lost_at,
-               p.check_at AS looked_for, coalesce(p.redelivered_at, p.delivered_at) AS since,
+               coalesce(p.redelivered_at, p.delivered_at) AS since,
                p.resends > 0 AND (p.redelivered_at IS NULL OR p.redelivered_at < p.last_resent_at) AS copy_waiting,
                p.body IS NOT NULL AS has_body,
                r.business_type IS NOT NULL AS ruled, r.late_after, r.lost_after, r.action, r.max_resends,
@@ -114,7 +96,7 @@ BEGIN
                                         AND k.state = 'done') AS done
                         FROM unnest(p.expected) AS c(consumer)) l
           ) a
-         WHERE p.check_at <= now() AND p.check_at >= after AND p.completed_at IS NULL
+         WHERE p.check_at <= now() AND p.completed_at IS NULL
          ORDER BY p.check_at
          LIMIT max_messages
     ), timed AS (
@@ -182,7 +164,7 @@ BEGIN
                outcome = n.outcome
           FROM planned n
          WHERE p.message_id = n.message_id AND p.message_at = n.message_at
-        RETURNING p.message_id, p.message_at, n.looked_for, p.business_type, p.resends, n.lost_after,
+        RETURNING p.message_id, p.message_at, p.business_type, p.resends, n.lost_after,
                   n.is_late AND n.late_at IS NULL AS newly_late, n.give_up AND n.lost_at IS NULL AS newly_lost,
                   n.resend,
                   n.silent_fail, n.silent, n.ok, n.all_failed, n.compensable
@@ -228,10 +210,7 @@ BEGIN
         DO UPDATE SET late = s.late + excluded.late, lost = s.lost + excluded.lost,
                       resent = s.resent + excluded.resent
     )
-    SELECT count(*), max(u.looked_for) INTO looked, last_look FROM upd u;
-    -- Where a continuing pass starts: a session setting, undone with this pass if it fails.
-    PERFORM pg_catalog.set_config('amqp._monitor_after',
-        coalesce((extract(epoch FROM last_look) * 1000000)::bigint::text, ''), false);
+    SELECT count(*) INTO looked FROM upd;
     RETURN looked;
 END
 $monitor$;

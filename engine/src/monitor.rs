@@ -33,15 +33,6 @@ const PASS_BATCH: i64 = 250;
 /// makes every pass before it durable.
 pub const PASS_SQL: &str =
     "SELECT amqp._monitor(250)::text FROM pg_catalog.set_config('synchronous_commit', 'off', true)";
-/// A pass after a full one in the same round: it starts where that one stopped rather than at
-/// the start of the `check_at` index, whose first entries are the messages looked at since the
-/// last VACUUM (dead ones, each of which every pass stepped over). The next round's first pass
-/// reads from the start again.
-pub const NEXT_PASS_SQL: &str = "SELECT amqp._monitor(250, true)::text \
-    FROM pg_catalog.set_config('synchronous_commit', 'off', true)";
-/// SQLSTATE 42883: the installed SQL has no continuing pass (the relay against a plain-SQL
-/// install older than 0.12.0); then every pass is a first one.
-const UNDEFINED_FUNCTION: &str = "42883";
 /// Passes follow one another while a whole batch was due, until this much of a round is used:
 /// a backlog (after an upgrade or a long stop) is worked off without giving up the schedule.
 const PASS_BUDGET: Duration = Duration::from_millis(500);
@@ -187,8 +178,6 @@ pub trait MonitorHost {
 pub struct Schedule {
     summary_at: Option<Instant>,
     upkeep_at: Option<Instant>,
-    /// The installed `amqp._monitor()` has no continuing pass ([`UNDEFINED_FUNCTION`]).
-    no_next_pass: bool,
 }
 
 impl Schedule {
@@ -200,18 +189,8 @@ impl Schedule {
         handler_timeout: Duration,
     ) {
         let started = Instant::now();
-        let mut sql = PASS_SQL;
         loop {
-            match host.statement_alone("amqp_outbox monitor", sql, None) {
-                Err(e) if sql == NEXT_PASS_SQL && e.sqlstate == UNDEFINED_FUNCTION => {
-                    self.no_next_pass = true;
-                    host.log(
-                        Level::Log,
-                        "the installed amqp._monitor() has no continuing pass (an install older \
-                         than 0.12.0): every pass reads from the start",
-                    );
-                    sql = PASS_SQL;
-                }
+            match host.statement_alone("amqp_outbox monitor", PASS_SQL, None) {
                 Ok(looked) => {
                     let full = looked
                         .and_then(|n| n.parse::<i64>().ok())
@@ -221,9 +200,6 @@ impl Schedule {
                     }
                     if !host.pause(PASS_PAUSE) {
                         return;
-                    }
-                    if !self.no_next_pass {
-                        sql = NEXT_PASS_SQL;
                     }
                 }
                 Err(e) => {
@@ -351,10 +327,6 @@ mod tests {
         passes: usize,
         pauses: usize,
         stopping_after: Option<usize>,
-        /// Each pass: whether it was a continuing one.
-        continuing: Vec<bool>,
-        /// The installed SQL has no continuing pass (an older plain-SQL install).
-        old_install: bool,
     }
 
     impl MonitorHost for Fake {
@@ -364,16 +336,9 @@ mod tests {
             sql: &'static str,
             _lock_wait: Option<Duration>,
         ) -> Result<Option<String>, Caught> {
-            if sql != PASS_SQL && sql != NEXT_PASS_SQL {
+            if sql != PASS_SQL {
                 return Ok(None);
             }
-            if sql == NEXT_PASS_SQL && self.old_install {
-                return Err(Caught {
-                    sqlstate: UNDEFINED_FUNCTION.into(),
-                    message: "function amqp._monitor(integer, boolean) does not exist".into(),
-                });
-            }
-            self.continuing.push(sql == NEXT_PASS_SQL);
             self.passes += 1;
             let looked = self.due.min(PASS_BATCH);
             self.due -= looked;
@@ -405,8 +370,6 @@ mod tests {
             passes: 0,
             pauses: 0,
             stopping_after: None,
-            continuing: Vec::new(),
-            old_install: false,
         }
     }
 
@@ -422,28 +385,6 @@ mod tests {
         assert_eq!(host.passes, 4);
         assert_eq!(host.pauses, 3);
         assert_eq!(host.due, 0);
-        // The first reads the due index from its start, the others go on where it stopped.
-        assert_eq!(host.continuing, [false, true, true, true]);
-        // The next round starts from the start again.
-        host.due = PASS_BATCH + 1;
-        round(&mut host);
-        assert_eq!(host.continuing[4..], [false, true]);
-    }
-
-    #[test]
-    fn without_a_continuing_pass_installed_every_pass_is_a_first_one() {
-        let mut host = fake(PASS_BATCH * 3 + 1);
-        host.old_install = true;
-        let backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
-        let mut schedule = Schedule::default();
-        schedule.round(&mut host, &backoff, Duration::from_secs(1));
-        assert_eq!(host.continuing, [false, false, false, false]);
-        assert_eq!(host.due, 0);
-        host.due = PASS_BATCH + 1;
-        host.old_install = false;
-        // Asked once per schedule: it keeps to first passes.
-        schedule.round(&mut host, &backoff, Duration::from_secs(1));
-        assert_eq!(host.continuing[4..], [false, false]);
     }
 
     #[test]

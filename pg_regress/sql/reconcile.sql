@@ -243,40 +243,4 @@ SELECT tableoid::regclass::text ~ '^amqp\.produced_[0-9]{8}$' AS moved_to_its_da
 \set VERBOSITY sqlstate
 SELECT amqp._history_day('message', current_date);
 \set VERBOSITY terse
-
--- A continuing pass (amqp._monitor(n, true)) starts where the session's pass before it stopped:
--- f1 to f3 are due, oldest first; f0 becomes due behind the first pass's place. The continuing
--- passes leave f0 alone, the next first pass takes it. A setting it cannot read means from the
--- start.
-INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
-VALUES ('floor', '{x}', '1 hour', '2 hours', 'report');
-INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key, system_id, host_id,
-                           business_type, producer_pid, producer_started_at, created_at, delivered_at,
-                           expected, check_at)
-SELECT 'floor-f' || k, now(), k, 1, 'ex', 'rk', 's', 'h', 'floor', 1, now(), now(), now(), '{x}',
-       now() - interval '1 day' + k * interval '1 second'
-  FROM generate_series(1, 3) k;
-CREATE TEMP VIEW floor_looked AS
-  SELECT string_agg(message_id, ' ' ORDER BY message_id) FILTER (WHERE check_at > now()) AS looked,
-         string_agg(message_id, ' ' ORDER BY message_id) FILTER (WHERE check_at <= now()) AS due
-    FROM amqp.produced WHERE business_type = 'floor';
-SELECT amqp._monitor(1) AS first;
-SELECT * FROM floor_looked;
-INSERT INTO amqp.produced (message_id, message_at, seq, broker_id, exchange, routing_key, system_id, host_id,
-                           business_type, producer_pid, producer_started_at, created_at, delivered_at,
-                           expected, check_at)
-VALUES ('floor-f0', now(), 0, 1, 'ex', 'rk', 's', 'h', 'floor', 1, now(), now(), now(), '{x}',
-        now() - interval '2 days');
-SELECT amqp._monitor(1, true) AS continuing;
-SELECT * FROM floor_looked;
-SELECT amqp._monitor(5, true) AS continuing;
-SELECT * FROM floor_looked;
-SELECT amqp._monitor(5, true) AS continuing_again;
-SELECT * FROM floor_looked;
-SELECT amqp._monitor(5) AS first_again;
-SELECT * FROM floor_looked;
-UPDATE amqp.produced SET check_at = now() - interval '1 day' WHERE business_type = 'floor';
-SELECT set_config('amqp._monitor_after', 'not a time', false);
-SELECT amqp._monitor(5, true) AS from_the_start;
-SELECT * FROM floor_looked;
 ROLLBACK;
