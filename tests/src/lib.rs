@@ -54,6 +54,32 @@ pub fn eventually<T>(
     }
 }
 
+/// Waits until `sql` (one `bigint`) reads `want` over `client`, each time in a fresh snapshot of
+/// the statistics views (`pg_stat_activity` and the like); the timeout's message names `what`
+/// and the last count.
+pub fn eventually_count(
+    client: &mut postgres::Client,
+    timeout: Duration,
+    what: &str,
+    sql: &str,
+    want: i64,
+) {
+    eventually(timeout, what, || {
+        client
+            .batch_execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+            .map_err(|e| e.to_string())?;
+        let n: i64 = client
+            .query_one(sql, &[])
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if n == want {
+            Ok(())
+        } else {
+            Err(format!("{n}, not {want}"))
+        }
+    })
+}
+
 /// A name unique across test processes and within one: `prefix.pid.counter.random`.
 /// Only characters valid in AMQP names and in unquoted SQL string literals.
 pub fn unique_name(prefix: &str) -> String {

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::chaos::{proc_stat_field, proc_state, with_postmaster_signals_blocked};
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
-use amqp_outbox_e2e::{eventually, Collector, PgCluster, PgConfig, Rabbit, Route};
+use amqp_outbox_e2e::{
+    eventually, eventually_count, Collector, PgCluster, PgConfig, Rabbit, Route,
+};
 use postgres::Client;
 
 const UP: Duration = Duration::from_secs(40);
@@ -449,27 +451,19 @@ fn databases_without_the_extension_are_probed_and_left_alone() {
 /// The pid of the launcher, once one runs that is not `not`.
 fn wait_launcher(cluster: &PgCluster, not: Option<i32>) -> i32 {
     let mut c = cluster.client_db("postgres");
-    eventually(UP, "a launcher in pg_stat_activity", || {
-        c.batch_execute("SELECT pg_stat_clear_snapshot()")
-            .map_err(|e| e.to_string())?;
-        let pid: Option<i32> = c
-            .query_one(
-                "SELECT min(pid) FROM pg_stat_activity WHERE backend_type = 'amqp_outbox launcher'",
-                &[],
-            )
-            .map_err(|e| e.to_string())?
-            .get(0);
-        match pid {
-            Some(p) if Some(p) != not => Ok(p),
-            other => Err(format!("launcher {other:?}\n{}", cluster.log_tail(5))),
-        }
-    })
+    launcher_over(&mut c, not, UP, &|| cluster.log_tail(5))
 }
 
-/// The launcher's pid over `client`'s connection, once one runs that is not `not`: a new
-/// connection would wake the postmaster, which a test of its sleep must not do.
-fn launcher_over(client: &mut Client, not: i32, within: Duration) -> i32 {
-    eventually(within, "a new launcher in pg_stat_activity", || {
+/// The launcher's pid over `client`'s connection, once one runs that is not `not`, within
+/// `within`; `detail` adds to a timeout's message. A test of the postmaster's sleep polls over a
+/// connection it opened before: a new one would wake the postmaster.
+fn launcher_over(
+    client: &mut Client,
+    not: Option<i32>,
+    within: Duration,
+    detail: &dyn Fn() -> String,
+) -> i32 {
+    eventually(within, "a launcher in pg_stat_activity", || {
         client
             .batch_execute("SELECT pg_stat_clear_snapshot()")
             .map_err(|e| e.to_string())?;
@@ -481,8 +475,8 @@ fn launcher_over(client: &mut Client, not: i32, within: Duration) -> i32 {
             .map_err(|e| e.to_string())?
             .get(0);
         match pid {
-            Some(p) if p != not => Ok(p),
-            other => Err(format!("launcher {other:?}")),
+            Some(p) if Some(p) != not => Ok(p),
+            other => Err(format!("launcher {other:?}\n{}", detail())),
         }
     })
 }
@@ -526,7 +520,7 @@ fn a_launcher_exit_the_postmaster_sees_late_is_restarted_within_seconds() {
     })
     .unwrap_or_else(|e| panic!("{e}"));
     let let_go = Instant::now();
-    let new = launcher_over(&mut client, launcher, ARRIVAL);
+    let new = launcher_over(&mut client, Some(launcher), ARRIVAL, &String::new);
     let took = let_go.elapsed();
     let log = cluster.log()[log_from..].to_string();
     eprintln!("launcher {launcher} -> {new} {took:?} after the postmaster was let go");
@@ -539,24 +533,13 @@ fn a_launcher_exit_the_postmaster_sees_late_is_restarted_within_seconds() {
         "the launcher came back only after {took:?}\n{log}"
     );
     // The watch ends once the launcher is back.
-    eventually(UP, "no launcher watch left", || {
-        client
-            .batch_execute("SELECT pg_stat_clear_snapshot()")
-            .map_err(|e| e.to_string())?;
-        let n: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                  WHERE backend_type = 'amqp_outbox launcher watch'",
-                &[],
-            )
-            .map_err(|e| e.to_string())?
-            .get(0);
-        if n == 0 {
-            Ok(())
-        } else {
-            Err(format!("{n} watches"))
-        }
-    });
+    eventually_count(
+        &mut client,
+        UP,
+        "no launcher watch left",
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'amqp_outbox launcher watch'",
+        0,
+    );
     assert!(health_of(&mut e2e.client, "launcher").starts_with("ok"));
 }
 

@@ -10,7 +10,8 @@ use std::time::Duration;
 use amqp_outbox_e2e::outbox::{add_broker, create_extension};
 use amqp_outbox_e2e::pg::wait_for_lock_wait;
 use amqp_outbox_e2e::{
-    eventually, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, Route, StopMode,
+    eventually, eventually_count, unique_name, AmqpEndpoint, PgCluster, PgConfig, Rabbit, Route,
+    StopMode,
 };
 use postgres::{Client, GenericClient};
 
@@ -282,24 +283,12 @@ fn reconciliation_state(client: &mut Client) {
     assert_eq!(days, 6, "two days and the default partition, of each table");
     // The monitor counts the two failed receipts in the statistics (beside the 2 counted
     // above): before the dump, or the source would count them after it and differ.
-    eventually(
+    eventually_count(
+        client,
         Duration::from_secs(60),
         "the monitor's count of the failed receipts",
-        || {
-            let n: i64 = client
-                .query_one(
-                    "SELECT coalesce(sum(failed), 0)::bigint FROM amqp.daily_stats \
-                      WHERE business_type = 'signup'",
-                    &[],
-                )
-                .map_err(|e| e.to_string())?
-                .get(0);
-            if n == 4 {
-                Ok(())
-            } else {
-                Err(format!("{n} failed counted"))
-            }
-        },
+        "SELECT coalesce(sum(failed), 0)::bigint FROM amqp.daily_stats WHERE business_type = 'signup'",
+        4,
     );
 }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::hosted::{installed, owner_client, DB, OWNER};
 use amqp_outbox_e2e::raw_amqp::publish_with_message_id;
-use amqp_outbox_e2e::{eventually, AmqpEndpoint, PgCluster, Rabbit, Route};
+use amqp_outbox_e2e::{eventually, eventually_count, AmqpEndpoint, PgCluster, Rabbit, Route};
 use amqp_outbox_testkit::amqp_admin::AmqpAdmin;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
@@ -1225,21 +1225,13 @@ fn the_relay_keeps_each_keys_order_behind_a_failed_message() {
         failed, 2,
         "the failing message failed once and ran again once"
     );
-    eventually(Duration::from_secs(10), "nothing left waiting", || {
-        let n: i64 = f
-            .owner
-            .query_one(
-                "SELECT (SELECT count(*) FROM amqp.inbox_waiting) + (SELECT count(*) FROM amqp.inbox_failed)",
-                &[],
-            )
-            .map_err(|e| e.to_string())?
-            .get(0);
-        if n == 0 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    });
+    eventually_count(
+        &mut f.owner,
+        Duration::from_secs(10),
+        "nothing left waiting",
+        "SELECT (SELECT count(*) FROM amqp.inbox_waiting) + (SELECT count(*) FROM amqp.inbox_failed)",
+        0,
+    );
 }
 
 #[test]
