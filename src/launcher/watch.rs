@@ -8,8 +8,8 @@
 //! length was chosen, and with nothing else to wake the postmaster (no new connection, no other
 //! child ending), every database's stopped worker then waits with it. The watch waits for the
 //! launcher to announce itself and, while it does not, sends the postmaster a SIGUSR1 with no
-//! request flagged: it ends that sleep, and the postmaster then sees the launcher is due. On 16 and later the postmaster
-//! does not miss it; the watch then only waits and exits.
+//! request flagged: it ends that sleep, and the postmaster then sees the launcher is due. On 16
+//! and later the postmaster does not miss it; the watch then only waits and exits.
 
 use super::wait;
 use crate::shmem::launch;

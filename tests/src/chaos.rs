@@ -135,26 +135,35 @@ pub fn skip_loudly(case: &str, reason: &str) {
     .record();
 }
 
-/// A field of `/proc/<pid>/status` in kB (`VmHWM`, `VmRSS`).
-pub fn proc_status_kb(pid: i32, field: &str) -> Option<u64> {
+/// The first word of a field of `/proc/<pid>/status` (`TracerPid`, `State`, `VmHWM`).
+fn proc_status_word(pid: i32, field: &str) -> Option<String> {
     let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     text.lines()
         .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))
         .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
+        .map(str::to_string)
 }
 
-/// Field `n` of `/proc/<pid>/stat` (1-based, as proc(5) numbers them: 14 utime, 19 nice),
-/// counted after the command name, which may hold spaces and parentheses.
-pub fn proc_stat_field(pid: i32, n: usize) -> Option<i64> {
+/// A field of `/proc/<pid>/status` in kB (`VmHWM`, `VmRSS`).
+pub fn proc_status_kb(pid: i32, field: &str) -> Option<u64> {
+    proc_status_word(pid, field)?.parse().ok()
+}
+
+/// Field `n` of `/proc/<pid>/stat` as written (1-based, as proc(5) numbers them: 3 the state,
+/// 14 utime, 19 nice), counted after the command name, which may hold spaces and parentheses.
+fn proc_stat_word(pid: i32, n: usize) -> Option<String> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let (_, after_name) = stat.rsplit_once(')')?;
     // Field 3 (the state) is the first after the name.
     after_name
         .split_whitespace()
-        .nth(n.checked_sub(3)?)?
-        .parse()
-        .ok()
+        .nth(n.checked_sub(3)?)
+        .map(str::to_string)
+}
+
+/// Numeric field `n` of `/proc/<pid>/stat` (see [`proc_stat_word`]).
+pub fn proc_stat_field(pid: i32, n: usize) -> Option<i64> {
+    proc_stat_word(pid, n)?.parse().ok()
 }
 
 /// Runs `during` while the postmaster of `cluster` (a private one) is held, under gdb, just
@@ -202,16 +211,9 @@ pub fn with_postmaster_signals_blocked<T>(
         .spawn()
         .map_err(|e| format!("gdb: {e} (install gdb)"))?;
     // Attached and running again (not in a tracing stop): then a signal wakes its select().
-    let attached = || -> bool {
-        let status = fs::read_to_string(format!("/proc/{postmaster}/status")).unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .map(|l| l[name.len()..].trim().to_string())
-                .unwrap_or_default()
-        };
-        field("TracerPid:") != "0" && !field("State:").starts_with('t')
+    let attached = || {
+        proc_status_word(postmaster, "TracerPid").is_some_and(|t| t != "0")
+            && proc_status_word(postmaster, "State").is_some_and(|s| !s.starts_with('t'))
     };
     let until = Instant::now() + Duration::from_secs(20);
     let mut woken_at: Option<Instant> = None;
@@ -249,13 +251,7 @@ pub fn with_postmaster_signals_blocked<T>(
 /// The state letter of a process (`/proc/<pid>/stat` field 3: `Z` a zombie), `None` once it is
 /// gone.
 pub fn proc_state(pid: i32) -> Option<char> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .next()?
-        .chars()
-        .next()
+    proc_stat_word(pid, 3)?.chars().next()
 }
 
 /// Watches the worker's memory: every 200 ms it looks the worker up in `pg_stat_activity`
