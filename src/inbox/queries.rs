@@ -68,13 +68,11 @@ pub fn consume_once(client: &mut SpiClient<'_>, sub: &str, message_id: &str) -> 
 }
 
 /// The key of a message that came without a message_id: a digest of what it carries.
-pub fn derived_message_id(client: &SpiClient<'_>, content: Vec<u8>) -> SpiResult<String> {
+pub fn derived_message_id(client: &mut SpiClient<'_>, content: Vec<u8>) -> SpiResult<String> {
     let args: [DatumWithOid; 1] = [content.into()];
-    Ok(client
-        .select(sql::DERIVED_MESSAGE_ID_SQL, None, &args)?
-        .first()
-        .get_one::<String>()?
-        .unwrap_or_default())
+    run_kept(client, sql::DERIVED_MESSAGE_ID_SQL, &args, false, |t| {
+        Ok(t.first().get_one::<String>()?.unwrap_or_default())
+    })
 }
 
 /// A handled message is no longer failed (it may have been retried from the table, or a
@@ -206,8 +204,7 @@ pub fn receipt(
         error.into(),
         business_type.into(),
     ];
-    client.update(sql::RECEIPT_SQL, None, &args)?;
-    Ok(())
+    run_kept(client, sql::RECEIPT_SQL, &args, true, |_| Ok(()))
 }
 
 /// Makes `traceparent` the session's `amqp_outbox.traceparent` until the current GUC nest
@@ -215,8 +212,7 @@ pub fn receipt(
 /// the trace of the message it handles.
 pub fn set_traceparent(client: &mut SpiClient<'_>, traceparent: &str) -> SpiResult<()> {
     let args: [DatumWithOid; 1] = [traceparent.into()];
-    client.update(sql::SET_TRACEPARENT_SQL, None, &args)?;
-    Ok(())
+    run_kept(client, sql::SET_TRACEPARENT_SQL, &args, true, |_| Ok(()))
 }
 
 /// Failed messages due for a retry, of these subscriptions, oldest due first.
@@ -377,13 +373,8 @@ pub fn mark_ended(
     message_id: &str,
     ended: i16,
 ) -> SpiResult<()> {
-    client
-        .update(
-            sql::MARK_ENDED_SQL,
-            None,
-            &[sub.into(), message_id.into(), ended.into()],
-        )
-        .map(drop)
+    let args: [DatumWithOid; 3] = [sub.into(), message_id.into(), ended.into()];
+    run_kept(client, sql::MARK_ENDED_SQL, &args, true, |_| Ok(()))
 }
 
 /// How many lanes the subscriptions want: the largest parallelism of those with lanes, and one
@@ -399,19 +390,22 @@ pub fn lanes_wanted(client: &SpiClient<'_>) -> SpiResult<usize> {
 }
 
 /// Seconds until the next failed message is due (None: none waiting).
-pub fn next_retry_in(client: &SpiClient<'_>, subs: Vec<String>) -> SpiResult<Option<f64>> {
+pub fn next_retry_in(client: &mut SpiClient<'_>, subs: Vec<String>) -> SpiResult<Option<f64>> {
     let args: [DatumWithOid; 1] = [subs.into()];
-    client
-        .select(sql::NEXT_RETRY_SQL, None, &args)?
-        .first()
-        .get_one::<f64>()
+    run_kept(client, sql::NEXT_RETRY_SQL, &args, false, |t| {
+        t.first().get_one::<f64>()
+    })
 }
 
 /// `SET CONSTRAINTS ALL IMMEDIATE` for the rest of the transaction.
 pub fn constraints_immediate(client: &mut SpiClient<'_>) -> SpiResult<()> {
-    client
-        .update(sql::CONSTRAINTS_IMMEDIATE_SQL, None, &[])
-        .map(drop)
+    run_kept(
+        client,
+        sql::CONSTRAINTS_IMMEDIATE_SQL,
+        &[],
+        true,
+        |_| Ok(()),
+    )
 }
 
 /// A dead message whose dead letter was refused says so in its last error.
@@ -474,7 +468,7 @@ fn write_book_row(client: &mut SpiClient<'_>, r: BookRow) -> SpiResult<()> {
         r.handled_now.into(),
         r.caught_up.into(),
     ];
-    client.update(sql::BOOK_SQL, None, &args).map(drop)
+    run_kept(client, sql::BOOK_SQL, &args, true, |_| Ok(()))
 }
 
 /// At start: no consumer is connected yet, whatever the last run left.

@@ -21,7 +21,7 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 
 thread_local! {
-    /// The worker's hot statements, planned once and kept (re-planned by PostgreSQL itself when
+    /// The workers' hot statements, planned once and kept (re-planned by PostgreSQL itself when
     /// the table changes). Cleared when the extension goes away.
     static PLANS: std::cell::RefCell<std::collections::HashMap<String, pgrx::spi::OwnedPreparedStatement>> =
         std::cell::RefCell::new(std::collections::HashMap::new());
@@ -82,6 +82,9 @@ pub fn installed_table() -> Option<pg_sys::Oid> {
     crate::message_table::installed_table(pg_sys::AccessShareLock)
 }
 
+const VERSION_SQL: &str =
+    "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'amqp_outbox'";
+
 /// The version of the SQL objects this library's statements are written for.
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -89,8 +92,12 @@ pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// (the library was upgraded and `ALTER EXTENSION amqp_outbox UPDATE` has not run yet): the
 /// tables may lack what the worker reads, so it waits instead of failing on every step.
 pub fn version_mismatch() -> Option<String> {
-    let installed =
-        Spi::get_one::<String>("SELECT extversion FROM pg_extension WHERE extname = 'amqp_outbox'");
+    // A kept plan: the subscription worker asks at every step.
+    let installed = Spi::connect_mut(|client| {
+        run_kept(client, VERSION_SQL, &[], false, |t| {
+            t.first().get_one::<String>()
+        })
+    });
     match installed {
         Ok(Some(v)) if v != LIBRARY_VERSION => Some(v),
         _ => None,
