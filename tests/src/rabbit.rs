@@ -170,12 +170,20 @@ impl Rabbit {
 
     /// Binds an existing queue to an existing exchange with `binding_key`.
     pub fn bind_queue(&self, queue: &str, exchange: &str, binding_key: &str) {
-        if let Err(e) = self
-            .admin
-            .bind_queue(queue, exchange, binding_key, FieldTable::default())
-        {
+        if let Err(e) = self.try_bind_queue(queue, exchange, binding_key) {
             panic!("{e}");
         }
+    }
+
+    /// As [`Rabbit::bind_queue`], for a broker that may not be ready for it yet.
+    pub fn try_bind_queue(
+        &self,
+        queue: &str,
+        exchange: &str,
+        binding_key: &str,
+    ) -> Result<(), String> {
+        self.admin
+            .bind_queue(queue, exchange, binding_key, FieldTable::default())
     }
 
     /// Deletes a queue (if it exists).

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use amqp_outbox_e2e::chaos::{count_log_lines, holds_for, scale, send_signal};
-use amqp_outbox_e2e::{eventually, try_eventually, Outbox, Received};
+use amqp_outbox_e2e::{eventually, try_eventually, Outbox, Rabbit, Received};
 
 use super::harness::*;
 
@@ -38,6 +38,20 @@ fn case04_broker_killed_restarted_with_messages_in_flight() {
                 rig.node.stop(); // reaps the node and waits for its port
                 wait_published(&producers, 300, "commits while the broker is dead");
                 rig.node.boot();
+                // The test's consumer side binds its queue again, as consumers do when they
+                // reconnect: after an unclean stop, RabbitMQ can restart a durable queue whose
+                // first recovery failed without its routes (rabbitmq-server #1873), and every
+                // publish is then returned unroutable (seen once in CI: nothing delivered for
+                // 90 s). The outbox is what is under test: what came back to it is retried.
+                let (node, r) = (&rig.node, &rig.route);
+                try_eventually(Duration::from_secs(60), || {
+                    Rabbit::connect(node.endpoint())?.try_bind_queue(
+                        &r.queue,
+                        &r.exchange,
+                        &r.routing_key,
+                    )
+                })
+                .unwrap_or_else(|e| panic!("cannot bind the test's queue again: {e}"));
             }
             "stop_app" => {
                 rig.node.stop_app();
