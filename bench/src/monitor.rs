@@ -20,7 +20,9 @@
 //! a message delivered then. Meanwhile, every second: the backlog of due looks (`now() -
 //! min(check_at)` of what is due, the same as `max(now() - check_at)`, read from the `check_at`
 //! index); over the window, the CPU time of the `amqp_outbox monitor` backend from
-//! `/proc/<pid>/stat`. Stalls of the handler (messages over 100 ms, grouped) go to the details.
+//! `/proc/<pid>/stat`, and of the unrelated subscription's worker (per message it handled: at
+//! 200 msg/s most of a message's latency is that worker's own CPU). Stalls of the handler
+//! (messages over 100 ms, grouped) go to the details.
 //!
 //! (2) `amqp.health()` with `BENCH_MONITOR_PENDING` (1,000,000) pending messages, inserted with
 //! `amqp_outbox.enabled = off` by `INSERT … SELECT` into `amqp.message` (the columns
@@ -106,6 +108,8 @@ struct Watched {
     backlog: Vec<f64>,
     /// CPU seconds of the monitor backend over the window (None: pid or /proc unreadable).
     cpu: Option<f64>,
+    /// CPU seconds of the unrelated subscription's worker (all its threads) over the window.
+    subscription_cpu: Option<f64>,
     secs: f64,
     /// Messages found late over the window.
     looks: i64,
@@ -171,6 +175,15 @@ impl Window {
         self.cpu_ms_per_sec() * 1000.0 / ((a + b) as f64 / 2.0)
     }
 
+    /// CPU µs of the unrelated subscription's worker per message of its flow in the window
+    /// (every message it handles costs it this much; at this rate, one message a step).
+    fn subscription_us_per_msg(&self) -> f64 {
+        match self.watched.subscription_cpu {
+            Some(c) if self.sent > 0 => c * 1e6 / self.sent as f64,
+            _ => f64::NAN,
+        }
+    }
+
     /// CPU µs per message looked at (found late).
     fn cpu_us_per_look(&self) -> f64 {
         match self.watched.cpu {
@@ -190,6 +203,8 @@ impl Window {
             "monitor_cpu_pct_of_core": self.cpu_pct(), "monitor_cpu_ms_per_sec": self.cpu_ms_per_sec(),
             "monitor_cpu_us_per_open_msg_per_sec": self.cpu_us_per_open(),
             "monitor_cpu_us_per_look": self.cpu_us_per_look(),
+            "subscription_worker_cpu_secs": self.watched.subscription_cpu,
+            "subscription_worker_cpu_us_per_msg": self.subscription_us_per_msg(),
             "looks": self.watched.looks, "open_at_start": self.watched.open.0, "open_at_end": self.watched.open.1,
             "monitored_sent": self.monitored_sent, "seed_secs": self.seed_secs,
             "handler_stalls_over_100ms": self.stalls.iter().take(20)
@@ -228,12 +243,13 @@ fn monitor_available(env: &mut Env) -> Result<bool, String> {
     Ok(monitor && subscription_available(env)?)
 }
 
-fn monitor_pid(env: &mut Env) -> Result<Option<i32>, String> {
+/// The pid of this database's background worker of `backend_type`.
+fn worker_pid(env: &mut Env, backend_type: &str) -> Result<Option<i32>, String> {
     env.admin
         .query_opt(
             "SELECT pid FROM pg_stat_activity
-              WHERE backend_type = 'amqp_outbox monitor' AND datname = current_database()",
-            &[],
+              WHERE backend_type = $1 AND datname = current_database()",
+            &[&backend_type],
         )
         .map(|r| r.map(|r| r.get(0)))
         .map_err(|e| format!("pg_stat_activity: {}", db_error(&e)))
@@ -399,10 +415,11 @@ fn seed(env: &mut Env, n: u64, base: SystemTime, spread: Duration) -> Result<(),
 }
 
 /// Samples the backlog every second from `from` for `secs`, and the monitor's CPU and looks
-/// over that window, on a session of its own.
+/// (and the subscription worker's CPU, `subscription`) over that window, on a session of its own.
 fn watch(
     mut c: Client,
     pid: Option<i32>,
+    subscription: Option<i32>,
     from: Instant,
     secs: Duration,
 ) -> Result<Watched, String> {
@@ -415,6 +432,7 @@ fn watch(
     let open0 = q(&mut c, OPEN_SQL)?;
     let late0 = q(&mut c, LATE_SQL)?;
     let cpu0 = pid.and_then(proc_cpu_secs);
+    let sub0 = subscription.and_then(proc_cpu_secs);
     let t0 = Instant::now();
     let mut backlog = Vec::new();
     for k in 0.. {
@@ -431,12 +449,14 @@ fn watch(
     }
     sleep_until(t0 + secs);
     let cpu1 = pid.and_then(proc_cpu_secs);
+    let sub1 = subscription.and_then(proc_cpu_secs);
     let window = t0.elapsed().as_secs_f64();
     let late1 = q(&mut c, LATE_SQL)?;
     let open1 = q(&mut c, OPEN_SQL)?;
     Ok(Watched {
         backlog,
         cpu: cpu0.zip(cpu1).map(|(a, b)| b - a),
+        subscription_cpu: sub0.zip(sub1).map(|(a, b)| b - a),
         secs: window,
         looks: late1 - late0,
         open: (open0, open1),
@@ -455,7 +475,8 @@ fn window(env: &mut Env, opts: &Opts, case: Case) -> Result<Window, String> {
     env.purge(&unrelated.queue)?;
     env.purge(&monitored.queue)?;
     let secs = Duration::from_secs(opts.monitor_secs);
-    let pid = monitor_pid(env)?;
+    let pid = worker_pid(env, "amqp_outbox monitor")?;
+    let subscription_pid = worker_pid(env, "amqp_outbox subscriptions")?;
     if pid.is_none() {
         return Err(format!(
             "no amqp_outbox monitor process for the database\n--- server log ---\n{}",
@@ -493,7 +514,8 @@ fn window(env: &mut Env, opts: &Opts, case: Case) -> Result<Window, String> {
             )
         })
     };
-    let watcher = std::thread::spawn(move || watch(watcher, pid, start + WARMUP, secs));
+    let watcher =
+        std::thread::spawn(move || watch(watcher, pid, subscription_pid, start + WARMUP, secs));
     let monitored_flow = monitored_flow.map(|p| {
         let pad = pad.clone();
         std::thread::spawn(move || p.run(WARMUP, secs, &pad))
@@ -622,7 +644,7 @@ fn measure_scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String
             let w = window(env, opts, case)?;
             log(format!(
                 "  monitor {}: handler p50 {:.2} ms p99 {:.2} ms max {:.1} ms ({} of {}); backlog p95 {:.2} s max {:.2} s; \
-                 monitor {:.2} % of a core, {:.1} ms/s, {} looks, open {}→{}; load {:.1}",
+                 monitor {:.2} % of a core, {:.1} ms/s, {} looks, open {}→{}; subscription worker {:.0} µs/msg; load {:.1}",
                 case.key(),
                 w.p50,
                 w.p99,
@@ -636,6 +658,7 @@ fn measure_scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String
                 w.watched.looks,
                 w.watched.open.0,
                 w.watched.open.1,
+                w.subscription_us_per_msg(),
                 w.load1
             ));
             got.push(w);
@@ -742,6 +765,14 @@ fn measure_scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String
         Figure::new(SEC, "monitor CPU per message looked at", &cfg, "µs")
             .samples(of(l, Window::cpu_us_per_look))
             .note(format!("{looks_per_sec:.0} looks/s")),
+        Figure::new(
+            SEC,
+            "unrelated subscription's worker CPU per message it handled (all its threads), monitor loaded / none open",
+            &cfg,
+            "µs",
+        )
+        .samples(of(l, Window::subscription_us_per_msg))
+        .baseline("none open", of(q, Window::subscription_us_per_msg)),
     ];
     let met = |f: &Figure| match f.met() {
         Some(true) => "met",
@@ -924,6 +955,7 @@ mod tests {
             watched: Watched {
                 backlog,
                 cpu,
+                subscription_cpu: cpu.map(|c| c / 100.0),
                 secs: 10.0,
                 looks,
                 open: (100_000, 120_000),
@@ -952,8 +984,11 @@ mod tests {
         assert!((w.cpu_ms_per_sec() - 50.0).abs() < 1e-9);
         assert!((w.cpu_us_per_open() - 50_000.0 / 110_000.0).abs() < 1e-9);
         assert!((w.cpu_us_per_look() - 20.0).abs() < 1e-9);
+        // The subscription worker: 5 ms over the window's 10 messages.
+        assert!((w.subscription_us_per_msg() - 500.0).abs() < 1e-9);
         let unknown = window_with(Vec::new(), None, 0);
         assert!(unknown.cpu_pct().is_nan() && unknown.cpu_us_per_look().is_nan());
+        assert!(unknown.subscription_us_per_msg().is_nan());
     }
 
     #[test]
