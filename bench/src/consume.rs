@@ -323,14 +323,7 @@ fn subscription_once(env: &mut Env, n: u64, tag: &str) -> Result<Outcome, String
     env.sql("TRUNCATE public.bench_effect")?;
     fill(&Ctx::of(env), &queue, tag, n)?;
     env.sql("CHECKPOINT")?;
-    let worker: Option<i32> = env
-        .admin
-        .query_opt(
-            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'amqp_outbox subscriptions'",
-            &[],
-        )
-        .map_err(|e| format!("pg_stat_activity: {e}"))?
-        .map(|r| r.get(0));
+    let worker = env.backend_pid("amqp_outbox subscriptions")?;
     let cpu0 = worker.and_then(crate::env::proc_cpu_secs);
     let load = load1();
     let t0 = Instant::now();

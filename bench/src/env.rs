@@ -361,6 +361,19 @@ impl Env {
         self.cluster.worker_pid(&mut self.admin)
     }
 
+    /// The pid of this database's process of `backend_type` (`amqp_outbox monitor`,
+    /// `amqp_outbox subscriptions`), if it runs.
+    pub fn backend_pid(&mut self, backend_type: &str) -> Result<Option<i32>, String> {
+        self.admin
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                  WHERE backend_type = $1 AND datname = current_database()",
+                &[&backend_type],
+            )
+            .map(|r| r.map(|r| r.get(0)))
+            .map_err(|e| format!("pg_stat_activity: {e}"))
+    }
+
     /// `amqp.worker_status.confirmed`.
     pub fn confirmed(&mut self) -> Result<i64, String> {
         self.admin

@@ -243,18 +243,6 @@ fn monitor_available(env: &mut Env) -> Result<bool, String> {
     Ok(monitor && subscription_available(env)?)
 }
 
-/// The pid of this database's background worker of `backend_type`.
-fn worker_pid(env: &mut Env, backend_type: &str) -> Result<Option<i32>, String> {
-    env.admin
-        .query_opt(
-            "SELECT pid FROM pg_stat_activity
-              WHERE backend_type = $1 AND datname = current_database()",
-            &[&backend_type],
-        )
-        .map(|r| r.map(|r| r.get(0)))
-        .map_err(|e| format!("pg_stat_activity: {}", db_error(&e)))
-}
-
 fn setup(env: &mut Env) -> Result<(), String> {
     env.set_enabled(true)?;
     env.set_proof("ack_queue")?;
@@ -475,8 +463,8 @@ fn window(env: &mut Env, opts: &Opts, case: Case) -> Result<Window, String> {
     env.purge(&unrelated.queue)?;
     env.purge(&monitored.queue)?;
     let secs = Duration::from_secs(opts.monitor_secs);
-    let pid = worker_pid(env, "amqp_outbox monitor")?;
-    let subscription_pid = worker_pid(env, "amqp_outbox subscriptions")?;
+    let pid = env.backend_pid("amqp_outbox monitor")?;
+    let subscription_pid = env.backend_pid("amqp_outbox subscriptions")?;
     if pid.is_none() {
         return Err(format!(
             "no amqp_outbox monitor process for the database\n--- server log ---\n{}",
