@@ -93,21 +93,13 @@ def build():
 # again, and the statements after them. The script is made of the files' own text: nothing is
 # copied by hand. Only the newest is generated: once the parts change for the next version an
 # older script would change with them, so it stays as committed (frozen), as
-# amqp_outbox_hosted--0.9.0--0.10.0.sql does.
+# amqp_outbox_hosted--0.9.0--0.10.0.sql and amqp_outbox_hosted--0.10.0--0.11.0.sql do.
 UPDATES = {
-    ("0.10.0", "0.11.0"): {
-        "shared": ["amqp_outbox--0.10.0--0.11.0.sql"],
-        # _wake_relay returns boolean now: CREATE OR REPLACE cannot change a result type.
-        "before": ["DROP FUNCTION amqp._wake_relay();"],
-        "functions": [
-            ("publish.sql", "_wake_relay"),
-            ("publish.sql", "_publish"),
-            ("publish.sql", "publish"),
-        ],
-        "after": [
-            "REVOKE ALL ON FUNCTION amqp._wake_relay() FROM PUBLIC;",
-            "GRANT EXECUTE ON FUNCTION amqp._wake_relay() TO amqp_outbox_admin;",
-        ],
+    ("0.11.0", "0.12.0"): {
+        "shared": ["amqp_outbox--0.11.0--0.12.0.sql"],
+        "before": [],
+        "functions": [],
+        "after": [],
     },
 }
 

@@ -90,9 +90,12 @@ CREATE VIEW @extschema@.consumption AS
 COMMENT ON VIEW @extschema@.consumption IS
     'Every consumption record: hot (within the window, unique) and archived.';
 
--- The creation time a UUIDv7 message_id carries (amqp_outbox's own ids are UUIDv7), else NULL.
+-- The creation time a UUIDv7 message_id carries (amqp_outbox's own ids are UUIDv7), else NULL
+-- (NULL for NULL too). Not STRICT: PostgreSQL inlines a SQL function into the statement that
+-- calls it only if a STRICT one's body is strict too, and a CASE is not. Called, it is parsed and
+-- planned again in every transaction and subtransaction (each message a subscription handles).
 CREATE FUNCTION @extschema@._uuid7_time(message_id text) RETURNS timestamptz
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT AS $uuid7$
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $uuid7$
     SELECT CASE WHEN message_id OPERATOR(pg_catalog.~) '^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$'
         THEN pg_catalog.to_timestamp(
             (('x' OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.replace(message_id, '-', ''), 1, 12))::pg_catalog.bit(48)::pg_catalog.int8)::pg_catalog.float8

@@ -33,7 +33,19 @@ SELECT amqp.consume_once('c', repeat('m', 256));
 -- UUIDv7 ids carry their creation time; other ids none.
 SELECT amqp._uuid7_time('0190163d-8694-739b-aea5-966c26f8ad91') AS v7,
        amqp._uuid7_time('6ba7b810-9dad-11d1-80b4-00c04fd430c8') AS v1,
-       amqp._uuid7_time('not-a-uuid') AS other;
+       amqp._uuid7_time('not-a-uuid') AS other,
+       amqp._uuid7_time(NULL) IS NULL AS null_for_null;
+-- Inlined into the statement that calls it (a SQL function that is called instead is parsed and
+-- planned again in each transaction and subtransaction): its name is not in the plan.
+CREATE FUNCTION pg_temp.plan_of(statement text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE line text; plan text := '';
+BEGIN
+    FOR line IN EXECUTE 'EXPLAIN (VERBOSE, COSTS OFF) ' || statement LOOP
+        plan := plan || line || E'\n';
+    END LOOP;
+    RETURN plan;
+END $$;
+SELECT pg_temp.plan_of('SELECT amqp._uuid7_time(message_id) FROM amqp._consumed_a') NOT LIKE '%uuid7_time%' AS inlined;
 
 -- Subscriptions.
 INSERT INTO amqp.broker (broker_id, host) VALUES (1, '127.0.0.1');

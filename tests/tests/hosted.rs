@@ -399,6 +399,12 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     assert_eq!(rows(&mut owner), before, "every row kept as it was");
     let comment = schema_comment(&mut owner);
     assert!(comment.starts_with("amqp_outbox 0.11.0"), "{comment}");
+    let before = rows(&mut owner);
+    run_update(&mut owner, "amqp_outbox_hosted--0.11.0--0.12.0.sql")
+        .unwrap_or_else(|e| panic!("the update to 0.12.0: {e}"));
+    assert_eq!(rows(&mut owner), before, "every row kept as it was");
+    let comment = schema_comment(&mut owner);
+    assert!(comment.starts_with("amqp_outbox 0.12.0"), "{comment}");
     // The functions (their settings and grants) and the constraints are a fresh install's.
     let fresh_cluster = installed_from(&script());
     let mut fresh = owner_client(&fresh_cluster);
@@ -428,7 +434,7 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     assert_eq!(again, known);
     owner
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'after')", &[])
-        .expect("publish with 0.11.0");
+        .expect("publish with 0.12.0");
     // A row the table's rules refuse is refused as before, naming the rule.
     let e = owner
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'x', 3)", &[])
@@ -453,6 +459,7 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     // Each update refuses to run twice.
     assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql");
     assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.10.0--0.11.0.sql");
+    assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.11.0--0.12.0.sql");
 }
 
 /// One call of `amqp.<function>` with `args` (as text, cast in SQL) and `settings` set for the
