@@ -384,27 +384,25 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
         .map(|r| r.get(0))
         .collect()
     };
-    let before = rows(&mut owner);
-    assert_eq!(before.len(), 41);
-    run_update(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql")
-        .unwrap_or_else(|e| panic!("the update to 0.10.0: {e}"));
-    assert_eq!(rows(&mut owner), before, "every row kept as it was");
-    assert!(schema_comment(&mut owner).starts_with("amqp_outbox 0.10.0"));
+    // Each update keeps every row as it was and ends at its version.
+    let update = |owner: &mut Client, from: &str, to: &str| {
+        let before = rows(owner);
+        run_update(owner, &format!("amqp_outbox_hosted--{from}--{to}.sql"))
+            .unwrap_or_else(|e| panic!("the update to {to}: {e}"));
+        assert_eq!(rows(owner), before, "every row kept as it was");
+        let comment = schema_comment(owner);
+        assert!(
+            comment.starts_with(&format!("amqp_outbox {to}")),
+            "{comment}"
+        );
+    };
+    assert_eq!(rows(&mut owner).len(), 41);
+    update(&mut owner, "0.9.0", "0.10.0");
     owner
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'with 0.10.0')", &[])
         .expect("publish with 0.10.0");
-    let before = rows(&mut owner);
-    run_update(&mut owner, "amqp_outbox_hosted--0.10.0--0.11.0.sql")
-        .unwrap_or_else(|e| panic!("the update to 0.11.0: {e}"));
-    assert_eq!(rows(&mut owner), before, "every row kept as it was");
-    let comment = schema_comment(&mut owner);
-    assert!(comment.starts_with("amqp_outbox 0.11.0"), "{comment}");
-    let before = rows(&mut owner);
-    run_update(&mut owner, "amqp_outbox_hosted--0.11.0--0.12.0.sql")
-        .unwrap_or_else(|e| panic!("the update to 0.12.0: {e}"));
-    assert_eq!(rows(&mut owner), before, "every row kept as it was");
-    let comment = schema_comment(&mut owner);
-    assert!(comment.starts_with("amqp_outbox 0.12.0"), "{comment}");
+    update(&mut owner, "0.10.0", "0.11.0");
+    update(&mut owner, "0.11.0", "0.12.0");
     // The functions (their settings and grants) and the constraints are a fresh install's.
     let fresh_cluster = installed_from(&script());
     let mut fresh = owner_client(&fresh_cluster);
