@@ -20,24 +20,29 @@ use std::time::{Duration, Instant};
 
 /// A round about this often.
 pub const ROUND_EVERY: Duration = Duration::from_secs(1);
-/// Messages one pass looks at, at most (the number in [`PASS_SQL`]). Small: a pass is a few
-/// tens of milliseconds of CPU and one modest commit, so the handlers, publishers and the
-/// delivery beside it wait for no long burst (with 5,000, an unrelated subscription's handler
-/// p99 was three times what it was with the same traffic unmonitored).
-const PASS_BATCH: i64 = 250;
+/// Messages one pass looks at, at most (the number in [`PASS_SQL`]). Small: a pass is about
+/// 50 µs of CPU a message and one modest commit, so the handlers, publishers and the delivery
+/// beside it wait for no long burst (with 5,000, an unrelated subscription's handler p99 was
+/// three times what it was with the same traffic unmonitored; with 250, about 12 ms bursts,
+/// still twice).
+const PASS_BATCH: i64 = 50;
 /// One pass: how many messages it looked at. Its commit does not wait for its WAL to be
 /// flushed (the handlers' commits waited behind that flush). A crash that loses a pass (its
 /// states, counts, resent copies, queued compensations) loses no durable commit made after it,
 /// and the next pass decides the same again; a copy already published carries the same
 /// `message_id`, a duplicate consumers drop. A compensation's own commit is synchronous and
-/// makes every pass before it durable.
-pub const PASS_SQL: &str =
-    "SELECT amqp._monitor(250)::text FROM pg_catalog.set_config('synchronous_commit', 'off', true)";
+/// makes every pass before it durable. The pass's statements keep their generic plans: with
+/// small passes, planning the classification again at every pass (its parameters make
+/// PostgreSQL try custom plans) would cost about as much as the looks.
+pub const PASS_SQL: &str = "SELECT amqp._monitor(50)::text \
+    FROM pg_catalog.set_config('synchronous_commit', 'off', true) AS commit_mode, \
+         pg_catalog.set_config('plan_cache_mode', 'force_generic_plan', true) AS plan_mode";
 /// Passes follow one another while a whole batch was due, until this much of a round is used:
 /// a backlog (after an upgrade or a long stop) is worked off without giving up the schedule.
 const PASS_BUDGET: Duration = Duration::from_millis(500);
-/// Between two passes of a round, the CPU and the WAL are left to the others.
-const PASS_PAUSE: Duration = Duration::from_millis(10);
+/// Between two passes of a round, the CPU and the WAL are left to the others (about as long
+/// as a full pass takes: the monitor takes at most about half a core while it catches up).
+const PASS_PAUSE: Duration = Duration::from_millis(2);
 /// Compensations run per round at most, and the time after which no further one starts (a
 /// slow function is bounded by `amqp_outbox.handler_timeout` on top).
 const COMPENSATIONS_PER_ROUND: usize = 20;
@@ -376,6 +381,11 @@ mod tests {
     fn round(host: &mut Fake) {
         let backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
         Schedule::default().round(host, &backoff, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn the_pass_statement_asks_for_a_batch() {
+        assert!(PASS_SQL.contains(&format!("amqp._monitor({PASS_BATCH})")));
     }
 
     #[test]
