@@ -736,6 +736,33 @@ fn niceness(pid: i32) -> Result<i64, String> {
     proc_stat_field(pid, 19).ok_or_else(|| format!("no niceness for process {pid}"))
 }
 
+/// A thread's scheduler slice in ns (`se.slice` of `/proc/.../sched`), where the kernel shows it.
+fn slice_of(path: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with("se.slice"))?;
+    line.split(':').nth(1)?.trim().parse().ok()
+}
+
+/// `sched_setattr(2)` on the calling thread: SCHED_OTHER at niceness 0, a slice of `ns` (0: the
+/// kernel's default).
+fn set_own_slice(ns: u64) -> bool {
+    // struct sched_attr, first version: size, policy, flags, nice, priority, runtime, deadline,
+    // period.
+    #[repr(C)]
+    struct Attr(u32, u32, u64, i32, u32, u64, u64, u64);
+    let attr = Attr(std::mem::size_of::<Attr>() as u32, 0, 0, 0, 0, ns, 0, 0);
+    // SAFETY: the kernel reads `size` bytes of a live struct of that size; 0 is this thread.
+    unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const Attr, 0) == 0 }
+}
+
+/// Whether this kernel lets a process choose its slice (Linux 6.12 and later): tried on this
+/// test's own thread, then undone.
+fn custom_slices_supported() -> bool {
+    let supported = set_own_slice(100_000) && slice_of("/proc/thread-self/sched") == Some(100_000);
+    set_own_slice(0);
+    supported
+}
+
 /// The database's processes of the given kind (`backend_type`), by pid.
 fn pids_of(c: &mut Client, backend_type: &str) -> Vec<i32> {
     c.query(
@@ -747,8 +774,10 @@ fn pids_of(c: &mut Client, backend_type: &str) -> Vec<i32> {
 }
 
 /// The monitor is background work: it runs at niceness 10, so that where the CPU is short the
-/// delivery and the subscriptions' handlers beside it come first; they keep the server's. A
-/// monitor that was terminated comes back at niceness 10 too.
+/// delivery and the subscriptions' handlers beside it come first; they keep the server's. Where
+/// the kernel lets a process choose its slice, the monitor's is the shortest (100 µs), so that
+/// a woken handler does not wait for the rest of a longer one. A monitor that was terminated
+/// comes back at niceness 10 too.
 #[test]
 fn the_monitor_gives_way_to_the_delivery_and_the_handlers() {
     let rabbit = Rabbit::shared();
@@ -768,6 +797,15 @@ fn the_monitor_gives_way_to_the_delivery_and_the_handlers() {
             other => Err(format!("{other:?}")),
         });
         assert_eq!(niceness(pid), Ok(0), "{kind} keeps the server's niceness");
+    }
+    if custom_slices_supported() {
+        assert_eq!(
+            slice_of(&format!("/proc/{first}/sched")),
+            Some(100_000),
+            "the monitor's slice"
+        );
+    } else {
+        eprintln!("this kernel does not let a process choose its slice: not checked");
     }
     c.query_one("SELECT pg_terminate_backend($1)", &[&first])
         .expect("pg_terminate_backend");
