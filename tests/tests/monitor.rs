@@ -777,7 +777,7 @@ fn pids_of(c: &mut Client, backend_type: &str) -> Vec<i32> {
 /// delivery and the subscriptions' handlers beside it come first; they keep the server's. Where
 /// the kernel lets a process choose its slice, the monitor's is the shortest (100 µs), so that
 /// a woken handler does not wait for the rest of a longer one. A monitor that was terminated
-/// comes back at niceness 10 too.
+/// comes back with both.
 #[test]
 fn the_monitor_gives_way_to_the_delivery_and_the_handlers() {
     let rabbit = Rabbit::shared();
@@ -798,7 +798,8 @@ fn the_monitor_gives_way_to_the_delivery_and_the_handlers() {
         });
         assert_eq!(niceness(pid), Ok(0), "{kind} keeps the server's niceness");
     }
-    if custom_slices_supported() {
+    let slices = custom_slices_supported();
+    if slices {
         assert_eq!(
             slice_of(&format!("/proc/{first}/sched")),
             Some(100_000),
@@ -809,13 +810,19 @@ fn the_monitor_gives_way_to_the_delivery_and_the_handlers() {
     }
     c.query_one("SELECT pg_terminate_backend($1)", &[&first])
         .expect("pg_terminate_backend");
-    eventually(UP, "a new monitor at niceness 10", || {
-        match pids_of(&mut c, MONITOR).as_slice() {
+    eventually(
+        UP,
+        "a new monitor at niceness 10 (and the short slice)",
+        || match pids_of(&mut c, MONITOR).as_slice() {
             [pid] if *pid != first => match niceness(*pid)? {
+                10 if slices => match slice_of(&format!("/proc/{pid}/sched")) {
+                    Some(100_000) => Ok(()),
+                    other => Err(format!("monitor {pid} with the slice {other:?}")),
+                },
                 10 => Ok(()),
                 n => Err(format!("monitor {pid} at niceness {n}")),
             },
             other => Err(format!("monitors: {other:?}")),
-        }
-    });
+        },
+    );
 }
