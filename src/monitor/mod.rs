@@ -38,15 +38,19 @@ pub extern "C-unwind" fn amqp_outbox_monitor_main(arg: pg_sys::Datum) {
 /// 6.5-8.5 ms at 10, the monitor keeping its schedule in both).
 const NICENESS: libc::c_int = 10;
 
+/// The niceness and, where the kernel lets a process choose it, the slice, in one call; where
+/// `sched_setattr` is missing, the niceness alone.
 fn lower_priority() {
-    // SAFETY: a system call on this process alone (its one thread), no memory passed.
+    if set_niceness_and_slice().is_ok() {
+        return;
+    }
+    // SAFETY: a system call on this thread alone, no memory passed.
     if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, NICENESS) } != 0 {
         debug1!(
             "amqp_outbox: monitor: setpriority: {}",
             std::io::Error::last_os_error()
         );
     }
-    shorten_slice();
 }
 
 /// The CPU time the monitor runs before a woken process may take its core, where the kernel
@@ -70,7 +74,9 @@ struct SchedAttr {
     period: u64,
 }
 
-fn shorten_slice() {
+/// SCHED_OTHER at [`NICENESS`] with a slice of [`SLICE_NS`], for this thread (the one that runs
+/// the passes).
+fn set_niceness_and_slice() -> std::io::Result<()> {
     let attr = SchedAttr {
         size: std::mem::size_of::<SchedAttr>() as u32,
         policy: libc::SCHED_OTHER as u32,
@@ -82,12 +88,12 @@ fn shorten_slice() {
         period: 0,
     };
     // SAFETY: the kernel reads `size` bytes of a live, initialised struct of that size; pid 0
-    // is this thread, the one that runs the passes.
+    // is this thread.
     let rc = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
-    if rc != 0 {
-        debug1!(
-            "amqp_outbox: monitor: sched_setattr: {}",
-            std::io::Error::last_os_error()
-        );
+    if rc == 0 {
+        return Ok(());
     }
+    let error = std::io::Error::last_os_error();
+    debug1!("amqp_outbox: monitor: sched_setattr: {error}");
+    Err(error)
 }
