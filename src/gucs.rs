@@ -124,8 +124,8 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_float_guc(
         c"amqp_outbox.batch_interval",
-        c"Longest time commits gather before the worker's next claim, reached at 2,000 commits a second.",
-        c"The worker lets commits gather in proportion to the rate it sees: not at all below 250 messages a second, this long at 2,000 and above, so one claim takes everything committed meanwhile. Longer means larger batches and less CPU per message (worker and broker) at high rates, and up to this much more latency there. Fractions are allowed ('250us'). 0 claims after every wake-up.",
+        c"How long commits gather before the worker's next claim at 2,000 commits a second.",
+        c"The worker lets commits gather in proportion to the rate it sees: not at all below 250 messages a second, this long at 2,000, and with the square of the rate above that, up to four times this long at 4,000 and above, so one claim takes everything committed meanwhile. Longer means larger batches and less CPU per message (worker and broker) at high rates, and up to four times this much more latency there. Fractions are allowed ('250us'). 0 claims after every wake-up.",
         &BATCH_INTERVAL,
         0.0,
         1000.0,

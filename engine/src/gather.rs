@@ -5,13 +5,19 @@
 //! wake-ups between threads). At a few hundred commits a second a claim per commit costs little
 //! and keeps the latency at its floor; at a few thousand it would spend a core on fixed costs.
 //! So the gap between two claims follows the commit rate: none while commits are rare, growing
-//! in proportion to the rate up to `amqp_outbox.batch_interval` at [`FULL_RATE`] and above.
-//! A message waits at most that long, and the wait is spent where it buys the most.
+//! in proportion to the rate up to `amqp_outbox.batch_interval` at [`FULL_RATE`]. Above it the
+//! gap keeps growing, with the square of the rate, up to [`STRETCH`] times `batch_interval` at
+//! twice that rate: a step's fixed costs (about a millisecond of CPU between the worker and the
+//! broker, whatever it carries) then fall per second as the rate rises, and the cores go to the
+//! sessions that commit. A message waits at most that long, and the wait is spent where it buys
+//! the most.
 
 use std::time::{Duration, Instant};
 
 /// The rate (messages per second) at which the gap reaches `batch_interval`.
 pub const FULL_RATE: f64 = 2_000.0;
+/// How many times `batch_interval` the gap reaches at twice [`FULL_RATE`] and above.
+pub const STRETCH: f64 = 4.0;
 /// Below this rate commits never wait: a lone commit is claimed at once.
 const FREE_RATE: f64 = 250.0;
 /// How fast the rate estimate follows a change (time constant of its exponential average).
@@ -50,13 +56,19 @@ impl Gather {
         }
     }
 
-    /// The shortest time between the previous claim and the next at this rate, at most `max`.
+    /// The shortest time between the previous claim and the next at this rate: `max` at
+    /// [`FULL_RATE`], at most [`STRETCH`] times `max`.
     pub fn interval(&self, max: Duration, now: Instant) -> Duration {
         let rate = self.rate(now);
         if rate <= FREE_RATE {
             return Duration::ZERO;
         }
-        max.mul_f64(((rate - FREE_RATE) / (FULL_RATE - FREE_RATE)).min(1.0))
+        let scale = if rate <= FULL_RATE {
+            (rate - FREE_RATE) / (FULL_RATE - FREE_RATE)
+        } else {
+            (rate / FULL_RATE).powi(2).min(STRETCH)
+        };
+        max.mul_f64(scale)
     }
 }
 
@@ -101,10 +113,31 @@ mod tests {
         let half = g.interval(MAX, t);
         assert!(half > Duration::ZERO && half < MAX, "{half:?}");
 
-        // Twenty per claim every 2 ms: 10,000 a second, capped.
-        let t = steady(&mut g, t, 2 * MS, 20, Duration::from_secs(2));
-        assert_eq!(g.interval(MAX, t), MAX);
+        // Four per claim every 2 ms: 2,000 a second, the setting itself.
+        let t = steady(&mut g, t, 2 * MS, 4, Duration::from_secs(2));
+        let full = g.interval(MAX, t);
+        assert!(
+            full > MAX.mul_f64(0.95) && full < MAX.mul_f64(1.05),
+            "{full:?}"
+        );
         // The setting at 0 never gathers.
+        assert_eq!(g.interval(Duration::ZERO, t), Duration::ZERO);
+    }
+
+    #[test]
+    fn above_full_rate_the_gap_keeps_growing_up_to_its_stretch() {
+        let mut g = Gather::default();
+        // 3,000 a second: (1.5)² = 2.25 times the setting.
+        let t = steady(&mut g, Instant::now(), MS, 3, Duration::from_secs(2));
+        let gap = g.interval(MAX, t);
+        assert!(
+            gap > MAX.mul_f64(2.1) && gap < MAX.mul_f64(2.4),
+            "{gap:?} at {}",
+            g.rate(t)
+        );
+        // 10,000 a second: capped at STRETCH times the setting.
+        let t = steady(&mut g, t, 2 * MS, 20, Duration::from_secs(2));
+        assert_eq!(g.interval(MAX, t), MAX.mul_f64(STRETCH));
         assert_eq!(g.interval(Duration::ZERO, t), Duration::ZERO);
     }
 
@@ -118,7 +151,8 @@ mod tests {
             1,
             Duration::from_secs(1),
         );
-        assert_eq!(g.interval(MAX, t), MAX);
+        // 5,000 a second: stretched.
+        assert_eq!(g.interval(MAX, t), MAX.mul_f64(STRETCH));
         // A commit after a second of silence is claimed at once.
         assert_eq!(g.interval(MAX, t + Duration::from_secs(1)), Duration::ZERO);
     }
