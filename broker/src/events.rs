@@ -12,11 +12,22 @@ use std::sync::mpsc;
 /// An event type of a bridge: what a guarded task's panic becomes.
 pub(crate) trait FatalEvent: Send + 'static {
     fn fatal(text: String) -> Self;
+
+    /// Whether the loop may take this event up to [`wake::SOON`] later (see [`wake`]).
+    fn can_wait(&self) -> bool {
+        false
+    }
 }
 
 impl FatalEvent for Event {
     fn fatal(text: String) -> Self {
         Event::Fatal(text)
+    }
+
+    /// Proofs of delivery: the loop deletes proven rows in batches 20 ms after the first, and
+    /// frees their room in flight at its next step.
+    fn can_wait(&self) -> bool {
+        matches!(self, Event::Confirmed { .. } | Event::Acked { .. })
     }
 }
 
@@ -52,9 +63,14 @@ impl<E: FatalEvent> EventSink<E> {
     }
 
     pub(crate) fn send(&self, event: E) {
+        let can_wait = event.can_wait();
         // An error means the worker dropped its handle: nobody is listening any more.
         if self.events.send(event).is_ok() {
-            self.wake.wake();
+            if can_wait {
+                self.wake.wake_soon();
+            } else {
+                self.wake.wake();
+            }
         }
     }
 }

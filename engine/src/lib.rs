@@ -21,6 +21,7 @@
 //! - [`monitor`]: the reconciliation monitor's rounds and its compensations.
 //! - [`scheduled`]: delayed messages moved into the outbox when due; old idempotency keys.
 //! - [`settings`]: the settings the delivery reads, filled by the host from its configuration.
+//! - [`wait_ms`]: a wait's timeout in whole milliseconds, rounded up, for every host's waits.
 //! - [`outbox`], [`telemetry`]: what the delivery needs of its host, as traits: the statements
 //!   it runs on `amqp.message` (inside the transactions the host opens); where its counters and
 //!   log lines go; [`statements`]: the texts of those statements, for every host to run.
@@ -49,3 +50,4 @@ pub mod settle;
 pub mod standby_gate;
 pub mod statements;
 pub mod telemetry;
+pub mod wait_ms;

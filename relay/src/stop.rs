@@ -61,9 +61,7 @@ pub fn wait(fds: &[RawFd], timeout: std::time::Duration) {
             revents: 0,
         })
         .collect();
-    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
-    // Rounded up: a sub-millisecond timeout must not become a busy loop of zero waits.
-    let ms = if ms == 0 && !timeout.is_zero() { 1 } else { ms };
+    let ms = amqp_outbox_engine::wait_ms::wait_ms(timeout);
     // SAFETY: `polled` is a valid array of pollfd for its length; EINTR only ends the wait.
     unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, ms) };
 }

@@ -227,7 +227,7 @@ enum Stop {
 /// stop.
 fn wait(timeout: Duration, event: WaitEvent) -> Result<(), Stop> {
     let events = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH;
-    let timeout_ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
+    let timeout_ms = std::ffi::c_long::from(amqp_outbox_engine::wait_ms::wait_ms(timeout));
     // SAFETY: the launcher's main thread, which owns MyLatch; only its owner resets it.
     let woken = unsafe {
         let woken = pg_sys::WaitLatch(pg_sys::MyLatch, events as i32, timeout_ms, event.info());

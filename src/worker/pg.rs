@@ -151,7 +151,7 @@ fn wait_set(fd: Option<RawFd>) -> *mut pg_sys::WaitEventSet {
 /// Sleeps until the latch is set, `fd` is readable, or `timeout` passes, showing `event` in
 /// pg_stat_activity. Exits (code 1) if the postmaster died.
 pub fn wait(fd: Option<RawFd>, timeout: Duration, event: WaitEvent) -> Woken {
-    let timeout_ms = timeout.as_millis().min(i64::MAX as u128) as std::ffi::c_long;
+    let timeout_ms = std::ffi::c_long::from(amqp_outbox_engine::wait_ms::wait_ms(timeout));
     let set = wait_set(fd);
     let mut occurred: [pg_sys::WaitEvent; 3] = Default::default();
     // SAFETY: the main thread, which owns MyLatch and the set; `occurred` has room for the
