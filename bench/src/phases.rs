@@ -299,8 +299,21 @@ pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), Str
             )
             .samples(per_msg(&broker_cpu)),
         );
+        let beside = if per_txn == 1 {
+            insert_beside_raw(
+                env,
+                run,
+                sec,
+                &load,
+                median(&rate),
+                opts.reps,
+                &get("publish_on"),
+            )?
+        } else {
+            Value::Null
+        };
         details.push(json!({
-            "config": cfg, "rows_per_sec": s,
+            "config": cfg, "rows_per_sec": s, "insert_beside_raw_publisher": beside,
             "worker_delivered_per_sec": rate, "worker_cpu_cores": cpu,
             "broker_cpu_cores": broker_cpu,
             "catch_up_secs": during.iter().map(|w| w.catch_up_secs).collect::<Vec<_>>(),
@@ -308,6 +321,83 @@ pub fn publish_cost(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), Str
     }
     run.detail("publish_cost", json!(details));
     Ok(())
+}
+
+/// #37's reference: a plain INSERT while a lean raw publisher ([`raw::Beside`]) delivers the
+/// rate the worker delivered in the series, against a plain INSERT alone, interleaved. It
+/// shows what delivering that rate to a RabbitMQ on the same cores costs a session whoever
+/// publishes, beside what the worker's delivery costs it.
+fn insert_beside_raw(
+    env: &mut Env,
+    run: &mut Run,
+    sec: &str,
+    load: &Load,
+    rate: f64,
+    reps: usize,
+    publish_on: &[f64],
+) -> Result<Value, String> {
+    if !rate.is_finite() || rate < 1.0 {
+        return Ok(Value::Null);
+    }
+    let body = payload(load.size);
+    let route = env.routes.publish.clone();
+    let me = std::process::id() as i32;
+    let (mut alone, mut beside, mut broker_us, mut client_us) = (vec![], vec![], vec![], vec![]);
+    for rep in 0..reps {
+        for with_raw in rotated(&[false, true], rep) {
+            if !with_raw {
+                alone.push(
+                    pgbench_once(env, System::Insert, load, &body)?
+                        .0
+                        .rows_per_sec,
+                );
+                continue;
+            }
+            env.purge(&route.queue)?;
+            let (b0, c0) = (broker_cpu(env), env::proc_cpu_secs(me));
+            let raw = raw::Beside::start(&env.amqp_uri(), &route.exchange, body.as_bytes(), rate)?;
+            let out = pgbench::run(env, System::Insert, load, &body);
+            let sent = raw.stop()?;
+            let out = out?;
+            broker_us.push(per_msg_us(b0, broker_cpu(env), sent));
+            client_us.push(per_msg_us(c0, env::proc_cpu_secs(me), sent));
+            env.sql("TRUNCATE public.plain")?;
+            env.purge(&route.queue)?;
+            log(format!(
+                "  {} plain INSERT beside a raw publisher ({rate:.0} msg/s): {:.0} rows/s",
+                config_label(load),
+                out.rows_per_sec
+            ));
+            beside.push(out.rows_per_sec);
+        }
+    }
+    run.fig(
+        Figure::new(
+            sec,
+            "plain INSERT beside a raw publisher at the worker's rate / plain INSERT (reference)",
+            &config_label(load),
+            "rows/s",
+        )
+        .samples(beside.clone())
+        .baseline("INSERT", alone.clone())
+        .note(format!(
+            "{rate:.0} msg/s published meanwhile; RabbitMQ {:.0} µs and the publisher {:.0} µs of CPU a message",
+            median(&broker_us),
+            median(&client_us)
+        )),
+    );
+    run.fig(
+        Figure::new(
+            sec,
+            "amqp.publish, worker on / plain INSERT beside a raw publisher (reference)",
+            &config_label(load),
+            "rows/s",
+        )
+        .samples(publish_on.to_vec())
+        .baseline("INSERT beside a raw publisher", beside.clone()),
+    );
+    Ok(json!({"rate": rate, "beside": beside, "alone": alone,
+              "broker_us_per_msg": broker_us, "publisher_us_per_msg": client_us}))
 }
 
 /// Outcome of one drain through the worker.

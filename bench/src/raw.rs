@@ -3,7 +3,7 @@
 //! consumer that timestamps deliveries for the latency runs.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -167,6 +167,66 @@ pub fn pipelined(
         let _ = conn.close(200, "done".into()).await;
         Ok(rate)
     })
+}
+
+/// A publisher that runs beside a pgbench run: `rate` messages a second, sent every [`TICK`]
+/// as one batch whose confirms it awaits before the next, with the worker's properties. What
+/// delivering a given rate to this RabbitMQ costs the machine when a lean client does it,
+/// whoever that is: the reference for what the worker's delivery costs beyond that.
+pub struct Beside {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<u64, String>>,
+}
+
+/// The batching period of [`Beside`]: the worker's gap between claims at 2,000 msg/s.
+const TICK: Duration = Duration::from_millis(2);
+
+impl Beside {
+    pub fn start(uri: &str, exchange: &str, body: &[u8], rate: f64) -> Result<Beside, String> {
+        let rt = runtime();
+        let (conn, ch) = rt.block_on(confirm_channel(uri))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (exchange, body, halt) = (exchange.to_string(), body.to_vec(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            rt.block_on(async move {
+                let opts = BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                };
+                let mut like = LikeOutbox::new("");
+                let t0 = Instant::now();
+                let mut sent = 0u64;
+                while !halt.load(Ordering::Relaxed) {
+                    let due = (t0.elapsed().as_secs_f64() * rate) as u64;
+                    let mut confirms = Vec::new();
+                    while sent < due {
+                        sent += 1;
+                        let p = like.props(sent as i64);
+                        let c = ch
+                            .basic_publish(exchange.as_str().into(), "".into(), opts, &body, p)
+                            .await
+                            .map_err(|e| format!("basic.publish: {e}"))?;
+                        confirms.push(c);
+                    }
+                    for c in confirms {
+                        check(c.await)?;
+                    }
+                    tokio::time::sleep(TICK).await;
+                }
+                let _ = conn.close(200, "done".into()).await;
+                Ok(sent)
+            })
+        });
+        Ok(Beside { stop, thread })
+    }
+
+    /// Stops it; the messages it published (all confirmed).
+    pub fn stop(self) -> Result<u64, String> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .join()
+            .map_err(|_| "the publisher beside pgbench panicked".to_string())?
+    }
 }
 
 /// Latency samples of one run, in microseconds.
