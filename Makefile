@@ -79,10 +79,10 @@ build:
 # `make lint` checks that the committed result is current.
 # Once a version is released its update script is frozen: its rule and its parts in
 # sql/upgrade/ go, and the script stays as it was (the install-script files change later).
-GENERATED_UPDATES := sql/amqp_outbox--0.7.0--0.8.0.sql
+GENERATED_UPDATES := sql/amqp_outbox--0.12.0--0.13.0.sql
 sql: $(GENERATED_UPDATES)
 	python3 scripts/hosted_sql.py
-sql/amqp_outbox--0.7.0--0.8.0.sql: sql/upgrade/0.7.0--0.8.0.head.sql sql/subscriptions.sql sql/monitor_pass.sql sql/health.sql sql/publish_later.sql sql/trace.sql sql/upgrade/0.7.0--0.8.0.tail.sql
+sql/amqp_outbox--0.12.0--0.13.0.sql: sql/upgrade/0.12.0--0.13.0.head.sql sql/monitor_pass.sql sql/monitor_open.sql sql/monitor_summary.sql
 	cat $^ > $@
 
 OLD_VERSION_SCRIPTS := $(filter-out $(wildcard sql/amqp_outbox--*--*.sql),$(wildcard sql/amqp_outbox--*.sql))

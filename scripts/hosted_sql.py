@@ -93,10 +93,10 @@ def build():
 # again, and the statements after them. The script is made of the files' own text: nothing is
 # copied by hand. Only the newest is generated: once the parts change for the next version an
 # older script would change with them, so it stays as committed (frozen), as
-# amqp_outbox_hosted--0.9.0--0.10.0.sql and amqp_outbox_hosted--0.10.0--0.11.0.sql do.
+# amqp_outbox_hosted--0.9.0--0.10.0.sql … amqp_outbox_hosted--0.11.0--0.12.0.sql do.
 UPDATES = {
-    ("0.11.0", "0.12.0"): {
-        "shared": ["amqp_outbox--0.11.0--0.12.0.sql"],
+    ("0.12.0", "0.13.0"): {
+        "shared": ["amqp_outbox--0.12.0--0.13.0.sql"],
         "before": [],
         "functions": [],
         "after": [],

@@ -51,24 +51,7 @@ $history_day$;
 
 -- The monitor's pass, amqp._monitor(): monitor_pass.sql.
 
--- The monitored messages not finished, and those finished lost or failed, as the monitor last
--- classified them: pending (no answer missing yet), late, failed, lost.
-CREATE VIEW @extschema@._open AS
-    SELECT p.message_id, p.message_at, p.business_type, p.business_key, p.created_at,
-           p.delivered_at, p.expected, p.resends, p.last_resent_at, p.late_at, p.lost_at,
-           r.late_after, r.lost_after, r.action,
-           coalesce(p.answered_ok, '{}') AS ok, coalesce(p.answered_failed, '{}') AS failed,
-           ARRAY(SELECT c.c FROM pg_catalog.unnest(p.expected) AS c(c)
-                  WHERE NOT c.c OPERATOR(pg_catalog.=) ANY (coalesce(p.answered_ok, '{}')
-                                                            OPERATOR(pg_catalog.||) coalesce(p.answered_failed, '{}'))) AS silent,
-           CASE WHEN p.outcome IS NOT NULL THEN p.outcome
-                WHEN pg_catalog.cardinality(p.answered_failed) OPERATOR(pg_catalog.>) 0 THEN 'failed'
-                WHEN p.late_at IS NOT NULL THEN 'late'
-                ELSE 'pending' END AS status,
-           p.check_at, p.outcome, p.completed_at
-      FROM @extschema@.produced p
-      LEFT JOIN @extschema@.monitor_rule r ON r.business_type OPERATOR(pg_catalog.=) p.business_type
-     WHERE p.expected IS NOT NULL AND (p.completed_at IS NULL OR p.outcome IN ('lost', 'failed'));
+-- The monitored messages as the monitor last classified them, amqp._open: monitor_open.sql.
 
 -- Every message in the window that needs attention or is under way: monitored ones after
 -- delivery (not finished, or finished lost or failed), and every one still in the outbox.
@@ -115,17 +98,7 @@ CREATE TABLE @extschema@._monitor_summary (
     counted_at timestamptz NOT NULL
 );
 
-CREATE FUNCTION @extschema@._summarize() RETURNS void
-    LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $summarize$
-    DELETE FROM @extschema@._monitor_summary;
-    INSERT INTO @extschema@._monitor_summary (status, messages, recent, oldest, counted_at)
-    SELECT s.status, count(o.status),
-           count(o.status) FILTER (WHERE o.lost_at > now() - interval '1 hour'),
-           min(o.created_at), now()
-      FROM unnest(ARRAY['pending', 'late', 'lost', 'failed']) AS s(status)
-      LEFT JOIN @extschema@._open o ON o.status = s.status
-     GROUP BY s.status;
-$summarize$;
+-- amqp._summarize(), which fills it: monitor_summary.sql.
 
 CREATE OR REPLACE VIEW @extschema@.daily_stats AS
     SELECT day, business_type,
@@ -186,10 +159,8 @@ GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean,
 GRANT EXECUTE ON FUNCTION @extschema@.send_receipt(integer, text, text, boolean, text, text) TO amqp_outbox_admin;
 
 REVOKE ALL ON @extschema@._monitor_summary FROM PUBLIC;
-REVOKE ALL ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer),
-    @extschema@._summarize() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer),
-    @extschema@._summarize() TO amqp_outbox_admin;
+REVOKE ALL ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@._history_day(text, date), @extschema@._monitor(integer) TO amqp_outbox_admin;
 GRANT SELECT ON @extschema@.daily_stats, @extschema@.reconciliation,
     @extschema@.reconciliation_summary, @extschema@._open, @extschema@._monitor_summary TO pg_monitor;
 GRANT SELECT ON @extschema@.daily_stats, @extschema@.reconciliation,

@@ -8,10 +8,13 @@
 --
 -- A message is timed from its delivery to the broker (the latest resent copy's, after a
 -- resend), never from its creation: an outage before delivery makes nothing late. It is late
--- when a consumer has not answered late_after after that, lost when one has not answered
--- lost_after after it and every receipt sent until then has been collected (the subscriptions
--- handled by amqp.record_receipt have seen their queue empty since: a slow receipts queue makes
--- nothing lost). Then: 'resend' sends it again (same message_id) at most max_resends times,
+-- when a consumer had not answered late_after after that: a state of time, shown by the views
+-- as it comes (amqp._open), not a look of its own; the first look after it (an answer, or the
+-- time it would be lost) records it (late_at: when it became late) and counts it. It is lost
+-- when one has not answered lost_after after it and every receipt sent until then has been
+-- collected (the subscriptions handled by amqp.record_receipt have seen their queue empty
+-- since: a slow receipts queue makes nothing lost). Then: 'resend' sends it again (same
+-- message_id) at most max_resends times,
 -- never while a copy waits in the outbox, and gives it up as lost after that; 'compensate'
 -- records the silent consumers as failed ('lost' answers) and compensates; 'report' gives it up
 -- as lost. Failures are compensated unless the rule says report (with a handler). Finished:
@@ -76,7 +79,7 @@ BEGIN
                r.business_type IS NOT NULL AS ruled, r.late_after, r.lost_after, r.action, r.max_resends,
                EXISTS (SELECT FROM @extschema@.compensation_handler h
                         WHERE h.business_type = p.business_type) AS handler,
-               a.ok, a.failed, a.silent, a.compensated
+               a.ok, a.failed, a.silent, a.compensated, a.answered_by
           FROM @extschema@.produced p
           LEFT JOIN @extschema@.monitor_rule r ON r.business_type = p.business_type
           CROSS JOIN LATERAL (
@@ -85,8 +88,14 @@ BEGIN
               SELECT coalesce(array_agg(l.consumer) FILTER (WHERE l.status = 'ok' AND NOT l.done), '{}') AS ok,
                      coalesce(array_agg(l.consumer) FILTER (WHERE l.status <> 'ok' OR l.done), '{}') AS failed,
                      coalesce(array_agg(l.consumer) FILTER (WHERE l.status IS NULL AND NOT l.done), '{}') AS silent,
-                     coalesce(array_agg(l.consumer) FILTER (WHERE l.done), '{}') AS compensated
+                     coalesce(array_agg(l.consumer) FILTER (WHERE l.done), '{}') AS compensated,
+                     -- When the last of them first answered (now, while one is silent): late
+                     -- if that is late_after or more after the delivery.
+                     max(coalesce(l.first_at, now())) AS answered_by
                 FROM (SELECT c.consumer,
+                             (SELECT min(x.received_at) FROM @extschema@.receipt x
+                               WHERE x.message_id = p.message_id AND x.message_at = p.message_at
+                                 AND x.consumer = c.consumer) AS first_at,
                              (SELECT x.status FROM @extschema@.receipt x
                                WHERE x.message_id = p.message_id AND x.message_at = p.message_at
                                  AND x.consumer = c.consumer
@@ -108,7 +117,8 @@ BEGIN
           FROM due
     ), judged AS (
         SELECT timed.*,
-               waiting AND now() >= since + late_after AS is_late,
+               -- Late: an answer missing late_after after the delivery, or one that came later.
+               ruled AND NOT copy_waiting AND answered_by >= since + late_after AS is_late,
                waiting AND now() >= since + lost_after AND receipts_until >= since + lost_after AS is_lost
           FROM timed
     ), acted AS (
@@ -140,7 +150,6 @@ BEGIN
                     WHEN resend OR copy_waiting THEN now() + lost_after
                     -- Waits for its compensations (each one done brings the next look).
                     WHEN cardinality(silent) = 0 OR silent_fail THEN NULL
-                    WHEN now() < since + late_after THEN since + late_after
                     WHEN now() < since + lost_after THEN since + lost_after
                     -- Due, but receipts are not collected that far yet: not before the
                     -- collection could have caught up (at least a second, at most lost_after
@@ -156,7 +165,7 @@ BEGIN
            SET check_at = n.next_check,
                answered_ok = n.ok,
                answered_failed = n.all_failed,
-               late_at = CASE WHEN n.is_late AND p.late_at IS NULL THEN now() ELSE p.late_at END,
+               late_at = CASE WHEN n.is_late AND p.late_at IS NULL THEN n.since + n.late_after ELSE p.late_at END,
                lost_at = CASE WHEN n.give_up AND p.lost_at IS NULL THEN now() ELSE p.lost_at END,
                resends = p.resends + CASE WHEN n.resend THEN 1 ELSE 0 END,
                last_resent_at = CASE WHEN n.resend THEN now() ELSE p.last_resent_at END,

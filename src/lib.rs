@@ -56,14 +56,24 @@ extension_sql_file!(
     requires = ["receipts"]
 );
 extension_sql_file!(
+    "../sql/monitor_open.sql",
+    name = "monitor_open",
+    requires = ["monitor_pass"]
+);
+extension_sql_file!(
     "../sql/monitor.sql",
     name = "monitor",
-    requires = ["monitor_pass"]
+    requires = ["monitor_open"]
+);
+extension_sql_file!(
+    "../sql/monitor_summary.sql",
+    name = "monitor_summary",
+    requires = ["monitor"]
 );
 extension_sql_file!(
     "../sql/runs_as.sql",
     name = "runs_as",
-    requires = ["monitor"]
+    requires = ["monitor_summary"]
 );
 extension_sql_file!("../sql/health.sql", name = "health", requires = ["runs_as"]);
 extension_sql_file!(

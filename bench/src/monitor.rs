@@ -9,15 +9,18 @@
 //! for reference, **unmonitored**: the same publishing with a business type no rule names, so
 //! that what the monitor costs is told apart from what publishing and delivering costs on the
 //! same cores. The rule (action `report`, consumers `{never}`, late after 5 s, lost after 1 hour)
-//! keeps the monitored messages open.
+//! keeps the monitored messages open until the monitor gives them up.
 //!
 //! The open ones are inserted into `amqp.produced` directly, as the worker would have written
-//! them, with their first looks spread evenly over the 60 s from the window's start: seeding
-//! takes seconds instead of publishing and draining 100,000 messages through the shared broker,
-//! and the monitor classifies them during the window (open ÷ 60 looks a second on top of the new
-//! messages', whatever the window's length) instead of all at once before it. Each row's
-//! delivery is its first look minus `late_after`, so when the monitor reaches it, it is exactly
-//! a message delivered then. Meanwhile, every second: the backlog of due looks (`now() -
+//! them (the first look when the message would be lost): seeding takes seconds instead of
+//! publishing and draining them through the shared broker. Two sets of `BENCH_MONITOR_OPEN`
+//! each: one delivered in the last minute, late and not due before an hour (what a silent
+//! consumer leaves behind), and one delivered an hour ago, whose looks are spread evenly over
+//! the 60 s from the window's start, so that the monitor gives them up as lost during the window
+//! (open ÷ 60 looks a second on top of the new messages', whatever the window's length) instead
+//! of all at once before it. Each row's delivery is its first look minus `lost_after`, so when
+//! the monitor reaches it, it is exactly a message delivered then. Meanwhile, every second: the
+//! backlog of due looks (`now() -
 //! min(check_at)` of what is due, the same as `max(now() - check_at)`, read from the `check_at`
 //! index); over the window, the CPU time of the `amqp_outbox monitor` backend from
 //! `/proc/<pid>/stat`, and of the unrelated subscription's worker (per message it handled: at
@@ -52,6 +55,7 @@ const KIND: &str = "bench_monitor_open";
 /// The business type of the reference flow: no rule names it.
 const UNRULED: &str = "bench_monitor_unruled";
 const LATE_AFTER_SECS: u64 = 5;
+const LOST_AFTER_SECS: u64 = 3600;
 /// The seeded messages' first looks are spread over this long from the window's start: the
 /// monitor's work a second does not depend on the window's length (quick or full).
 const SPREAD: Duration = Duration::from_secs(60);
@@ -69,7 +73,7 @@ const BACKLOG_SQL: &str = "SELECT coalesce(extract(epoch FROM now() - min(check_
                            FROM amqp.produced WHERE check_at <= now()";
 const OPEN_SQL: &str = "SELECT count(*) FROM amqp.produced \
                         WHERE business_type = $1 AND expected IS NOT NULL AND completed_at IS NULL";
-/// Looks that found a message late (every first look here: nobody answers).
+/// Looks that found a message late (every look that decides a message here: nobody answers).
 const LATE_SQL: &str =
     "SELECT coalesce(sum(late), 0)::bigint FROM amqp._daily_stat WHERE business_type = $1";
 
@@ -273,7 +277,7 @@ fn setup(env: &mut Env) -> Result<(), String> {
                     (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
                FROM amqp.body_text(d) AS b $$;
          INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
-         VALUES ('{KIND}', '{{never}}', '{LATE_AFTER_SECS} seconds', '1 hour', 'report')
+         VALUES ('{KIND}', '{{never}}', '{LATE_AFTER_SECS} seconds', '{LOST_AFTER_SECS} seconds', 'report')
          ON CONFLICT (business_type) DO UPDATE
             SET consumers = excluded.consumers, late_after = excluded.late_after,
                 lost_after = excluded.lost_after, action = excluded.action;"
@@ -358,7 +362,8 @@ fn cleanup(env: &mut Env) {
 }
 
 /// Inserts `n` open monitored messages into `amqp.produced` as the worker writes them on
-/// delivery, their first looks spread evenly over [`base`, `base + spread`].
+/// delivery, their first looks (when they would be lost) spread evenly over [`base`, `base +
+/// spread`].
 fn seed(env: &mut Env, n: u64, base: SystemTime, spread: Duration) -> Result<(), String> {
     let [_, monitored] = routes();
     let body = payload(BODY_SIZE).into_bytes();
@@ -370,8 +375,8 @@ fn seed(env: &mut Env, n: u64, base: SystemTime, spread: Duration) -> Result<(),
                  published_at, confirmed_at, acknowledged_at, delivered_at, expected, body,
                  delivery_mode, check_at)
              SELECT s.id, amqp._uuid7_time(s.id), s.g, $1, $2, '', current_database(), 'bench', $3,
-                    pg_backend_pid(), now(), now(), s.due - r.late_after, s.due - r.late_after,
-                    s.due - r.late_after, s.due - r.late_after, r.consumers, $4, 2, s.due
+                    pg_backend_pid(), now(), now(), s.due - r.lost_after, s.due - r.lost_after,
+                    s.due - r.lost_after, s.due - r.lost_after, r.consumers, $4, 2, s.due
                FROM (SELECT g, amqp._new_message_id() AS id,
                             $5::timestamptz + random() * $6::float8 * interval '1 second' AS due
                        FROM generate_series(1, $7::int) g) s
@@ -482,6 +487,12 @@ fn window(env: &mut Env, opts: &Opts, case: Case) -> Result<Window, String> {
         )?),
         Case::NoneOpen => None,
     };
+    if case == Case::Loaded {
+        // Left behind by a silent consumer in the last minute, not due for an hour: seeded
+        // before the warm-up, whose seeding is timed (the ones due in the window).
+        let behind = SystemTime::now() + Duration::from_secs(LOST_AFTER_SECS) - SPREAD;
+        seed(env, opts.monitor_open, behind, SPREAD)?;
+    }
     let pad = payload(BODY_SIZE - 20);
     let start = Instant::now();
     let base = SystemTime::now() + WARMUP;
@@ -801,7 +812,7 @@ fn measure_scale(env: &mut Env, opts: &Opts, run: &mut Run) -> Result<(), String
             "open": opts.monitor_open, "monitored_rate": opts.monitor_rate,
             "unrelated_rate": opts.monitor_flow, "window_secs": opts.monitor_secs,
             "warmup_secs": WARMUP.as_secs(), "reps": opts.monitor_reps, "jit": jit,
-            "seeding": "direct INSERT into amqp.produced, first looks spread evenly over 60 s from the window's start",
+            "seeding": "direct INSERT into amqp.produced: as many delivered in the last minute (due in an hour), and as many delivered an hour ago, their looks spread evenly over 60 s from the window's start",
             "spread_secs": SPREAD.as_secs(),
             "windows": got.iter().map(Window::to_json).collect::<Vec<_>>(),
         }),

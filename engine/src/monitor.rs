@@ -47,7 +47,12 @@ const PASS_PAUSE: Duration = Duration::from_millis(2);
 /// slow function is bounded by `amqp_outbox.handler_timeout` on top).
 const COMPENSATIONS_PER_ROUND: usize = 20;
 const COMPENSATION_BUDGET: Duration = Duration::from_millis(300);
+/// The counts `amqp.health()` reads read every open message (a few hundred milliseconds at
+/// 200,000 of them): every 5 s, or less often so that counting takes at most a fiftieth of the
+/// time, and at least every 30 s (`amqp.health()` warns after a minute without counts).
 const SUMMARY_EVERY: Duration = Duration::from_secs(5);
+const SUMMARY_SHARE: u32 = 50;
+const SUMMARY_LONGEST: Duration = Duration::from_secs(30);
 /// The counts `amqp.health()` reads.
 pub const SUMMARY_SQL: &str = "SELECT 'counted'::text FROM amqp._summarize()";
 const UPKEEP_EVERY: Duration = Duration::from_secs(10);
@@ -229,9 +234,11 @@ impl Schedule {
         }
         let now = Instant::now();
         if self.summary_at.is_none_or(|t| now >= t) {
-            self.summary_at = Some(now + SUMMARY_EVERY);
             logged(host, "monitor counts", SUMMARY_SQL, None);
+            let took = now.elapsed();
+            self.summary_at = Some(Instant::now() + summary_gap(took));
         }
+        let now = Instant::now();
         if self.upkeep_at.is_none_or(|t| now >= t) {
             self.upkeep_at = Some(now + UPKEEP_EVERY);
             logged(
@@ -242,6 +249,12 @@ impl Schedule {
             );
         }
     }
+}
+
+/// The time from the end of the counts to the next, when they took `took`.
+fn summary_gap(took: Duration) -> Duration {
+    took.saturating_mul(SUMMARY_SHARE)
+        .clamp(SUMMARY_EVERY, SUMMARY_LONGEST)
 }
 
 /// SQLSTATE 55P03: the lock wait ran out.
@@ -412,6 +425,17 @@ mod tests {
         let most = (PASS_BUDGET.as_millis() / PASS_PAUSE.as_millis()) as usize;
         assert!(host.passes <= most, "{}", host.passes);
         assert_eq!(host.pauses, host.passes - 1);
+    }
+
+    #[test]
+    fn the_counts_take_at_most_a_fiftieth_of_the_time_within_their_bounds() {
+        assert_eq!(summary_gap(Duration::from_millis(3)), SUMMARY_EVERY);
+        assert_eq!(summary_gap(Duration::from_millis(100)), SUMMARY_EVERY);
+        assert_eq!(
+            summary_gap(Duration::from_millis(350)),
+            Duration::from_millis(17_500)
+        );
+        assert_eq!(summary_gap(Duration::from_secs(2)), SUMMARY_LONGEST);
     }
 
     #[test]

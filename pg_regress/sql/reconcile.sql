@@ -150,9 +150,11 @@ SELECT amqp._monitor(0);
 \set VERBOSITY terse
 -- The first pass: looks at every due message (10), counts the receipts. 'done' completes;
 -- 'failing' has a compensation queued for coupon; 'slow' and the silent ones are late (timed
--- from delivery: 'outage' is not); nothing is lost while receipts are behind (each looked at
--- again when the collection could have caught up: in 15 s); a message whose rule is gone stops
--- being monitored.
+-- from delivery: 'outage' is not), and so are 'done' and 'failing', whose answers came 10 s
+-- after their delivery (late_after 3 s); 'fresh' and 'outage' are looked at next when they
+-- would be lost (being late needs no look); nothing is lost while receipts are behind (each
+-- looked at again when the collection could have caught up: in 15 s); a message whose rule is
+-- gone stops being monitored.
 SELECT amqp._monitor() AS looked;
 SELECT i.key, p.late_at IS NOT NULL AS late, p.lost_at IS NOT NULL AS lost, p.resends, p.outcome,
        p.answered_ok, p.answered_failed, p.check_at - now() AS next_look
@@ -160,6 +162,15 @@ SELECT i.key, p.late_at IS NOT NULL AS late, p.lost_at IS NOT NULL AS lost, p.re
 SELECT i.key, c.consumer, c.state FROM amqp.compensation c JOIN ids i USING (message_id) ORDER BY 1, 2;
 -- A pass with nothing due looks at nothing.
 SELECT amqp._monitor() AS looked_again;
+-- Being late needs no look: 'fresh', as if delivered 4 s earlier, is late in the views at once,
+-- with nothing written to its record (not stamped, its next look unchanged).
+UPDATE amqp.produced p SET delivered_at = p.delivered_at - interval '4 s'
+  FROM ids i WHERE i.message_id = p.message_id AND i.key = 'fresh';
+SELECT i.key, r.status, r.waiting_for, p.late_at IS NULL AS not_stamped, p.check_at - now() AS next_look
+  FROM amqp.reconciliation r JOIN ids i USING (message_id) JOIN amqp.produced p USING (message_id)
+ WHERE i.key IN ('fresh', 'outage') ORDER BY 1;
+UPDATE amqp.produced p SET delivered_at = p.delivered_at + interval '4 s'
+  FROM ids i WHERE i.message_id = p.message_id AND i.key = 'fresh';
 
 -- The receipts catch up, and time passes (every look due now). 'silent' is given up under
 -- 'compensate' ('lost' answers, a compensation per consumer); 'o-lost' is resent with its

@@ -336,6 +336,20 @@ fn function_definitions(c: &mut Client) -> Vec<(String, String, Option<String>)>
     .collect()
 }
 
+/// Every view of the install: name, definition and grants.
+fn view_definitions(c: &mut Client) -> Vec<(String, String, Option<String>)> {
+    c.query(
+        "SELECT c.oid::regclass::text, pg_get_viewdef(c.oid), c.relacl::text \
+           FROM pg_class c WHERE c.relnamespace = 'amqp'::regnamespace AND c.relkind = 'v' \
+          ORDER BY 1",
+        &[],
+    )
+    .expect("views")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
+}
+
 /// Every constraint of the install's tables: table, name and definition.
 fn constraint_definitions(c: &mut Client) -> Vec<(String, String, String)> {
     c.query(
@@ -403,7 +417,9 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
         .expect("publish with 0.10.0");
     update(&mut owner, "0.10.0", "0.11.0");
     update(&mut owner, "0.11.0", "0.12.0");
-    // The functions (their settings and grants) and the constraints are a fresh install's.
+    update(&mut owner, "0.12.0", "0.13.0");
+    // The functions (their settings and grants), the views and the constraints are a fresh
+    // install's.
     let fresh_cluster = installed_from(&script());
     let mut fresh = owner_client(&fresh_cluster);
     assert_eq!(
@@ -414,6 +430,7 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
         constraint_definitions(&mut owner),
         constraint_definitions(&mut fresh)
     );
+    assert_eq!(view_definitions(&mut owner), view_definitions(&mut fresh));
     // A key published before the update is still known; a new one publishes.
     let again: i64 = owner
         .query_one(
@@ -432,7 +449,7 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     assert_eq!(again, known);
     owner
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'after')", &[])
-        .expect("publish with 0.12.0");
+        .expect("publish with 0.13.0");
     // A row the table's rules refuse is refused as before, naming the rule.
     let e = owner
         .query_one("SELECT amqp.publish(1, 'ex', 'rk', 'x', 3)", &[])
@@ -458,6 +475,7 @@ fn the_updates_from_0_9_0_keep_every_message_and_end_as_a_fresh_install() {
     assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.9.0--0.10.0.sql");
     assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.10.0--0.11.0.sql");
     assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.11.0--0.12.0.sql");
+    assert_refused_twice(&mut owner, "amqp_outbox_hosted--0.12.0--0.13.0.sql");
 }
 
 /// One call of `amqp.<function>` with `args` (as text, cast in SQL) and `settings` set for the

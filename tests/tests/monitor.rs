@@ -5,7 +5,9 @@
 //!   nothing lost, and nothing is compensated for messages the consumer handled;
 //! - a silent consumer gets at most `max_resends` copies, never two waiting at once, and the
 //!   message is then given up as lost (finished);
-//! - a compensation never runs for a consumer that answered ok before it ran.
+//! - a compensation never runs for a consumer that answered ok before it ran;
+//! - being late needs no look: it shows as it comes, and is recorded when the message is
+//!   decided.
 
 use std::time::{Duration, Instant};
 
@@ -437,6 +439,178 @@ fn a_compensation_never_runs_for_a_consumer_that_answered_ok_before_it() {
             &[receipts_queue, queue],
             &[exchange, receipts],
             Duration::from_secs(10),
+        );
+    }
+}
+
+/// Being late needs no look: a silent message shows late in `amqp.reconciliation` and
+/// `amqp.health()` as soon as `late_after` has passed, while its record stays as delivery left
+/// it (the monitor wrote every message at that time, 2,000 looks a second for a consumer's
+/// backlog). The look that decides a message records when it became late and counts it: one
+/// answered after `late_after` and one given up as lost are late, one answered in time is not.
+#[test]
+fn being_late_needs_no_look_and_is_counted_when_the_message_is_decided() {
+    let rabbit = Rabbit::shared();
+    let tag = format!("monitor_late_{}", std::process::id());
+    let (exchange, queue) = (format!("{tag}.biz"), format!("{tag}.q.archive"));
+    let (_cluster, mut c, broker) = shop(rabbit.endpoint(), None, &[]);
+    c.batch_execute(
+        "INSERT INTO amqp.monitor_rule (business_type, consumers, late_after, lost_after, action)
+         VALUES ('audit', '{archive,billing}', '2 s', '9 s', 'report');",
+    )
+    .expect("rule");
+    c.query_one(
+        "SELECT amqp.exchange_declare($1, $2, 'topic', false, true),
+                amqp.queue_declare($1, $3), amqp.queue_bind($1, $3, $2, 'audit')",
+        &[&broker, &exchange, &queue],
+    )
+    .expect("archive's queue");
+    let ids = publish(&mut c, broker, &exchange, "audit", 3);
+    let (in_time, answered_late, silent) = (&ids[0], &ids[1], &ids[2]);
+    eventually(UP, "3 messages delivered", || {
+        match scalar(&mut c, "SELECT count(*) FROM amqp.produced")? {
+            3 => Ok(()),
+            n => Err(format!("{n} delivered")),
+        }
+    });
+    // As the receipts collection would record them.
+    let answer = |c: &mut Client, id: &str, consumer: &str| {
+        c.execute(
+            "INSERT INTO amqp.receipt (message_id, message_at, consumer, status, business_type)
+             SELECT message_id, message_at, $2, 'ok', business_type FROM amqp.produced
+              WHERE message_id = $1",
+            &[&id, &consumer],
+        )
+        .unwrap_or_else(|e| panic!("receipt of {consumer} for {id}: {e}"));
+    };
+    for consumer in ["archive", "billing"] {
+        answer(&mut c, in_time, consumer);
+    }
+    answer(&mut c, answered_late, "archive");
+    eventually(
+        UP,
+        "the message answered in time complete",
+        || match scalar(
+            &mut c,
+            "SELECT count(*) FROM amqp.produced WHERE outcome = 'complete'",
+        )? {
+            1 => Ok(()),
+            n => Err(format!("{n} complete")),
+        },
+    );
+
+    // Late from 2 s after delivery: shown without a write to its record.
+    let record = "SELECT xmin::text || ' ' || coalesce(late_at::text, '-') || ' ' || check_at::text
+                    FROM amqp.produced WHERE message_id = $1";
+    let before: String = c
+        .query_one(record, &[silent])
+        .expect("the silent message's record")
+        .get(0);
+    eventually(Duration::from_secs(20), "health reports 2 late", || {
+        let late: Vec<String> = c
+            .query(
+                "SELECT message_id FROM amqp.reconciliation WHERE status = 'late' ORDER BY 1",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let health: String = c
+            .query_one(
+                "SELECT status || ': ' || detail FROM amqp.health() WHERE component = 'late'",
+                &[],
+            )
+            .map_err(|e| e.to_string())?
+            .get(0);
+        let mut want = vec![answered_late.clone(), silent.clone()];
+        want.sort();
+        if late == want && health.starts_with("warning: 2 late") {
+            Ok(())
+        } else {
+            Err(format!("late {late:?}, health {health}"))
+        }
+    });
+    let after: String = c
+        .query_one(record, &[silent])
+        .expect("the silent message's record")
+        .get(0);
+    assert_eq!(after, before, "the monitor wrote a message for being late");
+    let first_look_when_lost: bool = c
+        .query_one(
+            "SELECT late_at IS NULL AND check_at = delivered_at + interval '9 s'
+               FROM amqp.produced WHERE message_id = $1",
+            &[silent],
+        )
+        .expect("the silent message's record")
+        .get(0);
+    assert!(
+        first_look_when_lost,
+        "the silent message is looked at first when it would be lost: {after}"
+    );
+    let late_stat =
+        "SELECT coalesce(sum(late), 0)::int8 FROM amqp.daily_stats WHERE business_type = 'audit'";
+    assert_eq!(
+        scalar(&mut c, late_stat),
+        Ok(0),
+        "late counted before any was decided"
+    );
+
+    // billing answers the second one now, late: it completes, late.
+    answer(&mut c, answered_late, "billing");
+    eventually(UP, "the late answer decided", || {
+        match scalar(
+            &mut c,
+            "SELECT count(*) FROM amqp.produced WHERE outcome = 'complete'",
+        )? {
+            2 => Ok(()),
+            n => Err(format!("{n} complete")),
+        }
+    });
+    eventually(
+        Duration::from_secs(30),
+        "the silent one lost",
+        || match scalar(
+            &mut c,
+            "SELECT count(*) FROM amqp.produced WHERE outcome = 'lost'",
+        )? {
+            1 => Ok(()),
+            n => Err(format!("{n} lost")),
+        },
+    );
+    let rows = c
+        .query(
+            "SELECT message_id, late_at IS NOT NULL,
+                    coalesce(late_at = delivered_at + interval '2 s', false), outcome
+               FROM amqp.produced ORDER BY message_id",
+            &[],
+        )
+        .expect("records");
+    let got: Vec<(String, bool, bool, String)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let mut want = vec![
+        (in_time.clone(), false, false, "complete".to_string()),
+        (answered_late.clone(), true, true, "complete".to_string()),
+        (silent.clone(), true, true, "lost".to_string()),
+    ];
+    want.sort();
+    assert_eq!(
+        got, want,
+        "(message, late, late_at when it became late, outcome)"
+    );
+    assert_eq!(scalar(&mut c, late_stat), Ok(2), "late in daily_stats");
+    let events: Vec<String> = c
+        .query("SELECT event FROM amqp.trace($1)", &[silent])
+        .expect("trace")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for want in ["late", "lost", "finished"] {
+        assert!(
+            events.iter().any(|e| e == want),
+            "{silent} lacks {want}: {events:?}"
         );
     }
 }

@@ -27,8 +27,9 @@ WITH t AS (
            to_timestamp(d.acknowledged / 1e6::float8), d.attempts, r.consumers,
            (d.kept).body, (d.kept).headers, (d.kept).delivery_mode, (d.kept).content_type,
            (d.kept).reply_to, (d.kept).correlation_id,
-           -- The monitor's first look: when it would be late.
-           now() + r.late_after
+           -- The monitor's first look: when it would be lost (a receipt brings it sooner;
+           -- being late needs no look).
+           now() + r.lost_after
       FROM d LEFT JOIN amqp.monitor_rule r ON r.business_type = d.kind
      WHERE $5 AND d.resends = 0
 ), again AS (
