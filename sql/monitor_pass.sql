@@ -14,10 +14,9 @@
 -- when one has not answered lost_after after it and every receipt sent until then has been
 -- collected (the subscriptions handled by amqp.record_receipt have seen their queue empty
 -- since: a slow receipts queue makes nothing lost). Then: 'resend' sends it again (same
--- message_id) at most max_resends times,
--- never while a copy waits in the outbox, and gives it up as lost after that; 'compensate'
--- records the silent consumers as failed ('lost' answers) and compensates; 'report' gives it up
--- as lost. Failures are compensated unless the rule says report (with a handler). Finished:
+-- message_id) at most max_resends times, never while a copy waits in the outbox, and gives it
+-- up as lost after that; 'compensate' records the silent consumers as failed ('lost' answers)
+-- and compensates; 'report' gives it up as lost. Failures are compensated unless the rule says report (with a handler). Finished:
 -- complete (every consumer answered ok), compensated, lost or failed; nothing changes a finished
 -- message but its trace, and a compensation never runs for a consumer that answered ok.
 CREATE OR REPLACE FUNCTION @extschema@._monitor(max_messages integer DEFAULT 5000) RETURNS integer
@@ -92,18 +91,19 @@ BEGIN
                      -- When the last of them first answered (now, while one is silent): late
                      -- if that is late_after or more after the delivery.
                      max(coalesce(l.first_at, now())) AS answered_by
-                FROM (SELECT c.consumer,
-                             (SELECT min(x.received_at) FROM @extschema@.receipt x
-                               WHERE x.message_id = p.message_id AND x.message_at = p.message_at
-                                 AND x.consumer = c.consumer) AS first_at,
-                             (SELECT x.status FROM @extschema@.receipt x
-                               WHERE x.message_id = p.message_id AND x.message_at = p.message_at
-                                 AND x.consumer = c.consumer
-                               ORDER BY x.received_at DESC LIMIT 1) AS status,
+                FROM (SELECT c.consumer, x.status, x.first_at,
                              EXISTS (SELECT FROM @extschema@.compensation k
                                       WHERE k.message_id = p.message_id AND k.consumer = c.consumer
                                         AND k.state = 'done') AS done
-                        FROM unnest(p.expected) AS c(consumer)) l
+                        FROM unnest(p.expected) AS c(consumer)
+                        -- The latest answer and the time of the first, in one read of its
+                        -- receipts (the window's min is taken before the LIMIT).
+                        LEFT JOIN LATERAL (
+                            SELECT y.status, min(y.received_at) OVER () AS first_at
+                              FROM @extschema@.receipt y
+                             WHERE y.message_id = p.message_id AND y.message_at = p.message_at
+                               AND y.consumer = c.consumer
+                             ORDER BY y.received_at DESC LIMIT 1) x ON true) l
           ) a
          WHERE p.check_at <= now() AND p.completed_at IS NULL
          ORDER BY p.check_at

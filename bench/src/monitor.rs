@@ -20,12 +20,11 @@
 //! (open ÷ 60 looks a second on top of the new messages', whatever the window's length) instead
 //! of all at once before it. Each row's delivery is its first look minus `lost_after`, so when
 //! the monitor reaches it, it is exactly a message delivered then. Meanwhile, every second: the
-//! backlog of due looks (`now() -
-//! min(check_at)` of what is due, the same as `max(now() - check_at)`, read from the `check_at`
-//! index); over the window, the CPU time of the `amqp_outbox monitor` backend from
-//! `/proc/<pid>/stat`, and of the unrelated subscription's worker (per message it handled: at
-//! 200 msg/s most of a message's latency is that worker's own CPU). Stalls of the handler
-//! (messages over 100 ms, grouped) go to the details.
+//! backlog of due looks (`now() - min(check_at)` of what is due, the same as `max(now() -
+//! check_at)`, read from the `check_at` index); over the window, the CPU time of the
+//! `amqp_outbox monitor` backend from `/proc/<pid>/stat`, and of the unrelated subscription's
+//! worker (per message it handled: at 200 msg/s most of a message's latency is that worker's own
+//! CPU). Stalls of the handler (messages over 100 ms, grouped) go to the details.
 //!
 //! (2) `amqp.health()` with `BENCH_MONITOR_PENDING` (1,000,000) pending messages, inserted with
 //! `amqp_outbox.enabled = off` by `INSERT … SELECT` into `amqp.message` (the columns
